@@ -1,0 +1,126 @@
+// Aggregation kernels: out = (accumulate ? out : 0) + sum_k w_k * u_k over K vectors of d elements.
+// One pass over memory: the columns are cut into tiles that stay in L1 while every row streams through once.
+#include <vector>
+
+#include "bindings.h"
+#include "cuda_launchers.h"
+#include "half.h"
+#include "parallel.h"
+#include "simd.h"
+#include "types.h"
+
+namespace pfk {
+namespace {
+
+constexpr int64_t kTile = 4096;  // columns per tile: the float accumulator (16 KiB) stays in L1
+
+template <typename T, bool Contiguous>
+PFK_ALWAYS_INLINE void weighted_sum_tile_body(int64_t begin, int64_t end, T* out, int64_t out_stride,
+                                              const std::vector<WeightedRow>& rows, bool accumulate) {
+  using Acc = typename AccOf<T>::type;
+  const int64_t n = end - begin;
+  Acc acc[kTile];
+  if (accumulate) {
+    for (int64_t j = 0; j < n; ++j) acc[j] = to_acc(out[(begin + j) * out_stride]);
+  } else {
+    for (int64_t j = 0; j < n; ++j) acc[j] = Acc(0);
+  }
+  auto row = [&](size_t k) {
+    const int64_t s = Contiguous ? 1 : rows[k].stride;
+    return static_cast<const T*>(rows[k].ptr) + begin * s;
+  };
+  auto stride = [&](size_t k) -> int64_t { return Contiguous ? 1 : rows[k].stride; };
+  const size_t K = rows.size();
+  size_t k = 0;
+  // Four rows per sweep of the tile; the sum order (row 0, 1, 2, ...) is the same for every element.
+  for (; k + 4 <= K; k += 4) {
+    const T* __restrict__ r0 = row(k);
+    const T* __restrict__ r1 = row(k + 1);
+    const T* __restrict__ r2 = row(k + 2);
+    const T* __restrict__ r3 = row(k + 3);
+    const int64_t s0 = stride(k), s1 = stride(k + 1), s2 = stride(k + 2), s3 = stride(k + 3);
+    const Acc w0 = Acc(rows[k].weight), w1 = Acc(rows[k + 1].weight), w2 = Acc(rows[k + 2].weight),
+              w3 = Acc(rows[k + 3].weight);
+    for (int64_t j = 0; j < n; ++j) {
+      acc[j] = acc[j] + w0 * to_acc(r0[j * s0]) + w1 * to_acc(r1[j * s1]) + w2 * to_acc(r2[j * s2]) +
+               w3 * to_acc(r3[j * s3]);
+    }
+  }
+  for (; k < K; ++k) {
+    const T* __restrict__ r = row(k);
+    const int64_t s = stride(k);
+    const Acc w = Acc(rows[k].weight);
+    for (int64_t j = 0; j < n; ++j) acc[j] = acc[j] + w * to_acc(r[j * s]);
+  }
+  for (int64_t j = 0; j < n; ++j) out[(begin + j) * out_stride] = Store<T>::from(acc[j]);
+}
+
+PFK_ISA_DISPATCH(template <typename T PFK_COMMA bool Contiguous>, <T PFK_COMMA Contiguous>, void,
+                 weighted_sum_tile,
+                 (int64_t begin, int64_t end, T* out, int64_t out_stride,
+                  const std::vector<WeightedRow>& rows, bool accumulate),
+                 (begin, end, out, out_stride, rows, accumulate), weighted_sum_tile_body)
+
+template <typename T>
+void weighted_sum_cpu_typed(int64_t d, void* out, int64_t out_stride, const std::vector<WeightedRow>& rows,
+                            bool accumulate) {
+  bool contiguous = out_stride == 1;
+  for (const auto& r : rows) contiguous = contiguous && r.stride == 1;
+  T* o = static_cast<T*>(out);
+  parallel_chunks(d, kTile, [&](int64_t, int64_t begin, int64_t end) {
+    if (contiguous) {
+      weighted_sum_tile<T, true>(begin, end, o, 1, rows, accumulate);
+    } else {
+      weighted_sum_tile<T, false>(begin, end, o, out_stride, rows, accumulate);
+    }
+  });
+}
+
+void weighted_sum_cpu(DType dtype, int64_t d, void* out, int64_t out_stride,
+                      const std::vector<WeightedRow>& rows, bool accumulate) {
+  switch (dtype) {
+    case DType::F32:
+      return weighted_sum_cpu_typed<float>(d, out, out_stride, rows, accumulate);
+    case DType::F64:
+      return weighted_sum_cpu_typed<double>(d, out, out_stride, rows, accumulate);
+    case DType::F16:
+      return weighted_sum_cpu_typed<f16_t>(d, out, out_stride, rows, accumulate);
+    case DType::BF16:
+      return weighted_sum_cpu_typed<bf16_t>(d, out, out_stride, rows, accumulate);
+  }
+}
+
+// Entry point from Python: pointers and strides (in elements) of out and of each row, one weight per row.
+void weighted_sum(int device, uintptr_t stream, const std::string& dtype_name, int64_t d, uintptr_t out,
+                  int64_t out_stride, const std::vector<uintptr_t>& ptrs, const std::vector<int64_t>& strides,
+                  const std::vector<double>& weights, bool accumulate) {
+  const DType dtype = dtype_from_name(dtype_name);
+  if (d < 1) throw ArgumentError("weighted_sum: d must be >= 1");
+  if (ptrs.size() != strides.size() || ptrs.size() != weights.size())
+    throw ArgumentError("weighted_sum: ptrs, strides and weights must have the same length");
+  if (out == 0) throw ArgumentError("weighted_sum: out is a null pointer");
+  std::vector<WeightedRow> rows;
+  rows.reserve(ptrs.size());
+  for (size_t k = 0; k < ptrs.size(); ++k) {
+    if (weights[k] == 0.0) continue;  // a zero weight means the row is not read at all
+    if (ptrs[k] == 0) throw ArgumentError("weighted_sum: row pointer is null");
+    rows.push_back({reinterpret_cast<const void*>(ptrs[k]), strides[k], weights[k]});
+  }
+  void* o = reinterpret_cast<void*>(out);
+  if (device < 0) {
+    weighted_sum_cpu(dtype, d, o, out_stride, rows, accumulate);
+  } else {
+    PFK_CUDA_CALL(cuda::weighted_sum(device, stream, dtype, d, o, out_stride, rows, accumulate));
+  }
+}
+
+}  // namespace
+
+void bind_aggregate(py::module_& m) {
+  m.def("weighted_sum", &weighted_sum, py::arg("device"), py::arg("stream"), py::arg("dtype"), py::arg("d"),
+        py::arg("out"), py::arg("out_stride"), py::arg("ptrs"), py::arg("strides"), py::arg("weights"),
+        py::arg("accumulate"), py::call_guard<py::gil_scoped_release>(),
+        "out = (accumulate ? out : 0) + sum_k weights[k] * row_k; rows with weight 0 are skipped.");
+}
+
+}  // namespace pfk

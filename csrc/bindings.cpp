@@ -1,0 +1,12 @@
+// The extension module pyfedkern._C. Arguments arrive as plain integers (data pointers, strides), floats and
+// dtype names from pyfedkern's Python layer, which validates them; kernels run with the GIL released.
+#include "bindings.h"
+
+#include "types.h"
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "pyfedkern native kernels (C++/OpenMP and CUDA); use the pyfedkern.ops API, not this module";
+  pybind11::register_exception<pfk::ArgumentError>(m, "ArgumentError", PyExc_ValueError);
+  pfk::bind_runtime(m);
+  pfk::bind_aggregate(m);
+}

@@ -1,0 +1,13 @@
+// One bind_<family>() per op family; bindings.cpp calls each to build the module pyfedkern._C.
+#pragma once
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+namespace pfk {
+namespace py = pybind11;
+
+void bind_runtime(py::module_& m);
+void bind_aggregate(py::module_& m);
+
+}  // namespace pfk

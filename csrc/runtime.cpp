@@ -1,0 +1,90 @@
+// Process-wide settings and build information of pyfedkern._C.
+#include <atomic>
+#include <thread>
+
+#include "bindings.h"
+#include "build_config.h"
+#include "cuda_launchers.h"
+#include "parallel.h"
+#include "types.h"
+
+namespace pfk {
+
+namespace {
+int default_threads() {
+#ifdef _OPENMP
+  return std::max(1, omp_get_max_threads());
+#else
+  return 1;
+#endif
+}
+std::atomic<int> g_num_threads{default_threads()};
+}  // namespace
+
+int num_threads() {
+  return g_num_threads.load(std::memory_order_relaxed);
+}
+void set_num_threads(int n) {
+  g_num_threads.store(std::max(1, n), std::memory_order_relaxed);
+}
+
+bool openmp_enabled() {
+#ifdef _OPENMP
+  return true;
+#else
+  return false;
+#endif
+}
+
+DType dtype_from_name(const std::string& name) {
+  if (name == "float32") return DType::F32;
+  if (name == "float64") return DType::F64;
+  if (name == "float16") return DType::F16;
+  if (name == "bfloat16") return DType::BF16;
+  throw ArgumentError("unsupported dtype '" + name + "' (expected float32, float64, float16 or bfloat16)");
+}
+
+const char* dtype_name(DType dt) {
+  switch (dt) {
+    case DType::F32:
+      return "float32";
+    case DType::F64:
+      return "float64";
+    case DType::F16:
+      return "float16";
+    case DType::BF16:
+      return "bfloat16";
+  }
+  return "unknown";
+}
+
+void bind_runtime(py::module_& m) {
+  m.def("set_num_threads", &set_num_threads, py::arg("n"));
+  m.def("get_num_threads", &num_threads);
+  m.def("cuda_device_count", &cuda::device_count,
+        "Number of usable CUDA devices now (0 without a CUDA build, a driver or a GPU).");
+  m.def("build_info", []() {
+    py::dict info;
+#ifdef PYFEDKERN_WITH_CUDA
+    info["cuda"] = true;
+    info["cuda_archs"] = std::string(PYFEDKERN_CUDA_ARCHS);
+    info["cuda_compiler"] = std::string(PYFEDKERN_CUDA_COMPILER);
+    info["cuda_runtime_version"] = cuda::runtime_version();
+#else
+    info["cuda"] = false;
+    info["cuda_archs"] = std::string();
+#endif
+    info["openmp"] = openmp_enabled();
+#ifdef _OPENMP
+    info["openmp_version"] = static_cast<int>(_OPENMP);
+#endif
+    info["max_threads"] = default_threads();
+    info["hardware_concurrency"] = static_cast<int>(std::thread::hardware_concurrency());
+    info["compiler"] = std::string(PYFEDKERN_CXX_COMPILER);
+    info["pybind11"] = std::to_string(PYBIND11_VERSION_MAJOR) + "." + std::to_string(PYBIND11_VERSION_MINOR) +
+                       "." + std::to_string(PYBIND11_VERSION_PATCH);
+    return info;
+  });
+}
+
+}  // namespace pfk

@@ -1,0 +1,12 @@
+"""pyfedkern: fast federated-learning kernels (C++/CUDA) and the FL algorithms built on them.
+
+Layers, top to bottom: ``cli`` → ``integrations`` → ``sim`` → ``algorithms`` → ``ops`` / ``reference`` → ``_C``.
+"""
+
+from __future__ import annotations
+
+from pyfedkern._runtime import build_info, cuda_available, get_num_threads, set_num_threads
+
+__version__ = "0.1.0"
+
+__all__ = ["__version__", "build_info", "cuda_available", "get_num_threads", "set_num_threads"]

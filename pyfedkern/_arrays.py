@@ -1,0 +1,246 @@
+"""Array interop for pyfedkern.ops: describe numpy / torch / cupy arrays as raw memory for ``pyfedkern._C``.
+
+An op turns each argument into an :class:`ArrayRef` (library, device, dtype, shape, element strides, data
+pointer) through the library's documented interface (numpy's ``__array_interface__``, torch's
+``data_ptr()/stride()``, cupy's ``__cuda_array_interface__``), validates the refs, allocates any output with the
+caller's own library on the caller's device, and hands pointers and strides to the kernel. Nothing is copied:
+strided inputs are read in place.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+FLOAT_DTYPES = ("float32", "float64", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class ArrayRef:
+    """Raw view of an array: ``element[i0, i1, ...]`` lives at ``ptr + itemsize * Σ i_k * strides[k]``."""
+
+    obj: Any
+    lib: str  # "numpy" | "torch" | "cupy"
+    device: int  # -1 for host memory, else the CUDA device ordinal
+    dtype: str  # canonical dtype name: "float32", "bfloat16", "int64", ...
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]  # in elements
+    ptr: int
+    itemsize: int
+    writeable: bool
+
+    @property
+    def where(self) -> str:
+        """Human-readable library and device, for error messages."""
+        return f"{self.lib} on {'cpu' if self.device < 0 else f'cuda:{self.device}'}"
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def byte_span(self) -> tuple[int, int]:
+        """The half-open byte range [lo, hi) that the array's elements touch (empty arrays: lo == hi)."""
+        if self.size == 0:
+            return self.ptr, self.ptr
+        lo = hi = 0
+        for n, s in zip(self.shape, self.strides, strict=True):
+            if s > 0:
+                hi += (n - 1) * s
+            else:
+                lo += (n - 1) * s
+        return self.ptr + lo * self.itemsize, self.ptr + (hi + 1) * self.itemsize
+
+    def overlaps(self, other: ArrayRef) -> bool:
+        """Whether the two arrays' byte spans intersect on the same device (a conservative aliasing test)."""
+        if self.device != other.device:
+            return False
+        a0, a1 = self.byte_span()
+        b0, b1 = other.byte_span()
+        return a0 < b1 and b0 < a1
+
+    def row(self, k: int) -> ArrayRef:
+        """Row k of a 2-D array as a 1-D ref (no copy)."""
+        return ArrayRef(
+            self.obj,
+            self.lib,
+            self.device,
+            self.dtype,
+            self.shape[1:],
+            self.strides[1:],
+            self.ptr + k * self.strides[0] * self.itemsize,
+            self.itemsize,
+            self.writeable,
+        )
+
+
+def _module_name(x: Any) -> str:
+    return type(x).__module__.split(".")[0]
+
+
+def is_array(x: Any) -> bool:
+    """Whether x is a numpy array, torch tensor or cupy array."""
+    return isinstance(x, np.ndarray) or _module_name(x) in ("torch", "cupy") and hasattr(x, "shape")
+
+
+def describe(x: Any, name: str) -> ArrayRef:
+    """The :class:`ArrayRef` of x; TypeError naming ``name`` when x is not a supported array."""
+    if isinstance(x, np.ndarray):
+        return _describe_numpy(x, name)
+    lib = _module_name(x)
+    if lib == "torch":
+        import torch
+
+        if isinstance(x, torch.Tensor):
+            return _describe_torch(x, name)
+    if lib == "cupy" and hasattr(x, "__cuda_array_interface__"):
+        return _describe_cupy(x, name)
+    raise TypeError(f"{name} must be a numpy array, torch tensor or cupy array, got {type(x).__qualname__}")
+
+
+def _element_strides(byte_strides: Sequence[int], itemsize: int, name: str) -> tuple[int, ...]:
+    if any(s % itemsize for s in byte_strides):
+        raise ValueError(f"{name} has byte strides {tuple(byte_strides)} that are not multiples of its item size")
+    return tuple(s // itemsize for s in byte_strides)
+
+
+def _describe_numpy(x: np.ndarray, name: str) -> ArrayRef:
+    if not x.dtype.isnative:
+        raise TypeError(f"{name} has non-native byte order {x.dtype.str}; convert it with .astype(native dtype)")
+    itemsize = x.dtype.itemsize
+    return ArrayRef(
+        x,
+        "numpy",
+        -1,
+        x.dtype.name,
+        tuple(x.shape),
+        _element_strides(x.strides, itemsize, name),
+        int(x.__array_interface__["data"][0]),
+        itemsize,
+        bool(x.flags.writeable),
+    )
+
+
+def _describe_torch(x: Any, name: str) -> ArrayRef:
+    import torch
+
+    if x.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) torch tensor, got layout {x.layout}")
+    if x.device.type == "cpu":
+        device = -1
+    elif x.device.type == "cuda":
+        device = x.device.index if x.device.index is not None else 0
+    else:
+        raise TypeError(f"{name} is on torch device {x.device}; pyfedkern supports cpu and cuda")
+    if x.is_conj() or x.is_neg():
+        raise TypeError(f"{name} is a lazily conjugated/negated view; call .resolve_conj()/.resolve_neg() first")
+    return ArrayRef(
+        x,
+        "torch",
+        device,
+        str(x.dtype).removeprefix("torch."),
+        tuple(x.shape),
+        tuple(x.stride()),
+        int(x.data_ptr()),
+        x.element_size(),
+        True,
+    )
+
+
+def _describe_cupy(x: Any, name: str) -> ArrayRef:
+    itemsize = x.dtype.itemsize
+    cai = x.__cuda_array_interface__
+    return ArrayRef(
+        x,
+        "cupy",
+        int(x.device.id),
+        x.dtype.name,
+        tuple(x.shape),
+        _element_strides(x.strides, itemsize, name),
+        int(cai["data"][0]),
+        itemsize,
+        not cai["data"][1],
+    )
+
+
+def check_float_dtype(ref: ArrayRef, name: str) -> None:
+    if ref.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} has dtype {ref.dtype}; expected one of {', '.join(FLOAT_DTYPES)}")
+
+
+def check_same(ref: ArrayRef, like: ArrayRef, name: str, like_name: str) -> None:
+    """TypeError/ValueError unless ref has the library, device and dtype of ``like``."""
+    if ref.lib != like.lib or ref.device != like.device:
+        raise ValueError(f"{name} is a {ref.where} array but {like_name} is a {like.where} array; mixing is not allowed")
+    if ref.dtype != like.dtype:
+        raise TypeError(f"{name} has dtype {ref.dtype}, expected {like.dtype} (the dtype of {like_name})")
+
+
+def empty_like_lib(like: ArrayRef, shape: tuple[int, ...], dtype: str | None = None) -> Any:
+    """A new uninitialised array of ``shape`` with like's library and device (and dtype unless given)."""
+    dtype = dtype or like.dtype
+    if like.lib == "numpy":
+        return np.empty(shape, dtype=dtype)
+    if like.lib == "torch":
+        import torch
+
+        return torch.empty(shape, dtype=getattr(torch, dtype), device=like.obj.device)
+    import cupy
+
+    with cupy.cuda.Device(like.device):
+        return cupy.empty(shape, dtype=dtype)
+
+
+def stream_handle(ref: ArrayRef) -> int:
+    """The caller's current CUDA stream on ref's device (0 for host arrays)."""
+    if ref.device < 0:
+        return 0
+    if ref.lib == "torch":
+        import torch
+
+        return int(torch.cuda.current_stream(ref.device).cuda_stream)
+    import cupy
+
+    with cupy.cuda.Device(ref.device):
+        return int(cupy.cuda.get_current_stream().ptr)
+
+
+def host_float64(values: Any, name: str, length: int | None = None) -> np.ndarray:
+    """A 1-D float64 numpy copy of scalars or an array (any library or device), checked finite."""
+    if is_array(values):
+        ref = describe(values, name)
+        if ref.lib == "torch":
+            import torch
+
+            values = values.detach().to("cpu", dtype=torch.float64).numpy()
+        elif ref.lib == "cupy":
+            values = values.get()
+    try:
+        arr = np.asarray(values, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be real numbers, got {type(values).__qualname__}") from None
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
+    if length is not None and arr.shape[0] != length:
+        raise ValueError(f"{name} has length {arr.shape[0]}, expected {length}")
+    if not np.all(np.isfinite(arr)):
+        bad = int(np.flatnonzero(~np.isfinite(arr))[0])
+        raise ValueError(f"{name} must be finite, but {name}[{bad}] = {arr[bad]}")
+    return arr
+
+
+def host_scalar(value: Any, name: str) -> float:
+    """A finite Python float from a real number or a one-element array (any library or device)."""
+    if is_array(value):
+        arr = host_float64(value.reshape(-1), name)
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+        arr = host_float64([value], name)
+    else:
+        raise TypeError(f"{name} must be a real number, got {type(value).__qualname__}")
+    if arr.shape[0] != 1:
+        raise ValueError(f"{name} must be a single number, got {arr.shape[0]} values")
+    return float(arr[0])

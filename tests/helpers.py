@@ -1,0 +1,43 @@
+"""Array factories and tolerances shared by the op tests."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+# Max error allowed relative to Σ|w_k·u_k| (the scale of the rounding) for each storage dtype.
+REL_TOL = {"float64": 1e-13, "float32": 1e-6, "float16": 2e-3, "bfloat16": 1.6e-2}
+
+LIBS_CPU = ("numpy", "torch")
+DTYPES = ("float32", "float64", "float16", "bfloat16")
+
+
+def supports(lib: str, dtype: str) -> bool:
+    return not (lib == "numpy" and dtype == "bfloat16")
+
+
+def make(lib: str, values: np.ndarray, dtype: str, device: str = "cpu"):
+    """values (float64 numpy) as an array of ``lib`` with ``dtype`` on ``device``."""
+    if lib == "numpy":
+        return values.astype(dtype)
+    if lib == "torch":
+        return torch.tensor(np.ascontiguousarray(values)).to(device=device, dtype=getattr(torch, dtype))
+    import cupy
+
+    return cupy.asarray(values.astype(dtype))
+
+
+def to_numpy64(x) -> np.ndarray:
+    if isinstance(x, np.ndarray):
+        return x.astype(np.float64)
+    if isinstance(x, torch.Tensor):
+        return x.detach().to("cpu", torch.float64).numpy()
+    return x.get().astype(np.float64)
+
+
+def lib_of(x) -> str:
+    return type(x).__module__.split(".")[0]
+
+
+def dtype_of(x) -> str:
+    return str(x.dtype).removeprefix("torch.")
