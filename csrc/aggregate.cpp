@@ -55,10 +55,9 @@ PFK_ALWAYS_INLINE void weighted_sum_tile_body(int64_t begin, int64_t end, T* out
   for (int64_t j = 0; j < n; ++j) out[(begin + j) * out_stride] = Store<T>::from(acc[j]);
 }
 
-PFK_ISA_DISPATCH(template <typename T PFK_COMMA bool Contiguous>, <T PFK_COMMA Contiguous>, void,
-                 weighted_sum_tile,
-                 (int64_t begin, int64_t end, T* out, int64_t out_stride,
-                  const std::vector<WeightedRow>& rows, bool accumulate),
+PFK_ISA_DISPATCH(template <typename T PFK_COMMA bool Contiguous>, <T PFK_COMMA Contiguous>, void, weighted_sum_tile,
+                 (int64_t begin, int64_t end, T* out, int64_t out_stride, const std::vector<WeightedRow>& rows,
+                  bool accumulate),
                  (begin, end, out, out_stride, rows, accumulate), weighted_sum_tile_body)
 
 template <typename T>
@@ -76,8 +75,8 @@ void weighted_sum_cpu_typed(int64_t d, void* out, int64_t out_stride, const std:
   });
 }
 
-void weighted_sum_cpu(DType dtype, int64_t d, void* out, int64_t out_stride,
-                      const std::vector<WeightedRow>& rows, bool accumulate) {
+void weighted_sum_cpu(DType dtype, int64_t d, void* out, int64_t out_stride, const std::vector<WeightedRow>& rows,
+                      bool accumulate) {
   switch (dtype) {
     case DType::F32:
       return weighted_sum_cpu_typed<float>(d, out, out_stride, rows, accumulate);

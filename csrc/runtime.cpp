@@ -81,8 +81,8 @@ void bind_runtime(py::module_& m) {
     info["max_threads"] = default_threads();
     info["hardware_concurrency"] = static_cast<int>(std::thread::hardware_concurrency());
     info["compiler"] = std::string(PYFEDKERN_CXX_COMPILER);
-    info["pybind11"] = std::to_string(PYBIND11_VERSION_MAJOR) + "." + std::to_string(PYBIND11_VERSION_MINOR) +
-                       "." + std::to_string(PYBIND11_VERSION_PATCH);
+    info["pybind11"] = std::to_string(PYBIND11_VERSION_MAJOR) + "." + std::to_string(PYBIND11_VERSION_MINOR) + "." +
+                       std::to_string(PYBIND11_VERSION_PATCH);
     return info;
   });
 }

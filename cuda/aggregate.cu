@@ -22,8 +22,8 @@ struct alignas(16) Pack {
 };
 
 template <typename T>
-__global__ void weighted_sum_vec_kernel(T* __restrict__ out, const DeviceRow<T>* __restrict__ rows, int K,
-                                        int64_t d, bool accumulate) {
+__global__ void weighted_sum_vec_kernel(T* __restrict__ out, const DeviceRow<T>* __restrict__ rows, int K, int64_t d,
+                                        bool accumulate) {
   using Acc = typename AccOf<T>::type;
   constexpr int N = 16 / sizeof(T);
   using P = Pack<T, N>;
@@ -61,8 +61,7 @@ __global__ void weighted_sum_vec_kernel(T* __restrict__ out, const DeviceRow<T>*
 
 template <typename T>
 __global__ void weighted_sum_strided_kernel(T* __restrict__ out, int64_t out_stride,
-                                            const DeviceRow<T>* __restrict__ rows, int K, int64_t d,
-                                            bool accumulate) {
+                                            const DeviceRow<T>* __restrict__ rows, int K, int64_t d, bool accumulate) {
   using Acc = typename AccOf<T>::type;
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < d; i += step) {
@@ -92,8 +91,8 @@ void launch(int device, cudaStream_t stream, int64_t d, void* out, int64_t out_s
     weighted_sum_vec_kernel<T>
         <<<grid_for(device, work, kThreads), kThreads, 0, stream>>>(o, device_table.get(), K, d, accumulate);
   } else {
-    weighted_sum_strided_kernel<T><<<grid_for(device, d, kThreads), kThreads, 0, stream>>>(
-        o, out_stride, device_table.get(), K, d, accumulate);
+    weighted_sum_strided_kernel<T>
+        <<<grid_for(device, d, kThreads), kThreads, 0, stream>>>(o, out_stride, device_table.get(), K, d, accumulate);
   }
   check(cudaGetLastError(), "weighted_sum kernel launch");
 }

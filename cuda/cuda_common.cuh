@@ -11,8 +11,8 @@ namespace pfk::cuda {
 
 inline void check(cudaError_t err, const char* what) {
   if (err != cudaSuccess)
-    throw std::runtime_error(std::string("pyfedkern CUDA error in ") + what + ": " + cudaGetErrorName(err) +
-                             ": " + cudaGetErrorString(err));
+    throw std::runtime_error(std::string("pyfedkern CUDA error in ") + what + ": " + cudaGetErrorName(err) + ": " +
+                             cudaGetErrorString(err));
 }
 
 // Makes `device` current for this host thread while in scope (this runtime's state only; torch's is

@@ -29,7 +29,6 @@ void weighted_sum(int device, uintptr_t stream, DType dtype, int64_t d, void* ou
 #ifdef PYFEDKERN_WITH_CUDA
 #define PFK_CUDA_CALL(expr) (expr)
 #else
-#define PFK_CUDA_CALL(expr)   \
-  throw ::pfk::ArgumentError( \
-      "pyfedkern was built without CUDA; reinstall with nvcc available (PYFEDKERN_CUDA=ON)")
+#define PFK_CUDA_CALL(expr) \
+  throw ::pfk::ArgumentError("pyfedkern was built without CUDA; reinstall with nvcc available (PYFEDKERN_CUDA=ON)")
 #endif

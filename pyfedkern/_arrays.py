@@ -84,7 +84,7 @@ def _module_name(x: Any) -> str:
 
 def is_array(x: Any) -> bool:
     """Whether x is a numpy array, torch tensor or cupy array."""
-    return isinstance(x, np.ndarray) or _module_name(x) in ("torch", "cupy") and hasattr(x, "shape")
+    return isinstance(x, np.ndarray) or (_module_name(x) in ("torch", "cupy") and hasattr(x, "shape"))
 
 
 def describe(x: Any, name: str) -> ArrayRef:
@@ -175,7 +175,9 @@ def check_float_dtype(ref: ArrayRef, name: str) -> None:
 def check_same(ref: ArrayRef, like: ArrayRef, name: str, like_name: str) -> None:
     """TypeError/ValueError unless ref has the library, device and dtype of ``like``."""
     if ref.lib != like.lib or ref.device != like.device:
-        raise ValueError(f"{name} is a {ref.where} array but {like_name} is a {like.where} array; mixing is not allowed")
+        raise ValueError(
+            f"{name} is a {ref.where} array but {like_name} is a {like.where} array; mixing is not allowed"
+        )
     if ref.dtype != like.dtype:
         raise TypeError(f"{name} has dtype {ref.dtype}, expected {like.dtype} (the dtype of {like_name})")
 

@@ -79,9 +79,7 @@ class FlatLayout:
 
     def include_mask(self, exclude_substrings: Sequence[str] = ("bias",)) -> np.ndarray:
         """bool [L]: float entries whose name contains none of ``exclude_substrings`` (biases by default)."""
-        return np.array(
-            [not any(s in e.name for s in exclude_substrings) for e in self.float_entries], dtype=bool
-        )
+        return np.array([not any(s in e.name for s in exclude_substrings) for e in self.float_entries], dtype=bool)
 
     def names(self) -> list[str]:
         return [e.name for e in self.entries]

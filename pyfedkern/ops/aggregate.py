@@ -22,9 +22,7 @@ def _update_rows(updates: Any) -> list[ArrayRef]:
     if _arrays.is_array(updates):
         stack = _arrays.describe(updates, "updates")
         if len(stack.shape) != 2:
-            raise ValueError(
-                f"updates must be a 2-D [K, d] array or a list of K 1-D vectors, got shape {stack.shape}"
-            )
+            raise ValueError(f"updates must be a 2-D [K, d] array or a list of K 1-D vectors, got shape {stack.shape}")
         _arrays.check_float_dtype(stack, "updates")
         rows = [stack.row(k) for k in range(stack.shape[0])]
     elif isinstance(updates, Sequence) and not isinstance(updates, (str, bytes)):
@@ -39,9 +37,7 @@ def _update_rows(updates: Any) -> list[ArrayRef]:
             if r.shape != rows[0].shape:
                 raise ValueError(f"updates[{k}] has length {r.shape[0]}, expected {rows[0].shape[0]} (updates[0])")
     else:
-        raise TypeError(
-            f"updates must be a 2-D array or a list of 1-D arrays, got {type(updates).__qualname__}"
-        )
+        raise TypeError(f"updates must be a 2-D array or a list of 1-D arrays, got {type(updates).__qualname__}")
     if not rows:
         raise ValueError("updates is empty: need at least one update (K >= 1)")
     if rows[0].shape[0] == 0:
@@ -59,6 +55,11 @@ def _check_output(out: Any, name: str, like: ArrayRef, d: int) -> ArrayRef:
     if d > 1 and ref.strides[0] == 0:
         raise ValueError(f"{name} has stride 0 (a broadcast view); it must be writeable element by element")
     return ref
+
+
+def _same_view(a: ArrayRef, b: ArrayRef) -> bool:
+    """Same elements in the same order: each output element then only reads its own inputs, which is safe."""
+    return a.ptr == b.ptr and a.strides == b.strides and a.shape == b.shape
 
 
 def _run(out: ArrayRef, rows: list[ArrayRef], weights: Sequence[float], accumulate: bool) -> None:
@@ -84,7 +85,8 @@ def weighted_sum(updates: Any, weights: Any, out: A | None = None) -> A:
             float64, float16 or bfloat16; all the same library, device and dtype). Rows whose weight is exactly 0
             are never read, which is how a masked / active-set average is expressed.
         weights: K finite real numbers (a sequence or an array on any device; GPU weights are copied to the host).
-        out: optional [d] output of the same library, device and dtype; must not share memory with the updates.
+        out: optional [d] output of the same library, device and dtype. It may be one of the updates itself
+            (same memory, same stride: ``x ← a·x + Σ b_k u_k`` in place) but must not partially overlap any.
 
     Returns:
         ``out``, or a new [d] array of the caller's library, device and dtype.
@@ -98,8 +100,8 @@ def weighted_sum(updates: Any, weights: Any, out: A | None = None) -> A:
     else:
         out_ref = _check_output(out, "out", rows[0], d)
         for k, r in enumerate(rows):
-            if w[k] != 0 and out_ref.overlaps(r):
-                raise ValueError(f"out shares memory with updates[{k}]; pass a separate output array")
+            if w[k] != 0 and out_ref.overlaps(r) and not _same_view(out_ref, r):
+                raise ValueError(f"out partially overlaps updates[{k}]; pass a separate output array")
     _run(out_ref, rows, w, accumulate=False)
     return out
 
@@ -132,8 +134,7 @@ def accumulate_(acc: A, update: Any, weight: Any) -> A:
         raise ValueError("acc is read-only")
     if acc_ref.shape[0] > 1 and acc_ref.strides[0] == 0:
         raise ValueError("acc has stride 0 (a broadcast view); it must be writeable element by element")
-    same_view = upd.ptr == acc_ref.ptr and upd.strides == acc_ref.strides
-    if acc_ref.overlaps(upd) and not same_view:
+    if acc_ref.overlaps(upd) and not _same_view(acc_ref, upd):
         raise ValueError("update partially overlaps acc; pass acc itself or a separate array")
     w = _arrays.host_scalar(weight, "weight")
     _run(acc_ref, [upd], [w], accumulate=True)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import pyfedkern
 from pyfedkern import ops, reference
-from tests.helpers import DTYPES, LIBS_CPU, REL_TOL, dtype_of, lib_of, make, supports, to_numpy64
+from pyfedkern.testing import DTYPES, LIBS_CPU, REL_TOL, dtype_of, lib_of, make, supports, to_numpy64
 
 
 def expected_and_scale(rows: list[np.ndarray], weights) -> tuple[np.ndarray, np.ndarray]:
@@ -247,7 +247,13 @@ X = np.ones((3, 4), np.float32)
         (X, [1, np.nan, 1], None, ValueError, r"weights\[1\] = nan"),
         (X, [1, 1, np.inf], None, ValueError, "finite"),
         (X, ["a", 1, 1], None, TypeError, "real numbers"),
-        ([np.ones(4, np.float32), np.ones(4, np.float64)], [1, 1], None, TypeError, r"updates\[1\] has dtype"),
+        (
+            [np.ones(4, np.float32), np.ones(4, np.float64)],
+            [1, 1],
+            None,
+            TypeError,
+            r"updates\[1\] has dtype",
+        ),
         ([np.ones(4, np.float32), torch.ones(4)], [1, 1], None, ValueError, "mixing"),
         ([np.ones(4, np.float32), np.ones(5, np.float32)], [1, 1], None, ValueError, "length 5, expected 4"),
         ([np.ones((2, 2), np.float32)], [1], None, ValueError, "1-D vector"),
@@ -260,7 +266,8 @@ X = np.ones((3, 4), np.float32)
         (X, [1, 1, 1], np.ones(5, np.float32), ValueError, r"out must have shape \(4,\)"),
         (X, [1, 1, 1], np.ones(4, np.float64), TypeError, "out has dtype float64"),
         (X, [1, 1, 1], torch.ones(4), ValueError, "mixing"),
-        (X, [1, 1, 1], X[0], ValueError, "shares memory"),
+        (X, [1, 1, 1], X[0, ::-1], ValueError, "partially overlaps"),
+        (X, [1, 1, 1], X.reshape(-1)[1:5], ValueError, "partially overlaps"),
         (X, [1, 1, 1], np.broadcast_to(np.float32(0), (4,)), ValueError, "read-only"),
         (X, [1, 1, 1], [0.0] * 4, TypeError, "out must be a numpy array"),
     ],
@@ -268,6 +275,15 @@ X = np.ones((3, 4), np.float32)
 def test_weighted_sum_bad_input(updates, weights, out, exc, match):
     with pytest.raises(exc, match=match):
         ops.weighted_sum(updates, weights, out=out)
+
+
+def test_out_may_be_one_of_the_updates_exactly():
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    ops.weighted_sum(x, [0.5, 1.0, 1.0], out=x[0])
+    assert x[0].tolist() == [12.0, 14.5, 17.0, 19.5]
+    t = torch.arange(8, dtype=torch.float32)
+    ops.weighted_sum([t, torch.ones(8)], [2.0, 1.0], out=t)
+    assert t.tolist() == [1.0, 3.0, 5.0, 7.0, 9.0, 11.0, 13.0, 15.0]
 
 
 def test_out_aliasing_a_zero_weight_row_is_allowed():

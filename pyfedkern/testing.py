@@ -1,4 +1,4 @@
-"""Array factories and tolerances shared by the op tests."""
+"""Helpers for testing pyfedkern ops: array factories over numpy/torch/cupy and per-dtype tolerances."""
 
 from __future__ import annotations
 

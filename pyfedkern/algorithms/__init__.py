@@ -1,0 +1,63 @@
+"""FL algorithms on flat parameter vectors, usable from the simulation engine or a user's own loop.
+
+``ALGORITHMS`` maps each CLI name to the class implementing it (imported on first use).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from pyfedkern.algorithms.base import (
+    Algorithm,
+    ClientMessage,
+    ClientStore,
+    FLContext,
+    LocalResult,
+    RoundStats,
+    local_sgd,
+    weighted_average,
+)
+from pyfedkern.algorithms.local import LocalModel
+
+ALGORITHMS: dict[str, str] = {
+    "fedavg": "pyfedkern.algorithms.fedavg:FedAvg",
+    "fedprox": "pyfedkern.algorithms.fedavg:FedProx",
+    "scaffold": "pyfedkern.algorithms.fedavg:Scaffold",
+}
+
+
+def algorithm_class(name: str) -> type[Algorithm]:
+    """The class registered under ``name``; ValueError listing the valid names otherwise."""
+    key = name.strip().lower() if isinstance(name, str) else name
+    if key not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {name!r}; valid choices: {', '.join(sorted(ALGORITHMS))}")
+    module, _, attr = ALGORITHMS[key].partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def make_algorithm(name: str, **params: Any) -> Algorithm:
+    """An instance of the algorithm ``name`` with hyper-parameters ``params`` (unknown ones are an error)."""
+    cls = algorithm_class(name)
+    valid = cls.hyperparameters()
+    unknown = sorted(set(params) - set(valid))
+    if unknown:
+        choices = ", ".join(sorted(valid)) or "none"
+        raise ValueError(f"algorithm {name!r} has no parameter(s) {', '.join(unknown)}; its parameters: {choices}")
+    return cls(**params)
+
+
+__all__ = [
+    "ALGORITHMS",
+    "Algorithm",
+    "ClientMessage",
+    "ClientStore",
+    "FLContext",
+    "LocalModel",
+    "LocalResult",
+    "RoundStats",
+    "algorithm_class",
+    "local_sgd",
+    "make_algorithm",
+    "weighted_average",
+]

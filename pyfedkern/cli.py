@@ -1,0 +1,344 @@
+"""The ``pyfedkern`` command line: run, compare, partition, reproduce, bench and info.
+
+Algorithm hyper-parameters are the fields of each algorithm class and are passed as ``--name value`` after the
+common options (e.g. ``pyfedkern run --algorithm fedprox --mu 0.1``); ``pyfedkern run --algorithm X --help-algorithm``
+lists them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+# (config field, flag, type, help) of the options shared by `run` and `compare`.
+_COMMON = [
+    ("dataset", "--dataset", str, "dataset: digits (bundled), synthetic:α,β, quadratic:m,d, mnist, cifar10"),
+    ("data_root", "--data-root", str, "directory holding the MNIST / CIFAR-10 files"),
+    ("normalize", "--normalize", str, "none | unit | standard (per-channel, train statistics)"),
+    (
+        "partition",
+        "--partition",
+        str,
+        "iid | dirichlet:α | shards:k | quantity:α | noise:σ | bherd1..3 | ...",
+    ),
+    ("clients", "--clients", int, "number of clients"),
+    ("model", "--model", str, "svm | logreg | mlp | cnn | resnet18 | quadratic"),
+    ("rounds", "--rounds", int, "communication rounds"),
+    ("fraction", "--fraction", float, "fraction of clients sampled each round, in (0, 1]"),
+    ("batch_size", "--batch-size", int, "local minibatch size"),
+    ("local_epochs", "--local-epochs", float, "local epochs per round"),
+    ("local_steps", "--local-steps", int, "local steps per round (overrides --local-epochs)"),
+    ("lr", "--lr", float, "local learning rate"),
+    ("lr_schedule", "--lr-schedule", str, "const | exp:γ | invsqrt:c (per round)"),
+    ("momentum", "--momentum", float, "local SGD momentum"),
+    ("weight_decay", "--weight-decay", float, "local weight decay"),
+    ("eval_every", "--eval-every", int, "evaluate the global model every n rounds"),
+    ("seed", "--seed", int, "random seed (data split, sampling, init)"),
+    ("device", "--device", str, "cpu | cuda | cuda:N"),
+    ("checkpoint_every", "--checkpoint-every", int, "save a checkpoint every n rounds"),
+]
+
+
+class CliError(Exception):
+    """A usage error reported as `error: ...` with exit status 2."""
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    defaults = {f.name: f.default for f in dataclasses.fields(_config_class()) if f.default is not dataclasses.MISSING}
+    for name, flag, kind, help_text in _COMMON:
+        default = defaults.get(name)
+        parser.add_argument(flag, dest=name, type=kind, default=default, help=f"{help_text} (default: {default})")
+    parser.add_argument("--parity", action="store_true", help="even/odd binary task (BHerd's SVM)")
+    parser.add_argument(
+        "--model-param",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="model keyword argument, e.g. hidden=64,64 (repeatable)",
+    )
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch and pyfedkern")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _config_class():
+    from pyfedkern.sim.engine import ExperimentConfig
+
+    return ExperimentConfig
+
+
+def _parse_value(text: str, example: Any) -> Any:
+    """Convert a command-line string to the type of ``example`` (a field default)."""
+    if isinstance(example, bool):
+        lowered = text.lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"expected true/false, got {text!r}")
+    if isinstance(example, int):
+        return int(text)
+    if isinstance(example, float):
+        return float(text)
+    if isinstance(example, tuple):
+        return tuple(_parse_value(p, example[0] if example else 0.0) for p in text.split(",") if p)
+    if example is None:
+        for convert in (int, float):
+            try:
+                return convert(text)
+            except ValueError:
+                pass
+    return text
+
+
+def _model_params(pairs: Sequence[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise CliError(f"--model-param expects KEY=VALUE, got {pair!r}")
+        if "," in value:
+            out[key] = tuple(_parse_value(v, None) for v in value.split(",") if v)
+        else:
+            out[key] = _parse_value(value, None)
+    return out
+
+
+def _split_extra(extra: Sequence[str]) -> dict[str, str]:
+    """``['--mu', '0.1', '--alpha=0.5']`` → ``{'mu': '0.1', 'alpha': '0.5'}``."""
+    out: dict[str, str] = {}
+    i = 0
+    while i < len(extra):
+        token = extra[i]
+        if not token.startswith("--"):
+            raise CliError(f"unexpected argument {token!r}")
+        key, sep, value = token[2:].partition("=")
+        if not sep:
+            if i + 1 >= len(extra) or extra[i + 1].startswith("--"):
+                raise CliError(f"option --{key} needs a value")
+            value = extra[i + 1]
+            i += 1
+        out[key.replace("-", "_")] = value
+        i += 1
+    return out
+
+
+def _algorithm_params(algorithms: Sequence[str], extra: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """Assign each extra option to every selected algorithm that has a field of that name."""
+    from pyfedkern.algorithms import algorithm_class
+
+    fields = {name: algorithm_class(name).hyperparameters() for name in algorithms}
+    params: dict[str, dict[str, Any]] = {name: {} for name in algorithms}
+    for key, text in extra.items():
+        takers = [name for name in algorithms if key in fields[name]]
+        if not takers:
+            valid = sorted({f"--{k.replace('_', '-')}" for fs in fields.values() for k in fs})
+            raise CliError(
+                f"unknown option --{key.replace('_', '-')} for algorithm(s) {', '.join(algorithms)}; "
+                f"their parameters: {', '.join(valid) or 'none'}"
+            )
+        for name in takers:
+            field = fields[name][key]
+            example = field.default if field.default is not dataclasses.MISSING else None
+            try:
+                params[name][key] = _parse_value(text, example)
+            except ValueError as exc:
+                raise CliError(f"--{key.replace('_', '-')}: {exc}") from None
+    return params
+
+
+def _base_config(args: argparse.Namespace):
+    cfg_cls = _config_class()
+    values = {name: getattr(args, name) for name, *_ in _COMMON}
+    return cfg_cls(**values, parity=args.parity, model_params=_model_params(args.model_param))
+
+
+def _apply_threads(threads: int | None) -> None:
+    if threads is None:
+        return
+    import torch
+
+    import pyfedkern
+
+    if threads < 1:
+        raise CliError(f"--threads must be >= 1, got {threads}")
+    torch.set_num_threads(threads)
+    pyfedkern.set_num_threads(threads)
+
+
+def _help_algorithm(name: str) -> int:
+    from pyfedkern.algorithms import algorithm_class
+
+    cls = algorithm_class(name)
+    print(f"{name}: {(cls.__doc__ or '').strip()}\n\nparameters:")
+    for key, field in cls.hyperparameters().items():
+        print(f"  --{key.replace('_', '-')} (default: {field.default})")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
+    from pyfedkern.sim.engine import Simulation, load_config
+
+    if args.help_algorithm:
+        return _help_algorithm(args.algorithm)
+    _apply_threads(args.threads)
+    if args.resume:
+        if args.out is None:
+            raise CliError("--resume needs --out DIR (the run to continue)")
+        config = load_config(args.out)
+    else:
+        config = dataclasses.replace(
+            _base_config(args),
+            algorithm=args.algorithm,
+            algorithm_params=_algorithm_params([args.algorithm], _split_extra(extra))[args.algorithm],
+        )
+    metrics = Simulation(config).run(args.out, resume=args.resume, progress=not args.no_progress)
+    last = next((m for m in reversed(metrics) if "test_acc" in m), metrics[-1])
+    print(f"round {last['round']}: test accuracy {last['test_acc']:.4f}, test loss {last['test_loss']:.4f}")
+    if args.out:
+        print(f"results in {args.out}")
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace, extra: list[str]) -> int:
+    from pyfedkern.sim.compare import compare
+
+    _apply_threads(args.threads)
+    algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
+    params = _algorithm_params(algorithms, _split_extra(extra))
+    result = compare(
+        _base_config(args),
+        algorithms,
+        args.out,
+        params=params,
+        target=args.target,
+        progress=not args.no_progress,
+    )
+    print(result.table.read_text())
+    print(f"plot: {result.plot}\ntable: {result.table}")
+    return 0
+
+
+def cmd_partition(args: argparse.Namespace, extra: list[str]) -> int:
+    from pyfedkern.sim import datasets, partitions
+
+    if extra:
+        raise CliError(f"unexpected arguments: {' '.join(extra)}")
+    data = datasets.load_dataset(args.dataset, args.data_root)
+    part = partitions.make_partition(
+        args.partition,
+        data.y_train,
+        args.clients,
+        seed=args.seed,
+        num_classes=data.num_classes,
+        client_ids=data.client_ids,
+    )
+    print(part.summary_table(data.y_train, data.num_classes))
+    if args.plot:
+        part.plot(data.y_train, data.num_classes, args.plot)
+        print(f"plot: {args.plot}")
+    return 0
+
+
+def cmd_info(args: argparse.Namespace, extra: list[str]) -> int:
+    import pyfedkern
+
+    info = pyfedkern.build_info()
+    info["cuda_available"] = pyfedkern.cuda_available()
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        for key, value in info.items():
+            print(f"{key:>22}: {value}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
+    from pyfedkern.benchmarks import FAMILIES, runner
+
+    families = FAMILIES if args.family == "all" else [args.family]
+    for family in families:
+        if family not in FAMILIES:
+            raise CliError(f"unknown benchmark family {family!r}; valid choices: all, {', '.join(FAMILIES)}")
+        rows = runner.run(family, quick=not args.full)
+        print(runner.format_table(rows))
+    return 0
+
+
+def cmd_reproduce(args: argparse.Namespace, extra: list[str]) -> int:
+    from pyfedkern.reproduce import REPRODUCTIONS
+
+    if args.name not in REPRODUCTIONS:
+        raise CliError(f"unknown reproduction {args.name!r}; valid choices: {', '.join(sorted(REPRODUCTIONS))}")
+    module = importlib.import_module(REPRODUCTIONS[args.name])
+    return int(
+        module.main(extra, out=Path(args.out or f"reproductions/{args.name}"), quick=args.quick, docs=args.docs) or 0
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pyfedkern", description="Fast federated-learning kernels and experiments.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run one FL experiment")
+    run.add_argument("--algorithm", default="fedavg", help="algorithm name (default: fedavg)")
+    run.add_argument("--out", default=None, help="directory for config, metrics, checkpoints and summary")
+    run.add_argument("--resume", action="store_true", help="continue the interrupted run in --out")
+    run.add_argument("--help-algorithm", action="store_true", help="list the algorithm's parameters and exit")
+    _add_common(run)
+    run.set_defaults(handler=cmd_run)
+
+    cmp = sub.add_parser("compare", help="run several algorithms on the same split; plot and tabulate")
+    cmp.add_argument("--algorithms", required=True, help="comma-separated names, e.g. fedavg,fedprox,scaffold")
+    cmp.add_argument("--out", required=True, help="output directory (one sub-directory per algorithm)")
+    cmp.add_argument("--target", type=float, default=None, help="accuracy target for rounds-to-target, e.g. 0.85")
+    _add_common(cmp)
+    cmp.set_defaults(handler=cmd_compare)
+
+    part = sub.add_parser("partition", help="print (and plot) how a partition splits a dataset")
+    part.add_argument("--dataset", default="digits")
+    part.add_argument("--data-root", default=None)
+    part.add_argument("--partition", default="dirichlet:0.3")
+    part.add_argument("--clients", type=int, default=20)
+    part.add_argument("--seed", type=int, default=0)
+    part.add_argument("--plot", default=None, help="write a PNG of the per-client class counts")
+    part.set_defaults(handler=cmd_partition)
+
+    rep = sub.add_parser("reproduce", help="reproduce a paper's experiments (bherd, fedspeed, fnrfl, dynamic, fedpbc)")
+    rep.add_argument("name")
+    rep.add_argument("--out", default=None, help="output directory (default: reproductions/NAME)")
+    rep.add_argument("--quick", action="store_true", help="a reduced run (fewer seeds/rounds) for a smoke check")
+    rep.add_argument("--docs", default=None, help="update this markdown file's section (docs/reproductions.md)")
+    rep.set_defaults(handler=cmd_reproduce)
+
+    bench = sub.add_parser("bench", help="quick kernel benchmarks: speedups over the usual PyTorch/NumPy way")
+    bench.add_argument("--family", default="aggregate", help="op family or 'all'")
+    bench.add_argument("--full", action="store_true", help="all sizes (slow), not the quick subset")
+    bench.set_defaults(handler=cmd_bench)
+
+    info = sub.add_parser("info", help="build info, CUDA availability, threads and versions")
+    info.add_argument("--json", action="store_true")
+    info.set_defaults(handler=cmd_info)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    try:
+        return args.handler(args, extra)
+    except (CliError, ValueError, TypeError, FileNotFoundError, FileExistsError) as exc:
+        print(f"pyfedkern {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted; resume with `pyfedkern run --resume --out DIR`", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,24 @@
+"""Reproductions of the five papers' experiments (``pyfedkern reproduce NAME``).
+
+Each module listed in ``REPRODUCTIONS`` exposes ``main(argv, *, out, quick, docs) -> int``: it runs its experiments
+into ``out`` (resuming finished sub-runs), writes ``out/report.md`` with the measured numbers and plots, and, when
+``docs`` names a markdown file, replaces that paper's section in it (see :func:`update_docs_section`).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+REPRODUCTIONS: dict[str, str] = {}
+
+
+def update_docs_section(path: str | Path, name: str, markdown: str) -> None:
+    """Replace (or append) the section of ``path`` between ``<!-- begin NAME -->`` and ``<!-- end NAME -->``."""
+    path = Path(path)
+    text = path.read_text() if path.exists() else "# Reproductions\n"
+    begin, end = f"<!-- begin {name} -->", f"<!-- end {name} -->"
+    block = f"{begin}\n{markdown.strip()}\n{end}"
+    pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.DOTALL)
+    text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
+    path.write_text(text)

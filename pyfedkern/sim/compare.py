@@ -1,0 +1,67 @@
+"""Run several algorithms on the same data split and seed, then plot and tabulate them."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from pyfedkern.sim.engine import ExperimentConfig, Simulation
+from pyfedkern.sim.plots import plot_curves, summary_table
+from pyfedkern.sim.results import read_metrics, summarize
+
+
+@dataclasses.dataclass
+class Comparison:
+    """Per-algorithm metrics and summaries, and the files written."""
+
+    metrics: dict[str, list[dict[str, Any]]]
+    summaries: dict[str, dict[str, Any]]
+    plot: Path
+    table: Path
+
+
+def compare(
+    base: ExperimentConfig,
+    algorithms: Sequence[str],
+    out_dir: str | Path,
+    *,
+    params: Mapping[str, Mapping[str, Any]] | None = None,
+    target: float | None = None,
+    progress: bool = False,
+) -> Comparison:
+    """Run each algorithm with ``base``'s data, partition, model and seed into ``out_dir/<algorithm>``.
+
+    A finished sub-run (summary.json present) is reused and an interrupted one resumed, so an interrupted
+    comparison picks up where it stopped. Writes ``compare.png`` (accuracy and loss against round) and
+    ``compare.md`` (final/best accuracy and rounds to ``target``).
+    """
+    if not algorithms:
+        raise ValueError("algorithms is empty: name at least one algorithm")
+    if len(set(algorithms)) != len(algorithms):
+        raise ValueError(f"algorithms has duplicates: {list(algorithms)}")
+    params = params or {}
+    configs = {
+        name: dataclasses.replace(base, algorithm=name, algorithm_params=dict(params.get(name, {})))
+        for name in algorithms
+    }
+    for config in configs.values():
+        config.validate()
+    out = Path(out_dir)
+    metrics: dict[str, list[dict[str, Any]]] = {}
+    for name, config in configs.items():
+        run_dir = out / name
+        if (run_dir / "summary.json").exists():
+            metrics[name] = read_metrics(run_dir)
+            continue
+        resume = (run_dir / "metrics.jsonl").exists()
+        metrics[name] = Simulation(config).run(run_dir, resume=resume, progress=progress)
+    summaries = {name: summarize(m, target) for name, m in metrics.items()}
+    title = f"{base.dataset}, {base.partition}, {base.clients} clients, model {base.model}"
+    plot = plot_curves(metrics, out / "compare.png", title=title)
+    table = out / "compare.md"
+    table.write_text(f"# {title}\n\n" + summary_table(summaries, target))
+    (out / "compare.json").write_text(json.dumps(summaries, indent=2))
+    return Comparison(metrics, summaries, plot, table)

@@ -1,0 +1,412 @@
+"""The simulation engine: one process simulates every client of an FL experiment, round by round.
+
+:class:`ExperimentConfig` says what to run; :class:`Simulation` builds the data, partition and model, implements
+the :class:`~pyfedkern.algorithms.FLContext` the algorithms talk to, and :meth:`Simulation.run` drives the rounds,
+evaluates, and streams config, per-round metrics, checkpoints and a summary to disk.
+
+Determinism: every random choice comes from a stream keyed by (seed, purpose, round, client, ...), so the same
+config gives bitwise the same metrics (on the same machine and thread count), and a run resumed from a checkpoint
+continues exactly as an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pyfedkern.algorithms import Algorithm, LocalModel, make_algorithm
+from pyfedkern.sim import datasets, models, partitions
+from pyfedkern.sim.results import RunWriter
+from pyfedkern.sim.spec import parse_spec
+
+# Purposes of the random streams (first key after the seed).
+_SAMPLE, _BATCH, _FIXED_ORDER, _NOISE, _PUBLIC, _EVAL_SUBSET = 1, 2, 3, 4, 5, 6
+LR_SCHEDULES = ("const", "exp", "invsqrt")
+
+
+@dataclass
+class ExperimentConfig:
+    """Everything that defines an experiment; saved as config.json next to its results.
+
+    lr_schedule: "const" (η_t = lr), "exp:γ" (η_t = lr·γ^t, FedSpeed) or "invsqrt:c" (η_t = lr/√(t/c + 1), FedPBC),
+    with t the 0-based round. local_steps, when set, overrides local_epochs. eval_train_max caps the training
+    samples used to measure the global model's train loss (a fixed seeded subset when the train set is larger).
+    """
+
+    algorithm: str = "fedavg"
+    algorithm_params: dict[str, Any] = field(default_factory=dict)
+    dataset: str = "digits"
+    data_root: str | None = None
+    normalize: str = "standard"
+    parity: bool = False
+    partition: str = "dirichlet:0.3"
+    clients: int = 20
+    model: str = "mlp"
+    model_params: dict[str, Any] = field(default_factory=dict)
+    rounds: int = 50
+    fraction: float = 1.0
+    batch_size: int = 32
+    local_epochs: float = 1.0
+    local_steps: int | None = None
+    lr: float = 0.05
+    lr_schedule: str = "const"
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    eval_every: int = 1
+    eval_train_max: int = 10_000
+    seed: int = 0
+    device: str = "cpu"
+    checkpoint_every: int = 10
+
+    def validate(self) -> None:
+        """Raise ValueError for invalid settings, before any work starts."""
+
+        def positive_int(name: str, value: Any) -> None:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+        for name in ("clients", "rounds", "batch_size", "eval_every", "checkpoint_every", "eval_train_max"):
+            positive_int(name, getattr(self, name))
+        if self.local_steps is not None:
+            positive_int("local_steps", self.local_steps)
+        if not (isinstance(self.seed, int) and self.seed >= 0):
+            raise ValueError(f"seed must be an integer >= 0, got {self.seed!r}")
+        if not (0 < self.fraction <= 1):
+            raise ValueError(f"fraction must be in (0, 1], got {self.fraction}")
+        if not (math.isfinite(self.local_epochs) and self.local_epochs > 0):
+            raise ValueError(f"local_epochs must be > 0, got {self.local_epochs}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        for name in ("momentum", "weight_decay"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be >= 0, got {value}")
+        if self.momentum >= 1:
+            raise ValueError(f"momentum must be < 1, got {self.momentum}")
+        parse_lr_schedule(self.lr_schedule)
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        parse_spec(self.dataset, what="dataset", choices=datasets.DATASETS)
+        parse_spec(self.partition, what="partition", choices=partitions.PARTITIONS)
+        if self.model not in models.MODELS:
+            raise ValueError(f"unknown model {self.model!r}; valid choices: {', '.join(sorted(models.MODELS))}")
+        make_algorithm(self.algorithm, **self.algorithm_params)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ExperimentConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown config field(s): {', '.join(unknown)}")
+        return cls(**data)
+
+
+def parse_lr_schedule(text: str) -> tuple[str, float]:
+    name, args = parse_spec(text, what="lr_schedule", choices=LR_SCHEDULES)
+    if name == "const":
+        if args:
+            raise ValueError(f"lr_schedule 'const' takes no argument, got {text!r}")
+        return name, 0.0
+    if len(args) != 1:
+        raise ValueError(f"lr_schedule {name!r} needs one argument, e.g. '{name}:0.99', got {text!r}")
+    value = args[0]
+    if name == "exp" and not (0 < value <= 1):
+        raise ValueError(f"lr_schedule exp:γ needs γ in (0, 1], got {value}")
+    if name == "invsqrt" and not value > 0:
+        raise ValueError(f"lr_schedule invsqrt:c needs c > 0, got {value}")
+    return name, value
+
+
+class Simulation:
+    """Builds an experiment from its config and runs it; implements :class:`~pyfedkern.algorithms.FLContext`."""
+
+    def __init__(self, config: ExperimentConfig, algorithm: Algorithm | None = None) -> None:
+        config.validate()
+        self.config = config
+        self.seed = config.seed
+        self.device = torch.device(config.device)
+        self.batch_size = config.batch_size
+        self.local_epochs = config.local_epochs
+        self.local_steps = config.local_steps
+        self.momentum = config.momentum
+        self.weight_decay = config.weight_decay
+        self._lr_schedule = parse_lr_schedule(config.lr_schedule)
+        self.algorithm = algorithm or make_algorithm(config.algorithm, **config.algorithm_params)
+
+        data = datasets.load_dataset(config.dataset, config.data_root, normalize=config.normalize)
+        if config.parity:
+            data = datasets.to_parity(data)
+        self.data = data
+        train_idx = np.arange(len(data.y_train))
+        public_idx = self._carve_public(data.y_train, data.num_classes)
+        if public_idx.size:
+            train_idx = np.setdiff1d(train_idx, public_idx)
+        self.partition = partitions.make_partition(
+            config.partition,
+            data.y_train[train_idx],
+            config.clients,
+            seed=config.seed,
+            num_classes=data.num_classes,
+            client_ids=None if data.client_ids is None else data.client_ids[train_idx],
+        )
+        self.num_clients = self.partition.num_clients
+        self.client_indices = [train_idx[ix] for ix in self.partition.client_indices]
+        self.client_sizes = np.array([len(ix) for ix in self.client_indices], dtype=np.int64)
+        if np.any(self.client_sizes == 0):
+            empty = np.flatnonzero(self.client_sizes == 0).tolist()
+            raise ValueError(f"partition {config.partition!r} left clients {empty} without data; use fewer clients")
+
+        x_train = torch.as_tensor(data.x_train, device=self.device)
+        y_train = torch.as_tensor(data.y_train, device=self.device)
+        self.client_x = [x_train[torch.as_tensor(ix, device=self.device)] for ix in self.client_indices]
+        self.client_y = [y_train[torch.as_tensor(ix, device=self.device)] for ix in self.client_indices]
+        self.public_x, self.public_y = x_train[public_idx], y_train[public_idx]
+        self.noise_std = self.partition.noise_std
+        self.x_test = torch.as_tensor(data.x_test, device=self.device)
+        self.y_test = torch.as_tensor(data.y_test, device=self.device)
+        eval_idx = np.arange(len(data.y_train))
+        if eval_idx.size > config.eval_train_max:
+            eval_idx = np.sort(self.rng(_EVAL_SUBSET).choice(eval_idx, config.eval_train_max, replace=False))
+        self.x_eval_train, self.y_eval_train = x_train[eval_idx], y_train[eval_idx]
+        #: Clients that exist now (a session schedule may change it); sample_clients draws from these.
+        self.active_clients = np.arange(self.num_clients, dtype=np.int64)
+        #: When set, evaluation uses only test samples with these labels (the classes current clients hold).
+        self.eval_labels: np.ndarray | None = None
+
+        torch.manual_seed(config.seed)
+        module = models.build_model(config.model, data.input_shape, data.num_classes, **config.model_params)
+        self.local = LocalModel(module.to(self.device))
+        self.initial_vector = self.local.flat.data.detach().clone()
+        self._timers: dict[str, float] = {}
+
+    # FLContext -------------------------------------------------------------------------------------------
+
+    def lr(self, t: int) -> float:
+        name, value = self._lr_schedule
+        if name == "exp":
+            return self.config.lr * value**t
+        if name == "invsqrt":
+            return self.config.lr / math.sqrt(t / value + 1.0)
+        return self.config.lr
+
+    def rng(self, *keys: int) -> np.random.Generator:
+        return np.random.default_rng([self.seed, *(int(k) for k in keys)])
+
+    @contextlib.contextmanager
+    def timer(self, category: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._timers[category] = self._timers.get(category, 0.0) + time.perf_counter() - start
+
+    def sample_clients(self, t: int) -> np.ndarray:
+        pool = self.active_clients
+        k = max(1, round(self.config.fraction * len(pool)))
+        if k >= len(pool):
+            return pool.copy()
+        return np.sort(self.rng(_SAMPLE, t).choice(pool, size=k, replace=False))
+
+    def batches(
+        self,
+        cid: int,
+        t: int,
+        *,
+        epochs: float | None = None,
+        steps: int | None = None,
+        order: str = "reshuffle",
+        drop_last: bool = False,
+        batch_size: int | None = None,
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Minibatches of client cid in round t; see :class:`~pyfedkern.algorithms.FLContext`.
+
+        The number of steps is ``steps`` if given, else ⌈E·n/B⌉ (⌊E·n/B⌋ with drop_last). Feature-skew partitions
+        add the client's Gaussian noise to every batch, drawn afresh each round.
+        """
+        if order not in ("reshuffle", "fixed"):
+            raise ValueError(f"order must be 'reshuffle' or 'fixed', got {order!r}")
+        x, y = self.client_x[cid], self.client_y[cid]
+        n = int(y.shape[0])
+        size = min(batch_size or self.batch_size, n)
+        per_epoch = n // size if drop_last else -(-n // size)
+        if steps is None:
+            work = (epochs if epochs is not None else self.local_epochs) * n / size
+            steps = math.floor(work + 1e-9) if drop_last else math.ceil(work - 1e-9)
+        sigma = 0.0 if self.noise_std is None else float(self.noise_std[cid])
+        fixed = self.rng(_FIXED_ORDER, cid).permutation(n) if order == "fixed" else None
+        step = 0
+        epoch = 0
+        while step < steps and per_epoch > 0:
+            perm = fixed if fixed is not None else self.rng(_BATCH, t, cid, epoch).permutation(n)
+            for b in range(per_epoch):
+                if step >= steps:
+                    break
+                idx = torch.as_tensor(perm[b * size : (b + 1) * size], device=self.device)
+                xb = x[idx]
+                if sigma > 0:
+                    gen = torch.Generator(device=self.device)
+                    gen.manual_seed(int(self.rng(_NOISE, t, cid, step).integers(2**62)))
+                    xb = xb + sigma * torch.randn(xb.shape, generator=gen, device=self.device, dtype=xb.dtype)
+                yield xb, y[idx]
+                step += 1
+            epoch += 1
+
+    # Data helpers for algorithms -------------------------------------------------------------------------
+
+    def _carve_public(self, labels: np.ndarray, num_classes: int) -> np.ndarray:
+        per_class = int(getattr(self.algorithm, "public_per_class", 0))
+        if per_class <= 0:
+            return np.zeros(0, dtype=np.int64)
+        rng = self.rng(_PUBLIC)
+        chosen = []
+        for c in range(num_classes):
+            pool = np.flatnonzero(labels == c)
+            if len(pool) < 2 * per_class:
+                raise ValueError(
+                    f"public set: class {c} has {len(pool)} training samples, too few to hold out {per_class}"
+                )
+            chosen.append(rng.choice(pool, per_class, replace=False))
+        return np.sort(np.concatenate(chosen))
+
+    # Evaluation and the run loop -------------------------------------------------------------------------
+
+    def evaluate(self, vector: torch.Tensor) -> dict[str, float]:
+        """Test loss/accuracy (restricted to ``eval_labels`` when set) and train loss of a global model."""
+        x, y = self.x_test, self.y_test
+        if self.eval_labels is not None:
+            keep = torch.isin(y, torch.as_tensor(self.eval_labels, device=self.device))
+            x, y = x[keep], y[keep]
+        test_loss, test_acc = self.local.evaluate(vector, x, y)
+        train_loss, train_acc = self.local.evaluate(vector, self.x_eval_train, self.y_eval_train)
+        return {
+            "test_loss": test_loss,
+            "test_acc": test_acc,
+            "train_loss": train_loss,
+            "train_acc": train_acc,
+        }
+
+    def run(
+        self, out_dir: str | Path | None = None, *, resume: bool = False, progress: bool = False
+    ) -> list[dict[str, Any]]:
+        """Run (or resume) the experiment; return the per-round metrics (round 0 = the initial model).
+
+        With ``out_dir``, config.json, metrics.jsonl (one line per round, written as it goes), checkpoints every
+        ``checkpoint_every`` rounds, summary.json and model.pt are written there.
+        """
+        cfg = self.config
+        writer = RunWriter(out_dir, cfg.to_dict(), resume=resume) if out_dir is not None else None
+        algo = self.algorithm
+        algo.setup(self, self.initial_vector)
+        metrics: list[dict[str, Any]] = []
+        start = 0
+        checkpoint = writer.load_checkpoint() if writer is not None and resume else None
+        if checkpoint is not None:
+            algo.load_state_dict(checkpoint["algorithm"])
+            self.active_clients = np.asarray(checkpoint["active_clients"], dtype=np.int64)
+            self.eval_labels = checkpoint["eval_labels"]
+            start = int(checkpoint["round"])
+            metrics = writer.truncate_metrics(start)
+        else:
+            if writer is not None and resume:
+                writer.truncate_metrics(-1)  # interrupted before its first checkpoint: start over
+            record = {"round": 0, **self._timed_evaluation(algo.global_model())}
+            metrics.append(record)
+            if writer is not None:
+                writer.append_metrics(record)
+        bar = _progress(progress, start, cfg.rounds, cfg.algorithm)
+        for t in range(start, cfg.rounds):
+            self._timers = {}
+            began = time.perf_counter()
+            stats = algo.round(t, self)
+            record: dict[str, Any] = {
+                "round": t + 1,
+                "local_loss": stats.local_loss,
+                "clients": len(stats.clients),
+                "bytes_up": 4 * stats.upload_floats,
+                "bytes_down": 4 * stats.download_floats,
+                "lr": self.lr(t),
+            }
+            if (t + 1) % cfg.eval_every == 0 or t + 1 == cfg.rounds:
+                with self.timer("evaluation"):
+                    record.update(self.evaluate(algo.global_model()))
+            record.update(stats.extras)
+            record["time_local"] = self._timers.get("local", 0.0)
+            record["time_aggregation"] = self._timers.get("aggregation", 0.0)
+            record["time_evaluation"] = self._timers.get("evaluation", 0.0)
+            record["time_round"] = time.perf_counter() - began
+            metrics.append(record)
+            if writer is not None:
+                writer.append_metrics(record)
+                if (t + 1) % cfg.checkpoint_every == 0 and t + 1 < cfg.rounds:
+                    writer.save_checkpoint(self._checkpoint(t + 1))
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(_postfix(metrics))
+        if bar is not None:
+            bar.close()
+        if writer is not None:
+            writer.finish(metrics, algo.global_model())
+        return metrics
+
+    def _checkpoint(self, rounds_done: int) -> dict[str, Any]:
+        return {
+            "round": rounds_done,
+            "algorithm": self.algorithm.state_dict(),
+            "active_clients": self.active_clients,
+            "eval_labels": self.eval_labels,
+        }
+
+    def _timed_evaluation(self, vector: torch.Tensor) -> dict[str, float]:
+        start = time.perf_counter()
+        result = self.evaluate(vector)
+        result["time_evaluation"] = time.perf_counter() - start
+        return result
+
+
+def _progress(enabled: bool, start: int, total: int, label: str):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=start, desc=label, unit="round", dynamic_ncols=True)
+
+
+def _postfix(metrics: list[dict[str, Any]]) -> dict[str, str]:
+    last_eval = next((m for m in reversed(metrics) if "test_acc" in m), {})
+    out = {"loss": f"{metrics[-1].get('local_loss', float('nan')):.4f}"}
+    if "test_acc" in last_eval:
+        out["acc"] = f"{last_eval['test_acc']:.4f}"
+    return out
+
+
+def run_experiment(
+    config: ExperimentConfig,
+    out_dir: str | Path | None = None,
+    *,
+    resume: bool = False,
+    progress: bool = False,
+) -> list[dict[str, Any]]:
+    """Build and run one experiment (see :meth:`Simulation.run`). With ``resume``, the config stored in
+    ``out_dir`` must equal ``config``."""
+    return Simulation(config).run(out_dir, resume=resume, progress=progress)
+
+
+def load_config(out_dir: str | Path) -> ExperimentConfig:
+    """The config of a run directory (to resume it)."""
+    path = Path(out_dir) / "config.json"
+    if not path.exists():
+        raise FileNotFoundError(f"no config.json in {out_dir}: not a pyfedkern run directory")
+    return ExperimentConfig.from_dict(json.loads(path.read_text()))
