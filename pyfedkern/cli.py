@@ -265,8 +265,8 @@ def cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
     for family in families:
         if family not in FAMILIES:
             raise CliError(f"unknown benchmark family {family!r}; valid choices: all, {', '.join(FAMILIES)}")
-        rows = runner.run(family, quick=not args.full)
-        print(runner.format_table(rows))
+        rows = runner.run(family, quick=not args.full, progress=not args.no_progress)
+        print(runner.report(rows))
     return 0
 
 
@@ -319,6 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="quick kernel benchmarks: speedups over the usual PyTorch/NumPy way")
     bench.add_argument("--family", default="aggregate", help="op family or 'all'")
     bench.add_argument("--full", action="store_true", help="all sizes (slow), not the quick subset")
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.set_defaults(handler=cmd_bench)
 
     info = sub.add_parser("info", help="build info, CUDA availability, threads and versions")

@@ -1,0 +1,36 @@
+"""pytest-benchmark suites: ``pytest bench/ --benchmark-json=out.json`` then ``python bench/report.py out.json``.
+
+Each suite sets ``FAMILY`` to one family module in :mod:`pyfedkern.benchmarks` (pyfedkern, its peers and the
+machine limit on the same inputs). ``--quick`` runs the small sizes only.
+"""
+
+import pytest
+import torch
+
+
+def pytest_addoption(parser):
+    parser.addoption("--quick", action="store_true", help="small sizes only")
+
+
+def pytest_generate_tests(metafunc):
+    """Parametrize ``case`` over the cases of the module's ``FAMILY`` (CPU, and CUDA when a GPU is present)."""
+    if "case" in metafunc.fixturenames:
+        quick = metafunc.config.getoption("--quick")
+        devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+        family = metafunc.module.FAMILY
+        cases = [case for dev in devices for case in family.cases(quick=quick, device=dev)]
+        metafunc.parametrize("case", cases, ids=[c.id for c in cases])
+
+
+def run_case(benchmark, case):
+    benchmark.group = case.group
+    benchmark.name = case.name
+    benchmark.extra_info.update({"bytes_moved": case.bytes_moved, "flops": case.flops, "case": case.name})
+    fn = case.timed()
+    fn()  # warm-up outside the timing
+    benchmark.pedantic(fn, rounds=5, iterations=1, warmup_rounds=1)
+
+
+@pytest.fixture
+def run_benchmark(benchmark):
+    return lambda case: run_case(benchmark, case)

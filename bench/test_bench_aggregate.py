@@ -1,0 +1,10 @@
+"""weighted_sum vs the torch idiom, tensordot, the add_ loop, NumPy and Flower's per-layer reduce (issue 2)."""
+
+import pytest
+
+from pyfedkern.benchmarks import aggregate as FAMILY  # noqa: N812  (conftest parametrizes `case` from it)
+
+
+@pytest.mark.benchmark(disable_gc=True)
+def test_weighted_sum(run_benchmark, case):
+    run_benchmark(case)

@@ -1,0 +1,80 @@
+"""Run a family's cases without pytest (``pyfedkern bench``) and turn timings into ratio tables.
+
+The same :func:`report` formats pytest-benchmark JSON (bench/report.py), so the CLI and the recorded runs in
+bench/results/ read alike: per group, each case's time, GB/s or GFLOP/s, speed relative to pyfedkern, and
+pyfedkern's fraction of the group's machine limit.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from pyfedkern.benchmarks.common import time_case
+
+
+@dataclass
+class Row:
+    """One timed case: group, name, median seconds per call, bytes moved and flops per call."""
+
+    group: str
+    name: str
+    seconds: float
+    bytes_moved: int = 0
+    flops: int = 0
+
+
+def run(family: str, quick: bool = True, device: str | None = None, progress: bool = True) -> list[Row]:
+    """Time every case of ``pyfedkern.benchmarks.<family>`` (on CUDA too when a GPU is present)."""
+    module = importlib.import_module(f"pyfedkern.benchmarks.{family}")
+    devices = [device] if device else ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    rows: list[Row] = []
+    for dev in devices:
+        cases = module.cases(quick=quick, device=dev)
+        for case in tqdm(cases, desc=f"{family} ({dev})", disable=not progress, leave=False):
+            rows.append(Row(case.group, case.name, time_case(case), case.bytes_moved, case.flops))
+    return rows
+
+
+def report(rows: list[Row]) -> str:
+    """A markdown table per group with rates and ratios (higher ``speedup`` = pyfedkern faster than that case)."""
+    lines: list[str] = []
+    groups: dict[str, list[Row]] = {}
+    for r in rows:
+        groups.setdefault(r.group, []).append(r)
+    for group, members in groups.items():
+        ours = next((r for r in members if r.name == "pyfedkern"), None)
+        peers = [r for r in members if r.name != "pyfedkern" and not r.name.startswith("limit:")]
+        limits = [r for r in members if r.name.startswith("limit:")]
+        lines += [
+            f"### {group}",
+            "",
+            "| case | time (ms) | GB/s | GFLOP/s | pyfedkern speedup |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for r in members:
+            gbs = f"{r.bytes_moved / r.seconds / 1e9:.1f}" if r.bytes_moved else ""
+            gfl = f"{r.flops / r.seconds / 1e9:.1f}" if r.flops else ""
+            speed = (
+                f"{r.seconds / ours.seconds:.2f}×" if ours and r is not ours and not r.name.startswith("limit:") else ""
+            )
+            lines.append(f"| {r.name} | {r.seconds * 1e3:.3f} | {gbs} | {gfl} | {speed} |")
+        notes = []
+        if ours and peers:
+            best = min(peers, key=lambda r: r.seconds)
+            notes.append(f"vs fastest peer ({best.name}): {best.seconds / ours.seconds:.2f}×")
+        if ours and ours.bytes_moved:
+            for lim in limits:
+                if lim.bytes_moved:
+                    frac = (ours.bytes_moved / ours.seconds) / (lim.bytes_moved / lim.seconds)
+                    notes.append(f"bandwidth vs {lim.name}: {100 * frac:.0f}%")
+                elif lim.flops and ours.flops:
+                    frac = (ours.flops / ours.seconds) / (lim.flops / lim.seconds)
+                    notes.append(f"throughput vs {lim.name}: {100 * frac:.0f}%")
+        if notes:
+            lines += ["", "pyfedkern " + "; ".join(notes) + "."]
+        lines.append("")
+    return "\n".join(lines)
