@@ -6,6 +6,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include "fedspeed.h"
 #include "types.h"
 
 namespace pfk::cuda {
@@ -22,6 +23,11 @@ inline int device_count() {
 // out = (accumulate ? out : 0) + sum_k rows[k].weight * rows[k]; rows with weight 0 have been dropped.
 void weighted_sum(int device, uintptr_t stream, DType dtype, int64_t d, void* out, int64_t out_stride,
                   const std::vector<WeightedRow>& rows, bool accumulate);
+
+// FedSpeed step kernels (see csrc/fedspeed.h); norms stay on the device (norm_out), no host synchronisation.
+void fedspeed_perturb(int device, uintptr_t stream, DType dtype, const PerturbArgs& args);
+void fedspeed_update(int device, uintptr_t stream, DType dtype, const UpdateArgs& args);
+void fedspeed_round_end(int device, uintptr_t stream, DType dtype, const RoundEndArgs& args);
 
 }  // namespace pfk::cuda
 

@@ -4,5 +4,6 @@ Every op has a plain reference with the same signature in :mod:`pyfedkern.refere
 """
 
 from pyfedkern.ops.aggregate import accumulate_, weighted_sum
+from pyfedkern.ops.fedspeed import fedspeed_round_end_, fedspeed_update_, sam_perturb
 
-__all__ = ["accumulate_", "weighted_sum"]
+__all__ = ["accumulate_", "fedspeed_round_end_", "fedspeed_update_", "sam_perturb", "weighted_sum"]

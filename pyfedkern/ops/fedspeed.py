@@ -1,0 +1,316 @@
+"""FedSpeed local-step ops over flat [d] parameter/gradient buffers: one call per step for the whole model.
+
+- :func:`sam_perturb`: the ascent point x̆ = x + (ρ/(‖g‖₂ + ε))·g written to a second buffer (x is never restored).
+- :func:`fedspeed_update_`: the fused prox-corrected step x ← x − η[(1−α)g1 + αg2 + c·(x + D) + wd·x] with
+  c = 1/λ and D = h_i − x^t (the storage form h_i = −λ·ĝ_i), or the reference code's clipped form.
+- :func:`fedspeed_round_end_`: h_i += x_K − x^t and the server's running sum acc += w·(x_K + h_i).
+
+All three accept numpy arrays, torch tensors (CPU or CUDA) and cupy arrays of float32/float64 (float16/bfloat16
+storage with float32 arithmetic), read strided views in place, release the GIL and give the same bits for any
+number of CPU threads (norms: double-precision partial sums over fixed chunks, added in order). On the GPU they
+run on the caller's current stream and the norms stay on the device (``norm_out``): no host synchronisation.
+Norm outputs are one-element arrays of the accumulation dtype (float64 for float64 inputs, else float32).
+Torch tensors are read and written as data (no autograd).
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+from pyfedkern import _arrays
+from pyfedkern._arrays import ArrayRef
+from pyfedkern._runtime import native
+
+A = TypeVar("A")
+
+
+def _vector(x: Any, name: str) -> ArrayRef:
+    ref = _arrays.describe(x, name)
+    if len(ref.shape) != 1:
+        raise ValueError(f"{name} must be a 1-D [d] vector, got shape {ref.shape} (flatten it first)")
+    _arrays.check_float_dtype(ref, name)
+    if ref.shape[0] == 0:
+        raise ValueError(f"{name} is empty (d = 0)")
+    return ref
+
+
+def _like(x: Any, name: str, like: ArrayRef, like_name: str) -> ArrayRef:
+    ref = _vector(x, name)
+    _arrays.check_same(ref, like, name, like_name)
+    if ref.shape != like.shape:
+        raise ValueError(f"{name} has length {ref.shape[0]}, expected {like.shape[0]} (the length of {like_name})")
+    return ref
+
+
+def _writeable(ref: ArrayRef, name: str) -> None:
+    if not ref.writeable:
+        raise ValueError(f"{name} is read-only")
+    if ref.shape[0] > 1 and ref.strides[0] == 0:
+        raise ValueError(f"{name} has stride 0 (a broadcast view); it must be writeable element by element")
+
+
+def _same_view(a: ArrayRef, b: ArrayRef) -> bool:
+    return a.ptr == b.ptr and a.strides == b.strides and a.shape == b.shape
+
+
+def _disjoint(out: ArrayRef, out_name: str, others: dict[str, ArrayRef | None]) -> None:
+    for name, ref in others.items():
+        if ref is not None and out.overlaps(ref):
+            raise ValueError(f"{out_name} overlaps {name}; pass separate arrays")
+
+
+def _scalar(value: Any, name: str, *, low: float | None = None, high: float | None = None, strict: bool = False):
+    v = _arrays.host_scalar(value, name)
+    if low is not None and (v < low or (strict and v == low)):
+        raise ValueError(f"{name} must be {'>' if strict else '>='} {low}, got {v}")
+    if high is not None and v > high:
+        raise ValueError(f"{name} must be <= {high}, got {v}")
+    return v
+
+
+def _acc_dtype(ref: ArrayRef) -> str:
+    return "float64" if ref.dtype == "float64" else "float32"
+
+
+def _norm_target(norm_out: Any, like: ArrayRef, name: str = "norm_out") -> ArrayRef | None:
+    if norm_out is None:
+        return None
+    ref = _arrays.describe(norm_out, name)
+    if ref.lib != like.lib or ref.device != like.device:
+        raise ValueError(f"{name} is a {ref.where} array but x is a {like.where} array; mixing is not allowed")
+    want = _acc_dtype(like)
+    if ref.dtype != want:
+        raise TypeError(f"{name} has dtype {ref.dtype}, expected {want} (the accumulation dtype of {like.dtype})")
+    if ref.size != 1:
+        raise ValueError(f"{name} must hold exactly one element, got shape {ref.shape}")
+    if not ref.writeable:
+        raise ValueError(f"{name} is read-only")
+    return ref
+
+
+def _workspace(like: ArrayRef, norm: ArrayRef | None, needed: bool) -> tuple[Any, int, int, int]:
+    """(keep-alive object, workspace ptr, workspace length, norm ptr) for a call on like's device."""
+    norm_ptr = norm.ptr if norm is not None else 0
+    if like.device < 0 or not needed:
+        return None, 0, 0, norm_ptr
+    size = int(native().fedspeed_workspace_size())
+    ws = _arrays.empty_like_lib(like, (size + 1,), _acc_dtype(like))
+    ws_ref = _arrays.describe(ws, "workspace")
+    if norm is None:  # the norm still has to live on the device: the slot after the partial sums
+        norm_ptr = ws_ref.ptr + size * ws_ref.itemsize
+    return ws, ws_ref.ptr, size, norm_ptr
+
+
+def sam_perturb(
+    x: Any,
+    grad: Any,
+    rho: float,
+    *,
+    eps: float = 1e-7,
+    normalize: bool = True,
+    out: A | None = None,
+    norm_out: Any = None,
+) -> A:
+    """The SAM/FedSpeed ascent point ``out = x + s·grad`` in one pass after one norm pass.
+
+    Args:
+        x, grad: [d] vectors of one library, device and dtype (parameters and the first minibatch gradient g1).
+        rho: ascent radius ρ ≥ 0.
+        eps: ε ≥ 0 of ``s = ρ/(‖grad‖₂ + ε)`` (FedSpeed's reference code uses 1e-7).
+        normalize: True: s = ρ/(‖grad‖₂ + ε) (the paper's experiments, SAM); False: s = ρ (Algorithm 1 literally,
+            no norm is computed and ``norm_out`` must be None).
+        out: optional [d] output (the second parameter buffer x̆). It may be ``x`` itself (same view: in-place
+            perturbation) but must not overlap ``grad`` or partially overlap ``x``.
+        norm_out: optional one-element array (accumulation dtype, x's device) receiving ‖grad‖₂; it stays on the
+            device for GPU inputs.
+
+    Zero gradient: when ‖grad‖₂ + ε = 0 (an all-zero gradient with ε = 0) the scale is defined as s = 0, so
+    ``out = x``; with ε > 0 a zero gradient also gives ``out = x``. No division by zero happens.
+
+    Returns:
+        ``out``, or a new [d] array of x's library, device and dtype.
+    """
+    xr = _vector(x, "x")
+    gr = _like(grad, "grad", xr, "x")
+    r = _scalar(rho, "rho", low=0.0)
+    e = _scalar(eps, "eps", low=0.0)
+    if not isinstance(normalize, bool):
+        raise TypeError(f"normalize must be a bool, got {type(normalize).__qualname__}")
+    if not normalize and norm_out is not None:
+        raise ValueError("norm_out needs normalize=True (with normalize=False no norm is computed)")
+    if out is None:
+        out = _arrays.empty_like_lib(xr, xr.shape)
+        outr = _arrays.describe(out, "out")
+    else:
+        outr = _like(out, "out", xr, "x")
+        _writeable(outr, "out")
+        _disjoint(outr, "out", {"grad": gr})
+        if outr.overlaps(xr) and not _same_view(outr, xr):
+            raise ValueError("out partially overlaps x; pass x itself or a separate array")
+    norm = _norm_target(norm_out, xr)
+    keep, ws_ptr, ws_len, norm_ptr = _workspace(xr, norm, normalize)
+    native().fedspeed_perturb(
+        xr.device,
+        _arrays.stream_handle(xr),
+        xr.dtype,
+        xr.shape[0],
+        xr.ptr,
+        xr.strides[0],
+        gr.ptr,
+        gr.strides[0],
+        outr.ptr,
+        outr.strides[0],
+        r,
+        e,
+        normalize,
+        norm_ptr,
+        ws_ptr,
+        ws_len,
+    )
+    del keep
+    return out
+
+
+def fedspeed_update_(
+    x: A,
+    g2: Any,
+    lr: float,
+    *,
+    g1: Any = None,
+    alpha: float = 1.0,
+    anchor: Any = None,
+    prox_coef: float = 0.0,
+    weight_decay: float = 0.0,
+    clip_norm: float | None = None,
+    norm_out: Any = None,
+) -> A:
+    """FedSpeed's fused local step, in place: ``x ← x − lr·[k·(g̃ + c·D) + (c + wd)·x]``.
+
+    With g̃ = (1−α)·g1 + α·g2, c = ``prox_coef`` = 1/λ and D = ``anchor`` = h_i − x^t this is
+    x − lr·[g̃ + (1/λ)(x + D) + wd·x] = x − lr·[g̃ − ĝ_i + (1/λ)(x − x^t) + wd·x], Algorithm 1's step plus L2 weight
+    decay. k = 1 unless ``clip_norm`` is given: then k = min(1, clip_norm/(‖g̃ + c·D‖₂ + 1e-6)), the reference code's
+    ``clip_grad_norm_`` over the loss gradient plus the correction, followed by SGD with weight decay c + wd.
+
+    Args:
+        x: [d] parameters, updated in place.
+        g2: [d] gradient at the perturbed point (always read).
+        lr: step size η ≥ 0.
+        g1: [d] gradient at x; required when α < 1, not read when α = 1.
+        alpha: mix weight α ∈ [0, 1].
+        anchor: [d] D = h_i − x^t; required when prox_coef > 0, not read when prox_coef = 0.
+        prox_coef: c = 1/λ ≥ 0 (0: no prox and no correction term).
+        weight_decay: wd ≥ 0.
+        clip_norm: None (default, Algorithm 1) or M > 0 (the reference code uses 10).
+        norm_out: optional one-element array receiving ‖g̃ + c·D‖₂ (only with clip_norm).
+
+    The inputs must not overlap x. Returns ``x``.
+    """
+    xr = _vector(x, "x")
+    _writeable(xr, "x")
+    g2r = _like(g2, "g2", xr, "x")
+    eta = _scalar(lr, "lr", low=0.0)
+    a = _scalar(alpha, "alpha", low=0.0, high=1.0)
+    c = _scalar(prox_coef, "prox_coef", low=0.0)
+    wd = _scalar(weight_decay, "weight_decay", low=0.0)
+    clip = 0.0 if clip_norm is None else _scalar(clip_norm, "clip_norm", low=0.0, strict=True)
+    g1r = None
+    if a < 1.0:
+        if g1 is None:
+            raise ValueError(f"g1 is required when alpha < 1 (alpha = {a})")
+        g1r = _like(g1, "g1", xr, "x")
+    anchor_r = None
+    if c > 0.0:
+        if anchor is None:
+            raise ValueError(f"anchor (D = h - x^t) is required when prox_coef > 0 (prox_coef = {c})")
+        anchor_r = _like(anchor, "anchor", xr, "x")
+    if norm_out is not None and clip_norm is None:
+        raise ValueError("norm_out needs clip_norm (the norm is only computed for clipping)")
+    _disjoint(xr, "x", {"g1": g1r, "g2": g2r, "anchor": anchor_r})
+    norm = _norm_target(norm_out, xr)
+    keep, ws_ptr, ws_len, norm_ptr = _workspace(xr, norm, clip > 0.0)
+    native().fedspeed_update(
+        xr.device,
+        _arrays.stream_handle(xr),
+        xr.dtype,
+        xr.shape[0],
+        xr.ptr,
+        xr.strides[0],
+        g1r.ptr if g1r else 0,
+        g1r.strides[0] if g1r else 1,
+        g2r.ptr,
+        g2r.strides[0],
+        anchor_r.ptr if anchor_r else 0,
+        anchor_r.strides[0] if anchor_r else 1,
+        1.0 - a,
+        a,
+        c,
+        c + wd,
+        eta,
+        clip,
+        norm_ptr,
+        ws_ptr,
+        ws_len,
+    )
+    del keep
+    return x
+
+
+def fedspeed_round_end_(
+    h: A,
+    x_local: Any,
+    x_global: Any,
+    *,
+    acc: Any = None,
+    acc_weight: float = 1.0,
+    include_h: bool = True,
+    h_sum: Any = None,
+) -> A:
+    """End of a FedSpeed client round in one pass: ``h += x_local − x_global``, then optionally
+    ``acc += acc_weight·(x_local + h)`` (the upload x̂_i = x_K + h_i summed without being materialised; only
+    ``acc_weight·x_local`` with include_h=False, the reference code's server) and ``h_sum += x_local − x_global``
+    (a running Σ_m h_i for the reference server).
+
+    Args:
+        h: [d] the client's correction in storage form h_i = −λ·ĝ_i, updated in place.
+        x_local: [d] x_{i,K}; x_global: [d] x^t.
+        acc, h_sum: optional [d] accumulators, updated in place.
+        acc_weight: finite weight of this client's upload (1/S for the plain mean of Algorithm 1).
+
+    Outputs must not overlap each other or the inputs. Returns ``h``.
+    """
+    hr = _vector(h, "h")
+    _writeable(hr, "h")
+    xl = _like(x_local, "x_local", hr, "h")
+    xg = _like(x_global, "x_global", hr, "h")
+    w = _scalar(acc_weight, "acc_weight")
+    if not isinstance(include_h, bool):
+        raise TypeError(f"include_h must be a bool, got {type(include_h).__qualname__}")
+    outs: dict[str, ArrayRef] = {"h": hr}
+    for name, value in (("acc", acc), ("h_sum", h_sum)):
+        if value is not None:
+            ref = _like(value, name, hr, "h")
+            _writeable(ref, name)
+            outs[name] = ref
+    names = list(outs)
+    for i, name in enumerate(names):
+        _disjoint(outs[name], name, {"x_local": xl, "x_global": xg, **{n: outs[n] for n in names[i + 1 :]}})
+    accr, hsr = outs.get("acc"), outs.get("h_sum")
+    native().fedspeed_round_end(
+        hr.device,
+        _arrays.stream_handle(hr),
+        hr.dtype,
+        hr.shape[0],
+        hr.ptr,
+        hr.strides[0],
+        xl.ptr,
+        xl.strides[0],
+        xg.ptr,
+        xg.strides[0],
+        accr.ptr if accr else 0,
+        accr.strides[0] if accr else 1,
+        hsr.ptr if hsr else 0,
+        hsr.strides[0] if hsr else 1,
+        w,
+        include_h,
+    )
+    return h
