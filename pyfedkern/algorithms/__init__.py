@@ -24,6 +24,11 @@ ALGORITHMS: dict[str, str] = {
     "fedavg": "pyfedkern.algorithms.fedavg:FedAvg",
     "fedprox": "pyfedkern.algorithms.fedavg:FedProx",
     "scaffold": "pyfedkern.algorithms.fedavg:Scaffold",
+    "fedspeed": "pyfedkern.algorithms.fedspeed:FedSpeed",
+    "feddyn": "pyfedkern.algorithms.fedspeed_baselines:FedDyn",
+    "fedsam": "pyfedkern.algorithms.fedspeed_baselines:FedSAM",
+    "fedcm": "pyfedkern.algorithms.fedspeed_baselines:FedCM",
+    "fedadam": "pyfedkern.algorithms.fedspeed_baselines:FedAdam",
 }
 
 

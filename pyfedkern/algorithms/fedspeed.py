@@ -1,0 +1,443 @@
+"""FedSpeed (Sun et al., ICLR 2023): prox-corrected local steps at a SAM-style perturbed point.
+
+- :class:`FedSpeedOptimizer` is a ``torch.optim.Optimizer`` for a user's own loop: ``step(closure)`` takes the
+  first gradient at x, the second at x̆ = x + (ρ/‖g1‖)·g1 (the closure is called twice on the same batch) and applies
+  x ← x − η[(1−α)g1 + αg2 − ĝ_i + (1/λ)(x − x^t) + wd·x] with the fused kernels of :mod:`pyfedkern.ops.fedspeed`.
+  ``begin_round`` / ``end_round`` bracket one FL round (h_i += x_K − x^t, upload x̂_i = x_K + h_i).
+- :class:`FedSpeed` is the client/server algorithm (Algorithm 1 in the storage form h_i = −λ·ĝ_i of
+  specs/fedspeed.md), with the switches ``use_prox``, ``use_correction``, ``use_perturb`` (the Table 7 ablation),
+  ``ref_compat`` (FL-Simulator's clip of the loss gradient + correction at ``clip_norm``) and ``corr_avg`` ("all":
+  the reference server x^{t+1} = mean_S(x_K) + mean_m(h_i)).
+
+The prox parameter is λ (``lam``); the "prox weight" of the paper's experiments (0.1, 0.01, 0.001) is 1/λ.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from pyfedkern import ops
+from pyfedkern.algorithms.base import Algorithm, ClientStore, FLContext, RoundStats
+
+RHO_MODES = ("normalized", "raw")
+CORR_AVG = ("active", "all")
+
+
+def check_fedspeed_params(*, lam: float | None, rho: float, alpha: float, eps: float, rho_mode: str) -> None:
+    """ValueError for λ ≤ 0, ρ < 0, α ∉ [0, 1], ε < 0 or an unknown rho_mode (all must be finite)."""
+    if lam is not None and not (math.isfinite(lam) and lam > 0):
+        raise ValueError(f"lam (λ) must be finite and > 0, got {lam}")
+    if not (math.isfinite(rho) and rho >= 0):
+        raise ValueError(f"rho must be finite and >= 0, got {rho}")
+    if not (math.isfinite(alpha) and 0 <= alpha <= 1):
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    if not (math.isfinite(eps) and eps >= 0):
+        raise ValueError(f"eps must be finite and >= 0, got {eps}")
+    if rho_mode not in RHO_MODES:
+        raise ValueError(f"rho_mode must be one of {RHO_MODES}, got {rho_mode!r}")
+
+
+def _flat_base(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The flat [d] tensor the tensors are consecutive contiguous views of, or None."""
+    first = tensors[0]
+    storage = first.untyped_storage().data_ptr()
+    offset = first.storage_offset()
+    for t in tensors:
+        if not t.is_contiguous() or t.untyped_storage().data_ptr() != storage or t.storage_offset() != offset:
+            return None
+        offset += t.numel()
+    d = offset - first.storage_offset()
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (d,), (1,))
+
+
+def _views(flat: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    out, offset = [], 0
+    for p in params:
+        out.append(flat[offset : offset + p.numel()].view(p.shape))
+        offset += p.numel()
+    return out
+
+
+class FedSpeedOptimizer(torch.optim.Optimizer):
+    """FedSpeed's local optimizer on one flat buffer per quantity (one kernel launch per step for the whole model).
+
+    The parameters are rebound to views of a flat [d] buffer x (adopted without a copy when they already are
+    consecutive views of one, as with :class:`pyfedkern.flat.FlatParameters`); the gradients go to flat buffers
+    too. Use ``opt.zero_grad()`` (it zeroes the flat buffer); gradients that were reset to None or replaced are
+    copied back into the buffer at the next step. Moving the model to another device after creating the
+    optimizer is not supported.
+
+    Args:
+        params: the model's parameters (one group; one dtype and device).
+        lr: local step size η ≥ 0 (change it per round through ``param_groups[0]["lr"]``).
+        rho: ascent radius ρ ≥ 0 (0: no second gradient).
+        alpha: weight α ∈ [0, 1] of the perturbed gradient in g̃ = (1−α)g1 + αg2.
+        lam: prox parameter λ > 0 (the prox weight is 1/λ), or None for no prox and no correction.
+        weight_decay: L2 weight decay wd ≥ 0 added as wd·x.
+        eps: ε ≥ 0 of ρ/(‖g1‖ + ε). A zero gradient gives x̆ = x.
+        rho_mode: "normalized" (ρ/‖g1‖, the experiments) or "raw" (ρ, Algorithm 1 literally).
+        correction: keep and update the correction h_i (False: prox only, FedProx-like).
+        clip_norm: None, or M > 0 to clip ‖g̃ + (1/λ)D‖ at M as the reference code does.
+
+    Usage::
+
+        opt = FedSpeedOptimizer(model.parameters(), lr=0.1, rho=0.1, lam=10.0, weight_decay=1e-3)
+        opt.begin_round()                      # x^t = the current parameters
+        for xb, yb in loader:
+            def closure():
+                loss = F.cross_entropy(model(xb), yb)
+                loss.backward()
+                return loss
+            opt.step(closure)                  # calls closure twice (at x and at x̆)
+        upload = opt.end_round()               # x̂_i = x_K + h_i, h_i updated
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float,
+        *,
+        rho: float = 0.1,
+        alpha: float = 1.0,
+        lam: float | None = None,
+        weight_decay: float = 0.0,
+        eps: float = 1e-7,
+        rho_mode: str = "normalized",
+        correction: bool = True,
+        clip_norm: float | None = None,
+    ) -> None:
+        check_fedspeed_params(lam=lam, rho=rho, alpha=alpha, eps=eps, rho_mode=rho_mode)
+        if not (math.isfinite(lr) and lr >= 0):
+            raise ValueError(f"lr must be finite and >= 0, got {lr}")
+        if not (math.isfinite(weight_decay) and weight_decay >= 0):
+            raise ValueError(f"weight_decay must be finite and >= 0, got {weight_decay}")
+        if clip_norm is not None and not (math.isfinite(clip_norm) and clip_norm > 0):
+            raise ValueError(f"clip_norm must be None or finite and > 0, got {clip_norm}")
+        defaults = dict(lr=lr, rho=rho, alpha=alpha, lam=lam, weight_decay=weight_decay, eps=eps)
+        super().__init__(params, defaults)
+        if len(self.param_groups) != 1:
+            raise ValueError("FedSpeedOptimizer takes one parameter group (one fused update for the whole model)")
+        self._params: list[torch.Tensor] = list(self.param_groups[0]["params"])
+        if len({p.dtype for p in self._params}) != 1 or len({p.device for p in self._params}) != 1:
+            raise ValueError("all parameters must share one dtype and one device")
+        self.rho_mode = rho_mode
+        self.correction = bool(correction)
+        self.clip_norm = clip_norm
+        base = _flat_base([p.data for p in self._params])
+        if base is None:
+            base = torch.cat([p.detach().reshape(-1) for p in self._params])
+        self._x = base
+        self._x_views = _views(self._x, self._params)
+        grads = [p.grad for p in self._params]
+        gbase = _flat_base(grads) if all(g is not None for g in grads) else None
+        self._g1 = gbase if gbase is not None and gbase.numel() == base.numel() else torch.zeros_like(base)
+        self._g1_views = _views(self._g1, self._params)
+        self._perturbed: torch.Tensor | None = None
+        self._g2: torch.Tensor | None = None
+        self._external_h: torch.Tensor | None = None
+        self._bind(self._x_views, self._g1_views)
+        self.state[self._params[0]].update(
+            {"h": torch.zeros_like(base), "x_round": torch.zeros_like(base), "in_round": False}
+        )
+
+    # buffers -------------------------------------------------------------------------------------------
+
+    @property
+    def flat_params(self) -> torch.Tensor:
+        """The flat [d] parameter buffer x (the parameters are views of it)."""
+        return self._x
+
+    @property
+    def h(self) -> torch.Tensor:
+        """The correction h_i = −λ·ĝ_i used by the current round (the internal one unless one was passed)."""
+        return self._external_h if self._external_h is not None else self._state["h"]
+
+    @property
+    def _state(self) -> dict[str, Any]:
+        return self.state[self._params[0]]
+
+    def _bind(self, data_views: list[torch.Tensor], grad_views: list[torch.Tensor]) -> None:
+        for p, v, g in zip(self._params, data_views, grad_views, strict=True):
+            p.data = v
+            p.grad = g
+
+    def _sync_params(self) -> None:
+        """Copy parameters whose data was replaced (p.data = ...) back into the flat buffer."""
+        for p, v in zip(self._params, self._x_views, strict=True):
+            if p.data.data_ptr() != v.data_ptr():
+                v.copy_(p.data)
+                p.data = v
+
+    def _gather(self, views: list[torch.Tensor]) -> None:
+        """Make every p.grad the view of the bound flat buffer (copying gradients that autograd put elsewhere)."""
+        for p, v in zip(self._params, views, strict=True):
+            if p.grad is None:
+                v.zero_()
+                p.grad = v
+            elif p.grad.data_ptr() != v.data_ptr():
+                v.copy_(p.grad)
+                p.grad = v
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the flat gradient buffer the parameters are bound to (``.grad`` stays bound to it)."""
+        first = self._params[0].grad
+        second = self._g2 is not None and first is not None and first.data_ptr() == self._g2_views[0].data_ptr()
+        buffer, views = (self._g2, self._g2_views) if second else (self._g1, self._g1_views)
+        buffer.zero_()
+        for p, v in zip(self._params, views, strict=True):
+            p.grad = v
+
+    # rounds --------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def begin_round(self, h: torch.Tensor | None = None) -> None:
+        """Start a round at the current parameters x^t; ``h`` optionally replaces the internal correction buffer
+        (e.g. a row of a [clients, d] store) for this round."""
+        self._sync_params()
+        if h is not None and (h.shape != self._x.shape or h.dtype != self._x.dtype or h.device != self._x.device):
+            raise ValueError(f"h must be a [{self._x.numel()}] {self._x.dtype} tensor on {self._x.device}")
+        self._external_h = h
+        state = self._state
+        state["x_round"].copy_(self._x)
+        if self.param_groups[0]["lam"] is not None:
+            if "anchor" not in state:
+                state["anchor"] = torch.empty_like(self._x)
+            ops.weighted_sum([self.h, self._x], [1.0, -1.0], out=state["anchor"])  # D = h − x^t
+        state["in_round"] = True
+
+    @torch.no_grad()
+    def end_round(
+        self,
+        acc: torch.Tensor | None = None,
+        acc_weight: float = 1.0,
+        include_h: bool = True,
+        h_sum: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """End the round: h += x_K − x^t (when correcting) and acc += acc_weight·(x_K + h) (x_K alone with
+        include_h=False); h_sum, when given, gains x_K − x^t. Without ``acc`` a new [d] tensor x̂ = x_K + h is
+        returned, else ``acc``."""
+        state = self._state
+        if not state["in_round"]:
+            raise RuntimeError("end_round() without begin_round()")
+        self._sync_params()
+        if acc is None:
+            acc = torch.zeros_like(self._x)
+        if self.correction and self.param_groups[0]["lam"] is not None:
+            ops.fedspeed_round_end_(
+                self.h, self._x, state["x_round"], acc=acc, acc_weight=acc_weight, include_h=include_h, h_sum=h_sum
+            )
+        else:
+            ops.accumulate_(acc, self._x, acc_weight)
+            if include_h:
+                ops.accumulate_(acc, self.h, acc_weight)
+        state["in_round"] = False
+        self._external_h = None
+        return acc
+
+    # the step ------------------------------------------------------------------------------------------
+
+    def _second_buffers(self) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor, list[torch.Tensor]]:
+        if self._perturbed is None:
+            self._perturbed = torch.empty_like(self._x)
+            self._perturbed_views = _views(self._perturbed, self._params)
+            self._g2 = torch.zeros_like(self._x)
+            self._g2_views = _views(self._g2, self._params)
+        return self._perturbed, self._perturbed_views, self._g2, self._g2_views
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """One local step; returns the closure's loss at x (None without a closure).
+
+        ``closure`` evaluates the loss of the current batch and calls ``backward()`` (gradients are zeroed before
+        each call). With ρ > 0 it is called twice: at x and at x̆. Without a closure (only when ρ = 0) the
+        gradients already in ``.grad`` are used.
+        """
+        group = self.param_groups[0]
+        rho, alpha, lam = group["rho"], group["alpha"], group["lam"]
+        check_fedspeed_params(lam=lam, rho=rho, alpha=alpha, eps=group["eps"], rho_mode=self.rho_mode)
+        perturb = rho > 0
+        with torch.no_grad():
+            self._sync_params()
+            if not self._state["in_round"]:
+                self.begin_round()
+        loss = None
+        if closure is None:
+            if perturb:
+                raise ValueError("FedSpeedOptimizer.step needs a closure when rho > 0 (for the second gradient)")
+            with torch.no_grad():
+                self._gather(self._g1_views)
+        else:
+            with torch.no_grad():
+                self._bind(self._x_views, self._g1_views)
+                self._g1.zero_()
+            with torch.enable_grad():
+                loss = closure()
+            with torch.no_grad():
+                self._gather(self._g1_views)
+        with torch.no_grad():
+            g2 = self._g1
+            if perturb:
+                x_pert, x_pert_views, g2, g2_views = self._second_buffers()
+                ops.sam_perturb(
+                    self._x, self._g1, rho, eps=group["eps"], normalize=self.rho_mode == "normalized", out=x_pert
+                )
+                self._bind(x_pert_views, g2_views)
+                g2.zero_()
+        if perturb:
+            try:
+                with torch.enable_grad():
+                    closure()
+                with torch.no_grad():
+                    self._gather(g2_views)
+            finally:
+                self._bind(self._x_views, self._g1_views)
+        with torch.no_grad():
+            ops.fedspeed_update_(
+                self._x,
+                g2,
+                group["lr"],
+                g1=self._g1 if perturb and alpha < 1 else None,
+                alpha=alpha if perturb else 1.0,
+                anchor=self._state.get("anchor") if lam is not None else None,
+                prox_coef=0.0 if lam is None else 1.0 / lam,
+                weight_decay=group["weight_decay"],
+                clip_norm=self.clip_norm,
+            )
+        return loss
+
+
+@dataclass
+class FedSpeed(Algorithm):
+    """FedSpeed's client/server rounds on flat vectors, per Algorithm 1 in the storage form h_i = −λ·ĝ_i.
+
+    Client i (K local steps from x^t, the shared batch used for both gradients): x ← x − η[g̃ − ĝ_i + (1/λ)(x − x^t)
+    + wd·x]; then h_i += x_K − x^t and the upload x̂_i = x_K + h_i is added straight into the server's running sum.
+    Server: x^{t+1} = mean over the S participants of x̂_i (``corr_avg="active"``, Algorithm 1) or
+    mean_S(x_K) + mean over all m clients of h_i (``corr_avg="all"``, the reference code, via a running Σ_m h_i).
+    η is ``ctx.lr(t)`` (constant within a round) and wd is ``ctx.weight_decay``; momentum is not used.
+
+    Args:
+        lam: λ > 0; the paper's "prox weight" is 1/λ (0.1 → lam = 10).
+        rho: ascent radius ρ ≥ 0 (ρ0 of ρ0/‖g1‖ with rho_mode "normalized").
+        alpha: α ∈ [0, 1] (paper's best 0.9375; the reference code uses 1).
+        eps: ε of ρ/(‖g1‖ + ε).
+        rho_mode: "normalized" or "raw".
+        use_prox, use_correction, use_perturb: the ablation switches (correction needs the prox term).
+        ref_compat: clip ‖g̃ + (1/λ)D‖ at ``clip_norm`` before the step, as FL-Simulator does.
+        clip_norm: the clip threshold of ref_compat.
+        corr_avg: "active" or "all".
+    """
+
+    name = "fedspeed"
+    lam: float = 10.0
+    rho: float = 0.1
+    alpha: float = 1.0
+    eps: float = 1e-7
+    rho_mode: str = "normalized"
+    use_prox: bool = True
+    use_correction: bool = True
+    use_perturb: bool = True
+    ref_compat: bool = False
+    clip_norm: float = 10.0
+    corr_avg: str = "active"
+
+    def __post_init__(self) -> None:
+        check_fedspeed_params(lam=self.lam, rho=self.rho, alpha=self.alpha, eps=self.eps, rho_mode=self.rho_mode)
+        if self.use_correction and not self.use_prox:
+            raise ValueError("use_correction needs use_prox (the correction is built from the prox term)")
+        if self.corr_avg not in CORR_AVG:
+            raise ValueError(f"corr_avg must be one of {CORR_AVG}, got {self.corr_avg!r}")
+        if not (math.isfinite(self.clip_norm) and self.clip_norm > 0):
+            raise ValueError(f"clip_norm must be finite and > 0, got {self.clip_norm}")
+
+    def setup(self, ctx: FLContext, x0: torch.Tensor) -> None:
+        super().setup(ctx, x0)
+        if ctx.momentum:
+            raise ValueError(f"{self.name}: local momentum is not part of the algorithm; set momentum to 0")
+        self.num_clients = int(ctx.num_clients)
+        d = self.x.numel()
+        self.h_store = (
+            ClientStore(ctx.num_clients, d, device=self.x.device, dtype=self.x.dtype) if self.use_correction else None
+        )
+        self.h_total = torch.zeros_like(self.x)
+        self._acc = torch.zeros_like(self.x)
+        module = ctx.local.module
+        self.optimizer = FedSpeedOptimizer(
+            module.parameters(),
+            lr=0.0,
+            rho=self.rho if self.use_perturb else 0.0,
+            alpha=self.alpha,
+            lam=self.lam if self.use_prox else None,
+            eps=self.eps,
+            rho_mode=self.rho_mode,
+            correction=self.use_correction,
+            clip_norm=self.clip_norm if self.ref_compat else None,
+        )
+
+    def round(self, t: int, ctx: FLContext) -> RoundStats:
+        clients = self.participants(t, ctx)
+        losses = []
+        self._acc.zero_()
+        opt = self.optimizer
+        opt.param_groups[0]["lr"] = ctx.lr(t)
+        opt.param_groups[0]["weight_decay"] = ctx.weight_decay
+        reference_server = self.corr_avg == "all"
+        with ctx.timer("local"):
+            for cid in clients:
+                cid = int(cid)
+                ctx.local.load_(self.x)
+                h = self.h_store[cid] if self.use_correction else None
+                opt.begin_round(h)
+                loss = self._local_steps(t, cid, ctx)
+                losses.append(loss)
+                opt.end_round(
+                    self._acc,
+                    acc_weight=1.0 / len(clients),
+                    include_h=not reference_server,
+                    h_sum=self.h_total if reference_server and self.use_correction else None,
+                )
+        with ctx.timer("aggregation"):
+            if len(clients):
+                if reference_server:
+                    ops.weighted_sum([self._acc, self.h_total], [1.0, 1.0 / self.num_clients], out=self.x)
+                else:
+                    self.x.copy_(self._acc)
+        finite = [v for v in losses if np.isfinite(v)]
+        return RoundStats(
+            clients=np.asarray(clients, dtype=np.int64),
+            local_loss=float(np.mean(finite)) if finite else float("nan"),
+            upload_floats=len(clients) * self.x.numel(),
+            download_floats=len(clients) * self.broadcast_floats(),
+        )
+
+    def _local_steps(self, t: int, cid: int, ctx: FLContext) -> float:
+        local = ctx.local
+        local.module.train()
+        total, n = 0.0, 0
+        for xb, yb in ctx.batches(cid, t, epochs=ctx.local_epochs, steps=ctx.local_steps):
+
+            def closure(xb: torch.Tensor = xb, yb: torch.Tensor = yb) -> torch.Tensor:
+                loss = local.objective(local.module(xb), yb)
+                loss.backward()
+                return loss
+
+            total += float(self.optimizer.step(closure).detach())
+            n += 1
+        return total / n if n else float("nan")
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {**super().state_dict(), "h_total": self.h_total}
+        if self.h_store is not None:
+            state["h"] = self.h_store.data
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        if self.h_store is not None:
+            self.h_store.data.copy_(state["h"])
+        self.h_total.copy_(state["h_total"])

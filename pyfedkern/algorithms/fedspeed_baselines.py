@@ -1,0 +1,224 @@
+"""The baselines FedSpeed is compared with (besides FedAvg, FedProx and SCAFFOLD in :mod:`.fedavg`).
+
+- :class:`FedDyn` (Acar et al. 2021) in FL-Simulator's storage form, with its optional gradient clipping;
+- :class:`FedSAM` (Qu et al. 2022): local SAM steps, FedAvg server;
+- :class:`FedCM` (Xu et al. 2021): client momentum towards the previous round's average update;
+- :class:`FedAdam` (Reddi et al. 2021): FedAvg clients, Adam on the server.
+
+They are written with plain torch operations on the flat buffers (not the fused FedSpeed kernels), so the tests
+that equate FedSpeed's special cases with them check two independent implementations.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from pyfedkern import ops
+from pyfedkern.algorithms.base import Algorithm, ClientMessage, ClientStore, FLContext, local_sgd
+from pyfedkern.algorithms.fedavg import FedAvg, _check_positive, server_average_
+
+
+def _no_momentum(name: str, ctx: FLContext) -> None:
+    if ctx.momentum:
+        raise ValueError(f"{name}: local momentum is not part of the algorithm; set momentum to 0")
+
+
+@dataclass
+class FedDyn(Algorithm):
+    """FedDyn with prox parameter λ (prox weight 1/λ), in the storage form h_i = −λ·∇L_i-state.
+
+    Client: SGD on the direction g + (1/λ)(x + h_i − x^t) + wd·x; with ``ref_compat`` (FL-Simulator) the loss gradient
+    plus the correction g + (1/λ)(h_i − x^t) is first clipped to norm ``clip_norm``. Then h_i += x_K − x^t.
+    Server: x^{t+1} = mean over participants of x_K + mean over all m clients of h_i.
+    """
+
+    name = "feddyn"
+    lam: float = 10.0
+    ref_compat: bool = False
+    clip_norm: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.lam) and self.lam > 0):
+            raise ValueError(f"lam (λ) must be finite and > 0, got {self.lam}")
+        _check_positive("clip_norm", self.clip_norm)
+
+    def setup(self, ctx: FLContext, x0: torch.Tensor) -> None:
+        super().setup(ctx, x0)
+        self.h_store = ClientStore(ctx.num_clients, self.x.numel(), device=self.x.device, dtype=self.x.dtype)
+        self.h_total = torch.zeros_like(self.x)
+        self.num_clients = int(ctx.num_clients)
+
+    def client_update(self, t: int, cid: int, ctx: FLContext) -> ClientMessage:
+        h_i = self.h_store[cid]
+        anchor = h_i - self.x
+        c, wd = 1.0 / self.lam, ctx.weight_decay
+
+        def dual(g: torch.Tensor, x: torch.Tensor) -> None:  # g arrives as loss gradient + wd·x
+            if self.ref_compat:
+                v = g - wd * x + c * anchor
+                k = min(1.0, self.clip_norm / (float(v.norm()) + 1e-6))
+                g.copy_(k * v + (c + wd) * x)
+            else:
+                g.add_(x + anchor, alpha=c)
+
+        result = local_sgd(ctx, cid, t, self.x, correction=dual)
+        delta = result.x - self.x
+        h_i.add_(delta)
+        return ClientMessage(cid, 1.0, {"model": result.x, "delta": delta}, result.loss, result.steps)
+
+    def server_step(self, t: int, messages: list[ClientMessage], ctx: FLContext) -> None:
+        for m in messages:
+            self.h_total.add_(m.vectors["delta"])
+        models = torch.stack([m.vectors["model"] for m in messages]).mean(0)
+        self.x.copy_(models + self.h_total / self.num_clients)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "h": self.h_store.data, "h_total": self.h_total}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.h_store.data.copy_(state["h"])
+        self.h_total.copy_(state["h_total"])
+
+
+@dataclass
+class FedSAM(FedAvg):
+    """FedAvg whose clients take SAM steps: g1 at x, x̆ = x + ρ·g1/(‖g1‖ + ε), g2 at x̆, x ← x − η(g2 + wd·x)."""
+
+    name = "fedsam"
+    rho: float = 0.1
+    eps: float = 1e-7
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_positive("rho", self.rho, allow_zero=True)
+        _check_positive("eps", self.eps, allow_zero=True)
+
+    def setup(self, ctx: FLContext, x0: torch.Tensor) -> None:
+        _no_momentum(self.name, ctx)
+        super().setup(ctx, x0)
+
+    def client_update(self, t: int, cid: int, ctx: FLContext) -> ClientMessage:
+        local = ctx.local
+        local.load_(self.x)
+        x, g = local.flat.data, local.flat.grad
+        lr, wd = ctx.lr(t), ctx.weight_decay
+        total, n = 0.0, 0
+        for xb, yb in ctx.batches(cid, t, epochs=ctx.local_epochs, steps=ctx.local_steps):
+            total += local.loss_and_grad(xb, yb)
+            n += 1
+            with torch.no_grad():
+                norm = float(g.norm())
+                scale = self.rho / (norm + self.eps) if norm + self.eps > 0 else 0.0
+                x_saved = x.clone()
+                x.add_(g, alpha=scale)
+            local.loss_and_grad(xb, yb)
+            with torch.no_grad():
+                x.copy_(x_saved)
+                if wd:
+                    g.add_(x, alpha=wd)
+                x.add_(g, alpha=-lr)
+        loss = total / n if n else float("nan")
+        return ClientMessage(cid, float(ctx.client_sizes[cid]), {"model": x.clone()}, loss, n)
+
+
+@dataclass
+class FedCM(FedAvg):
+    """FedAvg with client-level momentum: local direction a·(g + wd·x) + (1 − a)·m, where m = −Δ/(K·η) is the
+    previous round's average model change per local step (0 in round 0) and a = ``client_momentum``."""
+
+    name = "fedcm"
+    client_momentum: float = 0.1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not (math.isfinite(self.client_momentum) and 0 < self.client_momentum <= 1):
+            raise ValueError(f"client_momentum must be in (0, 1], got {self.client_momentum}")
+
+    def setup(self, ctx: FLContext, x0: torch.Tensor) -> None:
+        _no_momentum(self.name, ctx)
+        super().setup(ctx, x0)
+        self.direction = torch.zeros_like(self.x)
+
+    def broadcast_floats(self) -> int:
+        return 2 * int(self.x.numel())
+
+    def client_update(self, t: int, cid: int, ctx: FLContext) -> ClientMessage:
+        a = self.client_momentum
+
+        def mix(g: torch.Tensor, x: torch.Tensor) -> None:
+            g.mul_(a).add_(self.direction, alpha=1.0 - a)
+
+        result = local_sgd(ctx, cid, t, self.x, correction=mix)
+        return ClientMessage(cid, float(ctx.client_sizes[cid]), {"model": result.x}, result.loss, result.steps)
+
+    def server_step(self, t: int, messages: list[ClientMessage], ctx: FLContext) -> None:
+        p = np.array([m.weight for m in messages], dtype=np.float64)
+        p /= p.sum()
+        steps = float(np.mean([m.steps for m in messages]))
+        if steps > 0:
+            scale = 1.0 / (steps * ctx.lr(t))
+            models = [m.vectors["model"] for m in messages]
+            ops.weighted_sum([self.x, *models], np.concatenate([[scale], -scale * p]), out=self.direction)
+        server_average_(self.x, [m.vectors["model"] for m in messages], p, self.server_lr)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "direction": self.direction}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.direction.copy_(state["direction"])
+
+
+@dataclass
+class FedAdam(FedAvg):
+    """FedAvg clients; the server applies Adam to the average update Δ = Σ p_i x_i − x:
+    m ← β1·m + (1−β1)·Δ, v ← β2·v + (1−β2)·Δ², x ← x + η_g·m̂/(√v̂ + ε) (m̂ = m, v̂ = v unless bias_correction)."""
+
+    name = "fedadam"
+    server_lr: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.99
+    eps: float = 1e-3
+    bias_correction: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("beta1", "beta2"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and 0 <= value < 1):
+                raise ValueError(f"{name} must be in [0, 1), got {value}")
+        _check_positive("eps", self.eps)
+
+    def setup(self, ctx: FLContext, x0: torch.Tensor) -> None:
+        super().setup(ctx, x0)
+        self.m = torch.zeros_like(self.x)
+        self.v = torch.zeros_like(self.x)
+        self.steps = 0
+
+    def server_step(self, t: int, messages: list[ClientMessage], ctx: FLContext) -> None:
+        p = np.array([m.weight for m in messages], dtype=np.float64)
+        p /= p.sum()
+        delta = ops.weighted_sum([self.x, *(m.vectors["model"] for m in messages)], np.concatenate([[-1.0], p]))
+        self.steps += 1
+        self.m.mul_(self.beta1).add_(delta, alpha=1 - self.beta1)
+        self.v.mul_(self.beta2).addcmul_(delta, delta, value=1 - self.beta2)
+        m_hat, v_hat = self.m, self.v
+        if self.bias_correction:
+            m_hat = self.m / (1 - self.beta1**self.steps)
+            v_hat = self.v / (1 - self.beta2**self.steps)
+        self.x.addcdiv_(m_hat, v_hat.sqrt().add_(self.eps), value=self.server_lr)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "m": self.m, "v": self.v, "steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.m.copy_(state["m"])
+        self.v.copy_(state["v"])
+        self.steps = int(state["steps"])
