@@ -1,0 +1,10 @@
+"""One FedSpeed local step: fused flat-buffer ops vs FL-Simulator's per-tensor PyTorch step and a copy (issue 5)."""
+
+import pytest
+
+from pyfedkern.benchmarks import fedspeed as FAMILY  # noqa: N812  (conftest parametrizes `case` from it)
+
+
+@pytest.mark.benchmark(disable_gc=True)
+def test_fedspeed_step(run_benchmark, case):
+    run_benchmark(case)
