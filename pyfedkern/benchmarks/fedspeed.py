@@ -38,7 +38,7 @@ def resnet18_gn_shapes(num_classes: int = 10) -> list[tuple[int, ...]]:
             if block == 0 and (stride != 1 or in_ch != out_ch):
                 shapes += [(out_ch, in_ch, 1, 1), (out_ch,), (out_ch,)]
         in_ch = out_ch
-    return shapes + [(num_classes, 512), (num_classes,)]
+    return [*shapes, (num_classes, 512), (num_classes,)]
 
 
 def layer_sizes(d: int) -> list[int]:
