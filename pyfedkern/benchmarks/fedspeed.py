@@ -2,15 +2,18 @@
 
 On a ResNet-18-GN parameter list (its 62 tensors; at d = 10^6 the same 62 tensors scaled down proportionally):
 
-- ``pyfedkern``: the reference-code step fused on flat buffers: ``sam_perturb`` (norm + x̆ into a second buffer)
-  and ``fedspeed_update_`` with the clip at 10 (α = 1): 10·d floats of traffic;
-- ``pyfedkern Alg. 1 (no clip)`` (8·d) and ``pyfedkern α=0.9375`` (9·d, the spec's figure);
+Group "ref-code form" (clip at 10, α = 1, what FL-Simulator computes):
+
+- ``pyfedkern``: ``sam_perturb`` (norm + x̆ into a second buffer) and ``fedspeed_update_`` with the clip: 10·d floats
+  of traffic (norm 1, perturb 3, clip norm 2, update 4);
 - ``torch per-tensor (FL-Simulator)``: what the reference code runs per step: ESAM's norm over a list of per-tensor
   norms, ``e_w = g·s`` and ``p.add_(e_w)`` per tensor, the restore ``p.sub_(e_w)``, ``param_to_vector`` and the
   correction loss Σ x·D/λ (its backward replaced by ``p.grad.add_(D/λ)`` per tensor), ``clip_grad_norm_`` and SGD
   with weight decay wd + 1/λ;
 - ``torch flat``: the same math with torch ops on flat buffers;
 - ``limit:copy``: a copy of 4.5·d floats (9·d floats of traffic), the machine's memory bandwidth.
+
+Group "Alg. 1" (α = 0.9375, no clip; the spec's 9·d floats per step): ``pyfedkern``, ``torch flat`` and the copy.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from pyfedkern.benchmarks.common import Case, InputCache, fmt_size
 RESNET18_GN_CIFAR10_D = 11_181_642
 FULL_SIZES = [10**6, RESNET18_GN_CIFAR10_D]
 QUICK_SIZES = [10**6]
-RHO, LR, PROX, WD, CLIP = 0.1, 0.1, 0.1, 1e-3, 10.0
+RHO, LR, PROX, WD, CLIP, ALPHA = 0.1, 0.1, 0.1, 1e-3, 10.0, 0.9375
 
 
 def resnet18_gn_shapes(num_classes: int = 10) -> list[tuple[int, ...]]:
@@ -82,7 +85,7 @@ def cases(quick: bool = False, device: str = "cpu") -> list[Case]:
 
             return cache.get((d, device), build)
 
-        group = f"fedspeed step d={fmt_size(d)} float32 {device} (62 ResNet-18-GN tensors)"
+        group = f"fedspeed step ref-code form (clip, α=1) d={fmt_size(d)} float32 {device}"
 
         def fused(inputs=inputs, clip=True, alpha=1.0):
             a = inputs()
@@ -143,16 +146,29 @@ def cases(quick: bool = False, device: str = "cpu") -> list[Case]:
 
             return run
 
+        def torch_flat_alg1(inputs=inputs):
+            a = inputs()
+            x, g1, g2, anchor, perturbed = a["x"], a["g1"], a["g2"], a["anchor"], a["perturbed"]
+
+            def run():
+                torch.addcmul(x, g1, RHO / (g1.norm() + 1e-7), out=perturbed)
+                direction = torch.add(g1, g2, alpha=ALPHA / (1 - ALPHA)).mul_(1 - ALPHA).add_(anchor, alpha=PROX)
+                x.mul_(1 - LR * (PROX + WD)).sub_(direction, alpha=LR)
+
+            return run
+
         def limit_copy(inputs=inputs):
             a = inputs()
             return lambda: a["copy_dst"].copy_(a["copy_src"])
 
+        alg1 = f"fedspeed step Alg. 1 (α={ALPHA}, no clip) d={fmt_size(d)} float32 {device}"
         out += [
             Case(group, "pyfedkern", fused, 10 * d * 4, 0, device),
-            Case(group, "pyfedkern Alg. 1 (no clip)", lambda inputs=inputs: fused(inputs, False), 8 * d * 4, 0, device),
-            Case(group, "pyfedkern α=0.9375", lambda inputs=inputs: fused(inputs, False, 0.9375), 9 * d * 4, 0, device),
             Case(group, "torch per-tensor (FL-Simulator)", per_tensor, 10 * d * 4, 0, device),
             Case(group, "torch flat", torch_flat, 10 * d * 4, 0, device),
             Case(group, "limit:copy", limit_copy, 9 * d * 4, 0, device),
+            Case(alg1, "pyfedkern", lambda inputs=inputs: fused(inputs, False, ALPHA), 9 * d * 4, 0, device),
+            Case(alg1, "torch flat", torch_flat_alg1, 9 * d * 4, 0, device),
+            Case(alg1, "limit:copy", limit_copy, 9 * d * 4, 0, device),
         ]
     return out
