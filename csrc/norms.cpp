@@ -211,11 +211,10 @@ void class_feature_norms(int device, uintptr_t stream, const std::string& dtype_
   const Matrix lg{reinterpret_cast<const void*>(logits), logit_stride0, logit_stride1};
   if (device >= 0) {
     PFK_CUDA_CALL(cuda::class_feature_norms(device, stream, dtype, label_dtype == "int32", B, D, f.ptr, f_stride0,
-                                            f_stride1, reinterpret_cast<const void*>(labels), label_stride,
-                                            num_classes, lg.ptr, logit_stride0, logit_stride1,
-                                            reinterpret_cast<void*>(norms), reinterpret_cast<void*>(class_sum),
-                                            reinterpret_cast<void*>(class_mean), reinterpret_cast<int64_t*>(counts),
-                                            reinterpret_cast<int64_t*>(correct)));
+                                            f_stride1, reinterpret_cast<const void*>(labels), label_stride, num_classes,
+                                            lg.ptr, logit_stride0, logit_stride1, reinterpret_cast<void*>(norms),
+                                            reinterpret_cast<void*>(class_sum), reinterpret_cast<void*>(class_mean),
+                                            reinterpret_cast<int64_t*>(counts), reinterpret_cast<int64_t*>(correct)));
     return;
   }
   with_types(dtype, label_dtype, [&](auto t, auto l) {
@@ -258,11 +257,10 @@ void class_feature_norms_backward(int device, uintptr_t stream, const std::strin
 
 void bind_norms(py::module_& m) {
   m.def("class_feature_norms", &class_feature_norms, py::arg("device"), py::arg("stream"), py::arg("dtype"),
-        py::arg("B"), py::arg("D"), py::arg("features"), py::arg("f_stride0"), py::arg("f_stride1"),
-        py::arg("labels"), py::arg("label_dtype"), py::arg("label_stride"), py::arg("num_classes"),
-        py::arg("logits"), py::arg("logit_stride0"), py::arg("logit_stride1"), py::arg("norms"),
-        py::arg("class_sum"), py::arg("class_mean"), py::arg("counts"), py::arg("correct"),
-        py::call_guard<py::gil_scoped_release>(),
+        py::arg("B"), py::arg("D"), py::arg("features"), py::arg("f_stride0"), py::arg("f_stride1"), py::arg("labels"),
+        py::arg("label_dtype"), py::arg("label_stride"), py::arg("num_classes"), py::arg("logits"),
+        py::arg("logit_stride0"), py::arg("logit_stride1"), py::arg("norms"), py::arg("class_sum"),
+        py::arg("class_mean"), py::arg("counts"), py::arg("correct"), py::call_guard<py::gil_scoped_release>(),
         "Row L2 norms of a [B, D] matrix; with labels, per-class sums/means/counts of the norms; with logits, the "
         "number of rows whose argmax equals the label. Null (0) pointers switch parts off.");
   m.def("class_feature_norms_backward", &class_feature_norms_backward, py::arg("device"), py::arg("stream"),

@@ -105,9 +105,9 @@ __global__ void row_norms_kernel(int64_t B, int64_t D, const T* __restrict__ f, 
 // Block c < C: sum and count of the norms of class c; block C: the number of hits. Fixed-order tree reductions.
 template <typename T, typename L>
 __global__ void class_reduce_kernel(int64_t B, const void* labels, int64_t label_stride, int64_t C,
-                                    const typename AccOf<T>::type* __restrict__ acc_norms,
-                                    const int* __restrict__ hits, T* __restrict__ class_sum, T* __restrict__ class_mean,
-                                    int64_t* __restrict__ counts, int64_t* __restrict__ correct) {
+                                    const typename AccOf<T>::type* __restrict__ acc_norms, const int* __restrict__ hits,
+                                    T* __restrict__ class_sum, T* __restrict__ class_mean, int64_t* __restrict__ counts,
+                                    int64_t* __restrict__ correct) {
   __shared__ double sums[kThreads];
   __shared__ long long cnts[kThreads];
   const int64_t c = blockIdx.x;
@@ -171,9 +171,9 @@ void forward(int device, cudaStream_t stream, int64_t B, int64_t D, const void* 
   StreamBuffer acc_norms(with_classes ? B * sizeof(Acc) : 0, stream);
   StreamBuffer hits(logits != nullptr ? B * sizeof(int) : 0, stream);
   const unsigned grid = grid_for(device, B * kWarp, kThreads);
-  row_norms_kernel<T, L><<<grid, kThreads, 0, stream>>>(
-      B, D, static_cast<const T*>(features), fs0, fs1, labels, label_stride, C, static_cast<const T*>(logits), ls0,
-      ls1, static_cast<T*>(norms), acc_norms.as<Acc>(), hits.as<int>());
+  row_norms_kernel<T, L><<<grid, kThreads, 0, stream>>>(B, D, static_cast<const T*>(features), fs0, fs1, labels,
+                                                        label_stride, C, static_cast<const T*>(logits), ls0, ls1,
+                                                        static_cast<T*>(norms), acc_norms.as<Acc>(), hits.as<int>());
   check(cudaGetLastError(), "class_feature_norms row kernel launch");
   if (!with_classes) return;
   const unsigned blocks = static_cast<unsigned>(C + (logits != nullptr ? 1 : 0));

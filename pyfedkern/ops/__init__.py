@@ -6,3 +6,7 @@ Every op has a plain reference with the same signature in :mod:`pyfedkern.refere
 from pyfedkern.ops.aggregate import accumulate_, weighted_sum
 
 __all__ = ["accumulate_", "weighted_sum"]
+
+from pyfedkern.ops.norms import FeatureNorms, class_feature_norms, per_sample_grad_norms, row_norms  # noqa: E402
+
+__all__ += ["FeatureNorms", "class_feature_norms", "per_sample_grad_norms", "row_norms"]

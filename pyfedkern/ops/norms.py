@@ -63,9 +63,7 @@ def _prepare_labels(labels: Any, feats: ArrayRef, num_classes: int) -> tuple[Any
     """labels as an int32/int64 1-D array of length B on the features' library/device (small ints are widened)."""
     ref = _arrays.describe(labels, "labels")
     if ref.lib != feats.lib or ref.device != feats.device:
-        raise ValueError(
-            f"labels is a {ref.where} array but features is a {feats.where} array; mixing is not allowed"
-        )
+        raise ValueError(f"labels is a {ref.where} array but features is a {feats.where} array; mixing is not allowed")
     if ref.dtype not in LABEL_DTYPES + _INT_DTYPES:
         raise TypeError(f"labels must have an integer dtype (int32 or int64), got {ref.dtype}")
     if ref.shape != (feats.shape[0],):
@@ -85,7 +83,9 @@ def _check_logits(logits: Any, feats: ArrayRef, num_classes: int) -> ArrayRef:
     ref = _arrays.describe(logits, "logits")
     _arrays.check_same(ref, feats, "logits", "features")
     if ref.shape != (feats.shape[0], num_classes):
-        raise ValueError(f"logits must have shape ({feats.shape[0]}, {num_classes}) ([B, num_classes]), got {ref.shape}")
+        raise ValueError(
+            f"logits must have shape ({feats.shape[0]}, {num_classes}) ([B, num_classes]), got {ref.shape}"
+        )
     return ref
 
 
@@ -333,7 +333,9 @@ def _conv2d_sq_norms(layer: Any, a: Any, g: Any) -> Any:
     B = a.shape[0]
     if cols.shape[2] != g.shape[2] * g.shape[3]:
         raise ValueError(f"grad_outputs spatial size {tuple(g.shape[2:])} does not match the layer's output")
-    return _sequence_sq_norms(cols.transpose(1, 2), g.reshape(B, g.shape[1], -1).transpose(1, 2), layer.weight, layer.bias)
+    return _sequence_sq_norms(
+        cols.transpose(1, 2), g.reshape(B, g.shape[1], -1).transpose(1, 2), layer.weight, layer.bias
+    )
 
 
 def _sequence_sq_norms(a: Any, g: Any, weight: Any, bias: Any) -> Any:

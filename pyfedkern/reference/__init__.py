@@ -4,3 +4,7 @@ used by the tests and benchmarks. They favour clarity (and float64 arithmetic) o
 from pyfedkern.reference.aggregate import accumulate_, weighted_sum
 
 __all__ = ["accumulate_", "weighted_sum"]
+
+from pyfedkern.reference.norms import class_feature_norms, grad_norms, per_sample_grad_norms  # noqa: E402
+
+__all__ += ["class_feature_norms", "grad_norms", "per_sample_grad_norms"]
