@@ -7,6 +7,6 @@ from pyfedkern.ops.aggregate import accumulate_, weighted_sum
 
 __all__ = ["accumulate_", "weighted_sum"]
 
-from pyfedkern.ops.norms import FeatureNorms, class_feature_norms, per_sample_grad_norms, row_norms  # noqa: E402
+from pyfedkern.ops.norms import FeatureNorms, class_feature_norms, per_sample_grad_norms, row_norms
 
 __all__ += ["FeatureNorms", "class_feature_norms", "per_sample_grad_norms", "row_norms"]

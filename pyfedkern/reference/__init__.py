@@ -5,6 +5,6 @@ from pyfedkern.reference.aggregate import accumulate_, weighted_sum
 
 __all__ = ["accumulate_", "weighted_sum"]
 
-from pyfedkern.reference.norms import class_feature_norms, grad_norms, per_sample_grad_norms  # noqa: E402
+from pyfedkern.reference.norms import class_feature_norms, grad_norms, per_sample_grad_norms
 
 __all__ += ["class_feature_norms", "grad_norms", "per_sample_grad_norms"]

@@ -321,7 +321,7 @@ def test_grad_norms_batch_of_one_and_mse_loss():
 
 def test_grad_norms_errors():
     x, y = torch.randn(4, 3), torch.randint(0, 2, (4,))
-    with pytest.raises(TypeError, match="LayerNorm.*not supported"):
+    with pytest.raises(TypeError, match=r"LayerNorm.*not supported"):
         persample.grad_norms(nn.Sequential(nn.Linear(3, 3), nn.LayerNorm(3), nn.Linear(3, 2)), F.cross_entropy, x, y)
     with pytest.raises(ValueError, match="training mode"):
         persample.grad_norms(nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3, affine=False)), F.cross_entropy, x, y)
@@ -330,7 +330,7 @@ def test_grad_norms_errors():
         persample.grad_norms(nn.Sequential(shared, nn.ReLU(), shared), F.cross_entropy, x, torch.randint(0, 3, (4,)))
     with pytest.raises(ValueError, match="no trainable"):
         persample.grad_norms(nn.ReLU(), F.cross_entropy, x, y)
-    with pytest.raises(TypeError, match="Linear and nn.Conv2d"):
+    with pytest.raises(TypeError, match=r"Linear and nn\.Conv2d"):
         ops.per_sample_grad_norms(nn.LayerNorm(3), x, x)
     with pytest.raises(ValueError, match="groups=2"):
         ops.per_sample_grad_norms(nn.Conv2d(2, 2, 1, groups=2), torch.randn(1, 2, 3, 3), torch.randn(1, 2, 3, 3))
