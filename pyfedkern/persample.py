@@ -43,18 +43,12 @@ def _check_model(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
-def grad_norms(model: nn.Module, loss_fn: Any, x: torch.Tensor, y: torch.Tensor, *, squared: bool = False) -> Any:
-    """[B] L2 norms of the per-sample gradients ∇_θ loss_fn(model(x_n[None]), y_n[None]) over all trainable params.
+def capture_layer_grads(
+    model: nn.Module, loss_fn: Any, x: torch.Tensor, y: torch.Tensor
+) -> tuple[list[tuple[nn.Module, torch.Tensor, torch.Tensor]], torch.Tensor]:
+    """((layer, input, per-sample output gradient) for each trainable Linear/Conv2d layer, model output).
 
-    Args:
-        model: built from Linear / Conv2d layers (any parameter-free modules in between); each layer called once
-            per forward pass.
-        loss_fn: called as ``loss_fn(output[n:n+1], y[n:n+1])`` for one sample (e.g. ``F.cross_entropy``); must be
-            vmap-compatible.
-        x, y: a batch of inputs [B, ...] and targets [B, ...].
-        squared: return squared norms.
-
-    Matches ``torch.func`` (vmap over grad) to float tolerance, at the cost of one forward and one backward pass.
+    The output gradients are those of each sample's own loss ``loss_fn(output[n:n+1], y[n:n+1])``.
     """
     layers = _check_model(model)
     inputs: dict[nn.Module, torch.Tensor] = {}
@@ -85,8 +79,25 @@ def grad_norms(model: nn.Module, loss_fn: Any, x: torch.Tensor, y: torch.Tensor,
     grad_out = torch.func.vmap(torch.func.grad(loss_one))(out.detach(), y)
     used = [m for m in layers if m in outputs and outputs[m].requires_grad]
     grads = torch.autograd.grad(out, [outputs[m] for m in used], grad_outputs=grad_out, allow_unused=True)
+    captured = [(m, inputs[m], g) for m, g in zip(used, grads, strict=True) if g is not None]
+    return captured, out.detach()
+
+
+def grad_norms(model: nn.Module, loss_fn: Any, x: torch.Tensor, y: torch.Tensor, *, squared: bool = False) -> Any:
+    """[B] L2 norms of the per-sample gradients ∇_θ loss_fn(model(x_n[None]), y_n[None]) over all trainable params.
+
+    Args:
+        model: built from Linear / Conv2d layers (any parameter-free modules in between); each layer called once
+            per forward pass.
+        loss_fn: called as ``loss_fn(output[n:n+1], y[n:n+1])`` for one sample (e.g. ``F.cross_entropy``); must be
+            vmap-compatible.
+        x, y: a batch of inputs [B, ...] and targets [B, ...].
+        squared: return squared norms.
+
+    Matches ``torch.func`` (vmap over grad) to float tolerance, at the cost of one forward and one backward pass.
+    """
+    captured, out = capture_layer_grads(model, loss_fn, x, y)
     total = torch.zeros(x.shape[0], dtype=out.dtype, device=out.device)
-    for module, g in zip(used, grads, strict=True):
-        if g is not None:
-            total += per_sample_grad_norms(module, inputs[module], g, squared=True)
+    for module, a, g in captured:
+        total += per_sample_grad_norms(module, a, g, squared=True)
     return total if squared else total.sqrt()

@@ -390,3 +390,24 @@ def test_cuda_grad_norms_match_torch_func():
         rtol=2e-5,
         atol=2e-5,
     )
+
+
+# benchmark cases compute what they claim -------------------------------------------------------------------
+
+
+def test_benchmark_peers_agree_with_pyfedkern():
+    from pyfedkern.benchmarks import norms as bench
+
+    cases = bench.cases(quick=True)
+    first_norm = [c for c in cases if c.group == cases[0].group and not c.is_limit]
+    results = {c.name: c.make()() for c in first_norm}
+    ours = results.pop("pyfedkern")
+    for name, value in results.items():
+        torch.testing.assert_close(value[0], ours.norms, msg=name)
+        torch.testing.assert_close(value[-1 if "loop" in name else 2], ours.class_mean, msg=name)
+    grad_group = next(c.group for c in cases if c.group.startswith("grad_norms cnn"))
+    grads = {c.name: c.make()() for c in cases if c.group == grad_group and not c.is_limit}
+    ours = grads.pop("pyfedkern")
+    assert len(grads) >= 2
+    for name, value in grads.items():
+        torch.testing.assert_close(value, ours, rtol=1e-4, atol=1e-5, msg=name)
