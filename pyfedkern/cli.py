@@ -285,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pyfedkern", description="Fast federated-learning kernels and experiments.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    run = sub.add_parser("run", help="run one FL experiment")
+    run = sub.add_parser("run", help="run one FL experiment", allow_abbrev=False)
     run.add_argument("--algorithm", default="fedavg", help="algorithm name (default: fedavg)")
     run.add_argument("--out", default=None, help="directory for config, metrics, checkpoints and summary")
     run.add_argument("--resume", action="store_true", help="continue the interrupted run in --out")
@@ -293,7 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(run)
     run.set_defaults(handler=cmd_run)
 
-    cmp = sub.add_parser("compare", help="run several algorithms on the same split; plot and tabulate")
+    cmp = sub.add_parser(
+        "compare", allow_abbrev=False, help="run several algorithms on the same split; plot and tabulate"
+    )
     cmp.add_argument("--algorithms", required=True, help="comma-separated names, e.g. fedavg,fedprox,scaffold")
     cmp.add_argument("--out", required=True, help="output directory (one sub-directory per algorithm)")
     cmp.add_argument("--target", type=float, default=None, help="accuracy target for rounds-to-target, e.g. 0.85")

@@ -207,3 +207,12 @@ def test_missing_public_set_and_model_split_are_reported():
 
     with pytest.raises(ValueError, match="public set"):
         algo.public_statistics(torch.zeros(1), Ctx())
+
+
+def test_cli_accepts_the_short_p_option(tmp_path):
+    from pyfedkern.cli import main
+
+    argv = ["run", "--algorithm", "fnrfl", "--p", "0.5", "--lam", "0.1", "--public-size", "10", "--refine-epochs", "1"]
+    argv += ["--dataset", "digits", "--model", "logreg", "--clients", "3", "--rounds", "1", "--no-progress"]
+    assert main([*argv, "--out", str(tmp_path / "run")]) == 0
+    assert (tmp_path / "run" / "summary.json").exists()
