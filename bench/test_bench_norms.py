@@ -2,7 +2,9 @@
 
 import pytest
 
-from pyfedkern.benchmarks import norms as FAMILY  # noqa: N812  (conftest parametrizes `case` from it)
+from pyfedkern.benchmarks import norms
+
+FAMILY = norms  # bench/conftest.py parametrizes `case` over FAMILY.cases()
 
 
 @pytest.mark.benchmark(disable_gc=True)
