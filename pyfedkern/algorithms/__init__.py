@@ -24,6 +24,7 @@ ALGORITHMS: dict[str, str] = {
     "fedavg": "pyfedkern.algorithms.fedavg:FedAvg",
     "fedprox": "pyfedkern.algorithms.fedavg:FedProx",
     "scaffold": "pyfedkern.algorithms.fedavg:Scaffold",
+    "fnrfl": "pyfedkern.algorithms.fnrfl:FNRFL",
     "fedspeed": "pyfedkern.algorithms.fedspeed:FedSpeed",
     "feddyn": "pyfedkern.algorithms.fedspeed_baselines:FedDyn",
     "fedsam": "pyfedkern.algorithms.fedspeed_baselines:FedSAM",

@@ -4,6 +4,12 @@ Every op has a plain reference with the same signature in :mod:`pyfedkern.refere
 """
 
 from pyfedkern.ops.aggregate import accumulate_, weighted_sum
-from pyfedkern.ops.fedspeed import fedspeed_round_end_, fedspeed_update_, sam_perturb
 
-__all__ = ["accumulate_", "fedspeed_round_end_", "fedspeed_update_", "sam_perturb", "weighted_sum"]
+__all__ = ["accumulate_", "weighted_sum"]
+
+from pyfedkern.ops.fedspeed import fedspeed_round_end_, fedspeed_update_, sam_perturb
+from pyfedkern.ops.norms import FeatureNorms, class_feature_norms, per_sample_grad_norms, row_norms
+
+__all__ += ["FeatureNorms", "class_feature_norms", "per_sample_grad_norms", "row_norms"]
+
+__all__ += ["fedspeed_round_end_", "fedspeed_update_", "sam_perturb"]

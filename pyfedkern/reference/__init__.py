@@ -2,6 +2,12 @@
 used by the tests and benchmarks. They favour clarity (and float64 arithmetic) over speed."""
 
 from pyfedkern.reference.aggregate import accumulate_, weighted_sum
-from pyfedkern.reference.fedspeed import fedspeed_round_end_, fedspeed_update_, sam_perturb
 
-__all__ = ["accumulate_", "fedspeed_round_end_", "fedspeed_update_", "sam_perturb", "weighted_sum"]
+__all__ = ["accumulate_", "weighted_sum"]
+
+from pyfedkern.reference.fedspeed import fedspeed_round_end_, fedspeed_update_, sam_perturb
+from pyfedkern.reference.norms import class_feature_norms, grad_norms, per_sample_grad_norms
+
+__all__ += ["class_feature_norms", "grad_norms", "per_sample_grad_norms"]
+
+__all__ += ["fedspeed_round_end_", "fedspeed_update_", "sam_perturb"]

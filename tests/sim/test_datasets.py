@@ -266,3 +266,7 @@ def test_cifar10_bad_content(tmp_path):
         pickle.dump([1, 2, 3], f)
     with pytest.raises(ValueError, match="b'data'"):
         load_dataset("cifar10", tmp_path)
+    whole = (folder / "data_batch_5").read_bytes()
+    (folder / "data_batch_5").write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(pickle.UnpicklingError, match="data_batch_5"):
+        load_dataset("cifar10", tmp_path)
