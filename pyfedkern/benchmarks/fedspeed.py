@@ -104,6 +104,7 @@ def cases(quick: bool = False, device: str = "cpu") -> list[Case]:
                     clip_norm=CLIP if clip else None,
                     norm_out=a["clip_norm"] if clip else None,
                 )
+                return a["x"]
 
             return run
 
@@ -131,6 +132,7 @@ def cases(quick: bool = False, device: str = "cpu") -> list[Case]:
                         p.grad.add_(c)
                 torch.nn.utils.clip_grad_norm_(params, max_norm=CLIP)
                 sgd.step()
+                return params
 
             return run
 
@@ -142,7 +144,7 @@ def cases(quick: bool = False, device: str = "cpu") -> list[Case]:
                 torch.addcmul(x, g1, RHO / (g1.norm() + 1e-7), out=perturbed)
                 v = torch.add(g2, anchor, alpha=PROX)
                 k = torch.clamp(CLIP / (v.norm() + 1e-6), max=1.0)
-                x.mul_(1 - LR * (PROX + WD)).addcmul_(v, k, value=-LR)
+                return x.mul_(1 - LR * (PROX + WD)).addcmul_(v, k, value=-LR)
 
             return run
 
@@ -153,7 +155,7 @@ def cases(quick: bool = False, device: str = "cpu") -> list[Case]:
             def run():
                 torch.addcmul(x, g1, RHO / (g1.norm() + 1e-7), out=perturbed)
                 direction = torch.add(g1, g2, alpha=ALPHA / (1 - ALPHA)).mul_(1 - ALPHA).add_(anchor, alpha=PROX)
-                x.mul_(1 - LR * (PROX + WD)).sub_(direction, alpha=LR)
+                return x.mul_(1 - LR * (PROX + WD)).sub_(direction, alpha=LR)
 
             return run
 

@@ -417,3 +417,28 @@ def test_cuda_zero_gradient_and_determinism():
     a = ops.sam_perturb(g, g, 0.1, out=torch.empty_like(g), norm_out=n1)
     b = ops.sam_perturb(g, g, 0.1, out=torch.empty_like(g), norm_out=n2)
     assert torch.equal(a, b) and torch.equal(n1, n2)
+
+
+# benchmark cases ---------------------------------------------------------------------------------------
+
+
+def test_benchmark_peers_compute_the_same_step():
+    from pyfedkern.benchmarks import fedspeed as bench
+
+    assert len(bench.resnet18_gn_shapes()) == 62
+    assert sum(int(np.prod(s)) for s in bench.resnet18_gn_shapes()) == bench.RESNET18_GN_CIFAR10_D
+    assert sum(bench.layer_sizes(10**6)) == 10**6 and len(bench.layer_sizes(10**6)) == 62
+    groups = sorted({c.group for c in bench.cases(quick=True)})
+    assert len(groups) == 2
+    for group in groups:
+        results = {}
+        for name in [c.name for c in bench.cases(quick=True) if c.group == group and not c.is_limit]:
+            case = next(c for c in bench.cases(quick=True) if c.group == group and c.name == name)  # fresh inputs
+            result = case.make()()
+            if isinstance(result, list):
+                result = torch.cat([p.detach().reshape(-1) for p in result])
+            results[name] = result.double().numpy()
+        ours = results.pop("pyfedkern")
+        assert len(results) >= 1
+        for name, value in results.items():
+            np.testing.assert_allclose(value, ours, rtol=1e-5, atol=1e-6, err_msg=f"{group}: {name}")
