@@ -4,5 +4,6 @@ Every op has a plain reference with the same signature in :mod:`pyfedkern.refere
 """
 
 from pyfedkern.ops.aggregate import accumulate_, weighted_sum
+from pyfedkern.ops.pbc import mifa_update_, pbc_agg_bcast_, weighted_delta_
 
-__all__ = ["accumulate_", "weighted_sum"]
+__all__ = ["accumulate_", "mifa_update_", "pbc_agg_bcast_", "weighted_delta_", "weighted_sum"]

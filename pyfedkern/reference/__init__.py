@@ -2,5 +2,6 @@
 used by the tests and benchmarks. They favour clarity (and float64 arithmetic) over speed."""
 
 from pyfedkern.reference.aggregate import accumulate_, weighted_sum
+from pyfedkern.reference.pbc import mifa_update_, pbc_agg_bcast_, weighted_delta_
 
-__all__ = ["accumulate_", "weighted_sum"]
+__all__ = ["accumulate_", "mifa_update_", "pbc_agg_bcast_", "weighted_delta_", "weighted_sum"]
