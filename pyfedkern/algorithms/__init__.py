@@ -24,6 +24,12 @@ ALGORITHMS: dict[str, str] = {
     "fedavg": "pyfedkern.algorithms.fedavg:FedAvg",
     "fedprox": "pyfedkern.algorithms.fedavg:FedProx",
     "scaffold": "pyfedkern.algorithms.fedavg:Scaffold",
+    "fedpbc": "pyfedkern.algorithms.fedpbc:FedPBC",
+    "fedavg-links": "pyfedkern.algorithms.fedpbc:FedAvgLinks",
+    "fedavg-all": "pyfedkern.algorithms.fedpbc:FedAvgAll",
+    "fedavg-known-p": "pyfedkern.algorithms.fedpbc:FedAvgKnownP",
+    "fedau": "pyfedkern.algorithms.fedpbc:FedAU",
+    "mifa": "pyfedkern.algorithms.fedpbc:MIFA",
 }
 
 

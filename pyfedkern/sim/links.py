@@ -49,7 +49,8 @@ def _check_probs(probs: Any, name: str = "probs") -> np.ndarray:
     return p
 
 
-def _check_gamma(gamma: float, delta: float | None = None) -> float:
+def check_gamma(gamma: float, delta: float | None = None) -> float:
+    """γ as a float; ValueError unless 0 ≤ γ ≤ 1 and the time-varying lower bound (δ or p_i)·(1 − 2γ) > 0."""
     gamma = float(gamma)
     if not (math.isfinite(gamma) and 0 <= gamma <= 1):
         raise ValueError(f"gamma must be in [0, 1], got {gamma}")
@@ -142,7 +143,7 @@ class LinkModel:
             raise ValueError(f"unknown link pattern {pattern!r}; valid choices: {', '.join(PATTERNS)}")
         self.probs = _check_probs(probs)
         self.pattern = pattern
-        self.gamma = _check_gamma(gamma) if pattern in TIME_VARYING else float(gamma)
+        self.gamma = check_gamma(gamma) if pattern in TIME_VARYING else float(gamma)
         if not (math.isfinite(self.gamma) and 0 <= self.gamma <= 1):
             raise ValueError(f"gamma must be in [0, 1], got {gamma}")
         if isinstance(period, bool) or not isinstance(period, (int, np.integer)) or period < 1:
@@ -256,7 +257,7 @@ def make_links(
     if pattern not in PATTERNS:
         raise ValueError(f"unknown link pattern {pattern!r}; valid choices: {', '.join(PATTERNS)}")
     if pattern in TIME_VARYING:
-        _check_gamma(gamma, None if probs is not None else delta)
+        check_gamma(gamma, None if probs is not None else delta)
     if probs is not None and len(probs) > 0:
         p = np.asarray(probs, dtype=np.float64)
         p = p if p.shape[0] == num_clients else group_link_probs(p, num_clients)
