@@ -168,7 +168,8 @@ def _synthetic(args: list[float], normalize: str, seed: int) -> Dataset:
     """Li et al.'s synthetic(α, β): per client k, u_k ~ N(0, α²), B_k ~ N(0, β²), W_k, b_k ~ N(u_k, 1),
     v_k ~ N(B_k, 1) per feature, x ~ N(v_k, Σ) with Σ_jj = j^-1.2, y = argmax(W_k x + b_k).
 
-    Client sizes are ⌊lognormal(4, 2)⌋ + 50, capped at 1000; each client's samples split 80/20 train/test.
+    α and β default to 1, then 30 clients, dim 60, 10 classes. Client sizes are ⌊lognormal(4, 2)⌋ + 50, capped at
+    1000; each client's samples split 80/20 train/test (train and test rows grouped by client).
     """
     if len(args) > 5:
         raise ValueError(f"dataset synthetic takes at most 5 arguments (α,β,clients,dim,classes), got {len(args)}")
@@ -346,8 +347,8 @@ def _load_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
     with open(path, "rb") as f:
         try:
             batch = _ArrayUnpickler(f, encoding="bytes").load()
-        except pickle.UnpicklingError:
-            raise
+        except pickle.UnpicklingError as err:
+            raise pickle.UnpicklingError(f"CIFAR-10 batch {path}: {err}") from None
         except Exception as err:
             raise ValueError(f"CIFAR-10 batch {path} is not a readable pickle: {err}") from err
     if not isinstance(batch, dict) or b"data" not in batch or b"labels" not in batch:
