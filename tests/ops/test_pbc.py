@@ -314,3 +314,18 @@ def test_cuda_strided_store_and_stream():
     reference.pbc_agg_bcast_(expected, server_ref, [1, 4, 9])
     assert torch.allclose(server.cpu(), server_ref, rtol=1e-12, atol=1e-12)
     assert torch.allclose(store.cpu(), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_benchmark_cases_run_and_the_idioms_agree():
+    from pyfedkern.benchmarks import pbc
+
+    cases = pbc.cases(quick=True)
+    assert {c.group.split()[0] for c in cases} == {"pbc_agg_bcast", "weighted_delta", "mifa_update"}
+    first = cases[0].group
+    results = {c.name: c.make()() for c in cases if c.group == first and not c.is_limit}
+    # after the first call every active row holds the mean, so each peer returns the same server model
+    values = list(results.values())
+    for v in values[1:]:
+        torch.testing.assert_close(v, values[0], rtol=1e-5, atol=1e-6)
+    for c in cases:
+        c.make()()
