@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
+from torch.nn.utils.rnn import pad_sequence
 
 from pyfedkern.algorithms.base import Batch, FLContext, local_sgd
 from pyfedkern.algorithms.local import LocalModel
@@ -171,18 +172,14 @@ def batched_local_sgd_(
 
 
 def _stack_batches(batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Stack k batches to [k, B, ...]; unequal sizes are padded (repeating a sample) with per-sample weights."""
+    """Stack k batches to [k, B, ...]; unequal sizes are zero-padded to the largest, with per-sample weights."""
     sizes = [int(b[1].shape[0]) for b in batches]
     if len(set(sizes)) == 1 and len({tuple(b[0].shape) for b in batches}) == 1:
         return torch.stack([b[0] for b in batches]), torch.stack([b[1] for b in batches]), None
-    size = max(sizes)
-
-    def pad(v: torch.Tensor, n: int) -> torch.Tensor:
-        return v if n == size else torch.cat([v, v[:1].expand(size - n, *v.shape[1:])])
-
-    xb = torch.stack([pad(b[0], n) for b, n in zip(batches, sizes, strict=True)])
-    yb = torch.stack([pad(b[1], n) for b, n in zip(batches, sizes, strict=True)])
-    wb = torch.zeros(len(batches), size, dtype=xb.dtype if xb.is_floating_point() else torch.float32, device=xb.device)
-    for r, n in enumerate(sizes):
-        wb[r, :n] = 1.0 / n
+    xb = pad_sequence([b[0] for b in batches], batch_first=True)
+    yb = pad_sequence([b[1] for b in batches], batch_first=True)
+    n = torch.as_tensor(sizes, device=xb.device)
+    dtype = xb.dtype if xb.is_floating_point() else torch.get_default_dtype()
+    positions = torch.arange(xb.shape[1], device=xb.device)
+    wb = (positions[None, :] < n[:, None]).to(dtype) / n[:, None].to(dtype)
     return xb, yb, wb
