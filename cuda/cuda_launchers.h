@@ -23,6 +23,21 @@ inline int device_count() {
 void weighted_sum(int device, uintptr_t stream, DType dtype, int64_t d, void* out, int64_t out_stride,
                   const std::vector<WeightedRow>& rows, bool accumulate);
 
+// Row L2 norms of a [B, D] matrix; with labels (int32 or int64), per-class sums/means/counts of the norms (fixed
+// order); with logits [B, C], the number of rows whose argmax equals the label. Null pointers switch parts off.
+// Labels must already be checked to lie in [0, C); an out-of-range label is simply not counted.
+void class_feature_norms(int device, uintptr_t stream, DType dtype, bool labels_int32, int64_t B, int64_t D,
+                         const void* features, int64_t f_stride0, int64_t f_stride1, const void* labels,
+                         int64_t label_stride, int64_t C, const void* logits, int64_t logit_stride0,
+                         int64_t logit_stride1, void* norms, void* class_sum, void* class_mean, int64_t* counts,
+                         int64_t* correct);
+
+// grad[r, :] = (grad_norms[r] + class_coef[labels[r]]) * f[r, :] / ||f[r, :]|| with float32 coefficients
+// (float64 for float64 features); grad is a contiguous [B, D] array of the features' dtype.
+void class_feature_norms_backward(int device, uintptr_t stream, DType dtype, bool labels_int32, int64_t B, int64_t D,
+                                  const void* features, int64_t f_stride0, int64_t f_stride1, const void* labels,
+                                  int64_t label_stride, const void* grad_norms, const void* class_coef, void* grad);
+
 }  // namespace pfk::cuda
 
 // Evaluates a CUDA launcher call, or raises when this build has no CUDA.

@@ -24,6 +24,7 @@ ALGORITHMS: dict[str, str] = {
     "fedavg": "pyfedkern.algorithms.fedavg:FedAvg",
     "fedprox": "pyfedkern.algorithms.fedavg:FedProx",
     "scaffold": "pyfedkern.algorithms.fedavg:Scaffold",
+    "fnrfl": "pyfedkern.algorithms.fnrfl:FNRFL",
     "fedpbc": "pyfedkern.algorithms.fedpbc:FedPBC",
     "fedavg-links": "pyfedkern.algorithms.fedpbc:FedAvgLinks",
     "fedavg-all": "pyfedkern.algorithms.fedpbc:FedAvgAll",

@@ -8,6 +8,8 @@ compute the same thing (pyfedkern, the peers users run today) plus the machine's
 from pyfedkern.benchmarks.common import Case, InputCache
 
 #: family name → module under pyfedkern.benchmarks
-FAMILIES = ["aggregate", "pbc"]
+FAMILIES = ["aggregate"]
+FAMILIES += ["norms"]
+FAMILIES += ["pbc"]
 
 __all__ = ["FAMILIES", "Case", "InputCache"]

@@ -4,4 +4,10 @@ used by the tests and benchmarks. They favour clarity (and float64 arithmetic) o
 from pyfedkern.reference.aggregate import accumulate_, weighted_sum
 from pyfedkern.reference.pbc import mifa_update_, pbc_agg_bcast_, weighted_delta_
 
-__all__ = ["accumulate_", "mifa_update_", "pbc_agg_bcast_", "weighted_delta_", "weighted_sum"]
+__all__ = ["accumulate_", "weighted_sum"]
+
+from pyfedkern.reference.norms import class_feature_norms, grad_norms, per_sample_grad_norms
+
+__all__ += ["class_feature_norms", "grad_norms", "per_sample_grad_norms"]
+
+__all__ += ["mifa_update_", "pbc_agg_bcast_", "weighted_delta_"]
