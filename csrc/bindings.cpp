@@ -10,5 +10,6 @@ PYBIND11_MODULE(_C, m) {
   pfk::bind_runtime(m);
   pfk::bind_aggregate(m);
   pfk::bind_norms(m);
+  pfk::bind_pbc(m);
   pfk::bind_fedspeed(m);
 }

@@ -53,3 +53,37 @@ void fedspeed_round_end(int device, uintptr_t stream, DType dtype, const RoundEn
 #define PFK_CUDA_CALL(expr) \
   throw ::pfk::ArgumentError("pyfedkern was built without CUDA; reinstall with nvcc available (PYFEDKERN_CUDA=ON)")
 #endif
+
+// ---- FedPBC family (csrc/pbc.cpp, cuda/pbc.cu) ----
+namespace pfk {
+
+// One row of a model store: element j lives at ptr + j * stride (stride in elements).
+struct PbcRow {
+  void* ptr;
+  int64_t stride;
+};
+
+// Arguments of mifa_update: updates[r] is written (as a delta) into memory[r]; all_memory is empty unless the
+// running sum `total` is to be re-summed from every memory row; x += coef * total afterwards.
+struct MifaArgs {
+  PbcRow x{};
+  PbcRow total{};
+  std::vector<PbcRow> updates;
+  std::vector<PbcRow> memory;
+  std::vector<PbcRow> all_memory;
+  double coef = 0.0;
+  bool subtract_x = false;
+};
+
+namespace cuda {
+// server = mean of rows; every row = server (rows non-empty, distinct, none overlapping server).
+void pbc_agg_bcast(int device, uintptr_t stream, DType dtype, int64_t d, const std::vector<PbcRow>& rows, void* server,
+                   int64_t server_stride);
+// x += sum_r weights[r] * (rows[r] - x).
+void weighted_delta(int device, uintptr_t stream, DType dtype, int64_t d, const std::vector<PbcRow>& rows,
+                    const std::vector<double>& weights, void* x, int64_t x_stride);
+// MIFA's running-sum update (see MifaArgs).
+void mifa_update(int device, uintptr_t stream, DType dtype, int64_t d, const MifaArgs& args);
+}  // namespace cuda
+
+}  // namespace pfk

@@ -10,6 +10,7 @@ from pyfedkern.benchmarks.common import Case, InputCache
 #: family name → module under pyfedkern.benchmarks
 FAMILIES = ["aggregate"]
 FAMILIES += ["norms"]
+FAMILIES += ["pbc"]
 FAMILIES += ["fedspeed"]
 
 __all__ = ["FAMILIES", "Case", "InputCache"]
