@@ -198,7 +198,8 @@ def _gram_batch(lib: str, y: Any) -> Any:
     if lib == "torch":
         return _gram_torch(y)
     if lib == "numpy":
-        return _gram_xp(np, y)
+        with np.errstate(invalid="ignore", over="ignore"):  # non-finite input is reported after the Gram
+            return _gram_xp(np, y)
     import cupy
 
     with cupy.cuda.Device(y.device.id):
