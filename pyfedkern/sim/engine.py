@@ -58,7 +58,7 @@ class ExperimentConfig:
     batch_size: int = 32
     local_epochs: float = 1.0
     local_steps: int | None = None
-    lr: float = 0.05
+    lr: float = 0.1
     lr_schedule: str = "const"
     momentum: float = 0.0
     weight_decay: float = 0.0
@@ -147,6 +147,8 @@ class Simulation:
         self.algorithm = algorithm or make_algorithm(config.algorithm, **config.algorithm_params)
 
         data = datasets.load_dataset(config.dataset, config.data_root, normalize=config.normalize)
+        # Partitions follow the original classes, also for the parity task.
+        split_labels, split_classes = data.y_train, data.num_classes
         if config.parity:
             data = datasets.to_parity(data)
         self.data = data
@@ -156,10 +158,10 @@ class Simulation:
             train_idx = np.setdiff1d(train_idx, public_idx)
         self.partition = partitions.make_partition(
             config.partition,
-            data.y_train[train_idx],
+            split_labels[train_idx],
             config.clients,
             seed=config.seed,
-            num_classes=data.num_classes,
+            num_classes=split_classes,
             client_ids=None if data.client_ids is None else data.client_ids[train_idx],
         )
         self.num_clients = self.partition.num_clients
