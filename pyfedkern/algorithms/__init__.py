@@ -24,6 +24,11 @@ ALGORITHMS: dict[str, str] = {
     "fedavg": "pyfedkern.algorithms.fedavg:FedAvg",
     "fedprox": "pyfedkern.algorithms.fedavg:FedProx",
     "scaffold": "pyfedkern.algorithms.fedavg:Scaffold",
+    "bherd": "pyfedkern.algorithms.bherd:BHerd",
+    "grab": "pyfedkern.algorithms.bherd:GrabFedAvg",
+    "bherd-fednova": "pyfedkern.algorithms.bherd:BHerdFedNova",
+    "bherd-scaffold": "pyfedkern.algorithms.bherd:BHerdScaffold",
+    "fednova": "pyfedkern.algorithms.bherd:FedNova",
 }
 
 
