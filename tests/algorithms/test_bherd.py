@@ -37,10 +37,10 @@ DIGITS = ExperimentConfig(
     partition="bherd2",
     clients=3,
     model="logreg",
-    batch_size=50,
+    batch_size=100,
     lr=0.1,
-    rounds=3,
-    eval_every=3,
+    rounds=2,
+    eval_every=2,
 )
 
 
@@ -207,23 +207,22 @@ def test_bherd_scaffold_controls_are_means_of_selected_raw_gradients():
 
 @pytest.mark.parametrize("name", ["bherd", "grab", "bherd-fednova", "bherd-scaffold", "fednova"])
 def test_resume_from_state_dict_is_exact(name):
-    cfg = dataclasses.replace(DIGITS, algorithm=name, rounds=4)
+    cfg = dataclasses.replace(DIGITS, algorithm=name, rounds=3)
     straight = _run(cfg)
     sim = Simulation(cfg)
     sim.algorithm.setup(sim, sim.initial_vector)
-    for t in range(2):
-        sim.algorithm.round(t, sim)
+    sim.algorithm.round(0, sim)
     state = {k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in sim.algorithm.state_dict().items()}
     fresh = Simulation(cfg)
     fresh.algorithm.setup(fresh, fresh.initial_vector)
     fresh.algorithm.load_state_dict(state)
-    for t in range(2, 4):
+    for t in range(1, 3):
         fresh.algorithm.round(t, fresh)
     assert torch.equal(fresh.algorithm.x, straight[-1])
 
 
-def test_bherd_beats_nothing_but_learns_on_digits():
-    metrics = Simulation(dataclasses.replace(DIGITS, algorithm="bherd", rounds=6, eval_every=6)).run()
+def test_bherd_learns_on_digits():
+    metrics = Simulation(dataclasses.replace(DIGITS, algorithm="bherd", rounds=4, eval_every=4, lr=0.3)).run()
     assert metrics[-1]["test_acc"] > 0.5 and metrics[-1]["train_loss"] < metrics[0]["train_loss"]
 
 
@@ -276,8 +275,8 @@ def test_bad_parameters():
 
 def test_cli_runs_bherd_with_alpha(tmp_path, capsys):
     out = tmp_path / "run"
-    argv = ["run", "--algorithm", "bherd", "--alpha", "0.3", "--rounds", "2", "--clients", "3", "--model", "logreg"]
-    assert main([*argv, "--partition", "bherd1", "--batch-size", "50", "--no-progress", "--out", str(out)]) == 0
+    argv = ["run", "--algorithm", "bherd", "--alpha", "0.3", "--rounds", "1", "--clients", "3", "--model", "logreg"]
+    assert main([*argv, "--partition", "bherd1", "--batch-size", "200", "--no-progress", "--out", str(out)]) == 0
     config = json.loads((out / "config.json").read_text())
     assert config["algorithm_params"] == {"alpha": 0.3}
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
