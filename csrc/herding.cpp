@@ -157,21 +157,19 @@ void herding_masked_sum(int device, uintptr_t stream, const std::string& dtype_n
   const uint8_t* mk = reinterpret_cast<const uint8_t*>(mask);
   void* o = reinterpret_cast<void*>(out);
   if (device >= 0) {
-    PFK_CUDA_CALL(
-        cuda::herding_masked_sum(device, stream, dtype, d, clients, mk, mask_stride, o, out_row_stride, out_col_stride));
+    PFK_CUDA_CALL(cuda::herding_masked_sum(device, stream, dtype, d, clients, mk, mask_stride, o, out_row_stride,
+                                           out_col_stride));
     return;
   }
   switch (dtype) {
     case DType::F32:
       return masked_sum_cpu_typed(d, clients, mk, mask_stride, static_cast<float*>(o), out_row_stride, out_col_stride);
     case DType::F64:
-      return masked_sum_cpu_typed(d, clients, mk, mask_stride, static_cast<double*>(o), out_row_stride,
-                                  out_col_stride);
+      return masked_sum_cpu_typed(d, clients, mk, mask_stride, static_cast<double*>(o), out_row_stride, out_col_stride);
     case DType::F16:
       return masked_sum_cpu_typed(d, clients, mk, mask_stride, static_cast<f16_t*>(o), out_row_stride, out_col_stride);
     case DType::BF16:
-      return masked_sum_cpu_typed(d, clients, mk, mask_stride, static_cast<bf16_t*>(o), out_row_stride,
-                                  out_col_stride);
+      return masked_sum_cpu_typed(d, clients, mk, mask_stride, static_cast<bf16_t*>(o), out_row_stride, out_col_stride);
   }
 }
 
@@ -254,14 +252,14 @@ void grab_steps(int device, uintptr_t stream, const std::string& dtype_name, int
 
 void bind_herding(py::module_& m) {
   m.def("herding_greedy", &herding_greedy, py::arg("device"), py::arg("stream"), py::arg("gram"), py::arg("ld"),
-        py::arg("taus"), py::arg("ks"), py::arg("rel_tol"), py::arg("order"), py::arg("kmax"), py::arg("mask"), py::arg("sq_norm"),
-        py::call_guard<py::gil_scoped_release>(),
+        py::arg("taus"), py::arg("ks"), py::arg("rel_tol"), py::arg("order"), py::arg("kmax"), py::arg("mask"),
+        py::arg("sq_norm"), py::call_guard<py::gil_scoped_release>(),
         "Greedy herding order on float64 Gram matrices [n, ld, ld]: order int64 [n, kmax] (-1 padded), "
         "mask uint8 [n, ld], sq_norm float64 [n] (squared norm of the centred selected sum).");
-  m.def("herding_masked_sum", &herding_masked_sum, py::arg("device"), py::arg("stream"), py::arg("dtype"),
-        py::arg("d"), py::arg("ptrs"), py::arg("taus"), py::arg("row_strides"), py::arg("col_strides"),
-        py::arg("mask"), py::arg("mask_stride"), py::arg("out"), py::arg("out_row_stride"),
-        py::arg("out_col_stride"), py::call_guard<py::gil_scoped_release>(),
+  m.def("herding_masked_sum", &herding_masked_sum, py::arg("device"), py::arg("stream"), py::arg("dtype"), py::arg("d"),
+        py::arg("ptrs"), py::arg("taus"), py::arg("row_strides"), py::arg("col_strides"), py::arg("mask"),
+        py::arg("mask_stride"), py::arg("out"), py::arg("out_row_stride"), py::arg("out_col_stride"),
+        py::call_guard<py::gil_scoped_release>(),
         "out[n] = sum of the rows of client n whose mask byte is set, in ascending row order.");
   m.def("grab_steps", &grab_steps, py::arg("device"), py::arg("stream"), py::arg("dtype"), py::arg("rows"),
         py::arg("d"), py::arg("y"), py::arg("row_stride"), py::arg("col_stride"), py::arg("mean"), py::arg("s"),

@@ -47,7 +47,6 @@ inline int device_count() {
 void weighted_sum(int device, uintptr_t stream, DType dtype, int64_t d, void* out, int64_t out_stride,
                   const std::vector<WeightedRow>& rows, bool accumulate);
 
-
 // Greedy herding order of n clients on float64 Gram matrices [n, ld, ld] (one block per client).
 void herding_greedy(int device, uintptr_t stream, const double* gram, int64_t ld, const std::vector<int64_t>& taus,
                     const std::vector<int64_t>& ks, double rel_tol, int64_t* order, int64_t kmax, uint8_t* mask,

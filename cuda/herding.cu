@@ -71,9 +71,8 @@ __device__ __forceinline__ int block_min(int v, int* scratch) {
 // index within tie_tolerance of it (the same rule as the CPU loop), then c += G[j, :].
 template <bool SharedC>
 __global__ void greedy_kernel(const double* __restrict__ gram, int64_t ld, const int64_t* __restrict__ taus,
-                              const int64_t* __restrict__ ks, double rel_tol, int64_t* __restrict__ order,
-                              int64_t kmax, uint8_t* __restrict__ mask, double* __restrict__ sq_norm,
-                              double* __restrict__ c_global) {
+                              const int64_t* __restrict__ ks, double rel_tol, int64_t* __restrict__ order, int64_t kmax,
+                              uint8_t* __restrict__ mask, double* __restrict__ sq_norm, double* __restrict__ c_global) {
   extern __shared__ double c_shared[];
   __shared__ double dscratch[kWarps];
   __shared__ int iscratch[kWarps];
@@ -232,7 +231,7 @@ void launch_grab(cudaStream_t stream, const MatrixView& y, int64_t d, void* mean
     const T* row = base + r * y.row_stride;
     const Acc divisor = running_mean ? Acc(first_step + r) : Acc(tau);
     grab_dot_kernel<T><<<static_cast<unsigned>(nparts), kThreads, 0, stream>>>(row, y.col_stride, d, mu, sp, divisor,
-                                                                                running_mean, partial.get());
+                                                                               running_mean, partial.get());
     grab_update_kernel<T><<<static_cast<unsigned>(nparts), kThreads, 0, stream>>>(
         row, y.col_stride, d, mu, sp, gp, partial.get(), static_cast<int>(nparts), picked + r);
   }
@@ -256,8 +255,8 @@ void herding_greedy(int device, uintptr_t stream_handle, const double* gram, int
                                                               order, kmax, mask, sq_norm, nullptr);
   } else {
     StreamScratch<double> c(n * static_cast<size_t>(ld), stream);
-    greedy_kernel<false><<<blocks, kThreads, 0, stream>>>(gram, ld, device_taus.get(), device_ks.get(), rel_tol,
-                                                          order, kmax, mask, sq_norm, c.get());
+    greedy_kernel<false><<<blocks, kThreads, 0, stream>>>(gram, ld, device_taus.get(), device_ks.get(), rel_tol, order,
+                                                          kmax, mask, sq_norm, c.get());
   }
   check(cudaGetLastError(), "herding greedy kernel launch");
 }

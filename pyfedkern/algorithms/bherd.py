@@ -139,7 +139,9 @@ def _check_common(alpha: float | None, order: str) -> None:
 
 def _check_plain_sgd(ctx: FLContext, name: str) -> None:
     if ctx.momentum:
-        raise ValueError(f"{name} runs plain SGD local steps (the paper's Eq. 3); set momentum to 0, got {ctx.momentum}")
+        raise ValueError(
+            f"{name} runs plain SGD local steps (the paper's Eq. 3); set momentum to 0, got {ctx.momentum}"
+        )
 
 
 @dataclass
@@ -325,9 +327,7 @@ class GrabFedAvg(Algorithm):
         if result.steps != tau:
             raise RuntimeError(f"GraB: client {cid} took {result.steps} steps, expected τ = {tau}")
         g = balancer.g.to(self.x.dtype)
-        return ClientMessage(
-            cid, float(ctx.client_sizes[cid]), {"g": g}, result.loss, tau, {"alpha_i": balancer.alpha}
-        )
+        return ClientMessage(cid, float(ctx.client_sizes[cid]), {"g": g}, result.loss, tau, {"alpha_i": balancer.alpha})
 
     def server_step(self, t: int, messages: list[ClientMessage], ctx: FLContext) -> None:
         p = _weights(messages)

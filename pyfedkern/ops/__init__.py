@@ -6,6 +6,6 @@ Every op has a plain reference with the same signature in :mod:`pyfedkern.refere
 from pyfedkern.ops.aggregate import accumulate_, weighted_sum
 
 __all__ = ["accumulate_", "weighted_sum"]
-from pyfedkern.ops.herding import GrabBalancer, centred_gram, grab_select, herding_order, herding_select  # noqa: E402
+from pyfedkern.ops.herding import GrabBalancer, centred_gram, grab_select, herding_order, herding_select
 
 __all__ += ["GrabBalancer", "centred_gram", "grab_select", "herding_order", "herding_select"]

@@ -3,11 +3,13 @@
 How :func:`herding_order` / :func:`herding_select` compute (the Gram form of specs/bherd.md §2):
 
 1. **Gram matrix of the centred gradients**, G = Z Zᵀ with z_λ = y_λ − μ, computed in the Python layer with the
-   caller's own library matmul (MKL/OpenBLAS for numpy and torch on the CPU, cuBLAS for torch/cupy on the GPU): the
-   column mean μ is accumulated in float64, then the columns are processed in cache-sized chunks that are centred
-   explicitly (in float64, then rounded to the GEMM dtype: float64 for float64 gradients, float32 otherwise) and
-   multiplied, each chunk's product being added to a float64 G. Explicit centring avoids the cancellation of the
-   identity G = G_raw − r1ᵀ − 1rᵀ + m when ‖μ‖ ≫ ‖z‖. One pass over the [τ, d] buffer, compute-bound.
+   caller's own library matmul (MKL/OpenBLAS for numpy and torch on the CPU, cuBLAS for torch/cupy on the GPU).
+   The columns are processed in cache-sized chunks: each chunk is shifted explicitly by the first row
+   (y'_λ = y_λ − y_1, in the GEMM dtype: float64 for float64 gradients, float32 otherwise) and multiplied, the
+   chunk products being summed into a float64 G'; then G = G' − r1ᵀ − 1rᵀ + m with r = G'1/τ, m = 1ᵀG'1/τ².
+   The shift keeps the mean of the shifted rows as small as the deviations, so this identity does not suffer the
+   cancellation the raw identity has when ‖μ‖ ≫ ‖z‖ (specs/bherd.md §2). One pass over the [τ, d] buffer, no
+   separate mean pass, compute-bound.
    On the GPU, TF32 matmul (``torch.backends.cuda.matmul.allow_tf32``) lowers the precision of G; leave it off.
 2. **Greedy loop** in native code (``pyfedkern._C.herding_greedy``; OpenMP over clients on the CPU, one CUDA block
    per client on the GPU): ‖s + z_m‖² = ‖s‖² + 2c_m + G_mm with c_m = ⟨s, z_m⟩, so each step is an argmin over the
@@ -37,8 +39,9 @@ from pyfedkern import _arrays
 from pyfedkern._arrays import ArrayRef
 from pyfedkern._runtime import native
 
-#: Elements (rows × columns over all clients) of one centred Gram chunk: 1 MiB of float32 stays in L2.
-GRAM_CHUNK_ELEMENTS = 1 << 18
+#: Elements (rows × columns over all clients) of one shifted Gram chunk: 1 MiB of float32 stays in L2 on the CPU;
+#: on the GPU, 64 MiB chunks keep the number of launches small.
+GRAM_CHUNK_ELEMENTS = {"cpu": 1 << 18, "gpu": 1 << 24}
 
 
 def tie_rel_tol(dtype: str) -> float:
@@ -160,8 +163,8 @@ def _check_k(k: Any, taus: list[int], name: str = "k") -> list[int]:
 # Centred Gram matrices with the caller's library.
 
 
-def _chunk_columns(rows: int, d: int) -> int:
-    return max(256, min(d, GRAM_CHUNK_ELEMENTS // max(rows, 1)))
+def _chunk_columns(rows: int, d: int, gpu: bool) -> int:
+    return max(256, min(d, GRAM_CHUNK_ELEMENTS["gpu" if gpu else "cpu"] // max(rows, 1)))
 
 
 def _gram_torch(y: Any) -> Any:
@@ -169,28 +172,41 @@ def _gram_torch(y: Any) -> Any:
 
     y = y.detach()
     batch, tau, d = y.shape
-    mean = y.sum(dim=1, dtype=torch.float64).div_(tau)
     work = torch.float64 if y.dtype == torch.float64 else torch.float32
-    gram = torch.zeros(batch, tau, tau, dtype=torch.float64, device=y.device)
-    chunk = _chunk_columns(batch * tau, d)
+    shift = y[:, :1, :].to(work)
+    raw = torch.zeros(batch, tau, tau, dtype=torch.float64, device=y.device)
+    chunk = _chunk_columns(batch * tau, d, y.is_cuda)
+    buf = torch.empty(batch, tau, min(chunk, d), dtype=work, device=y.device)
     for lo in range(0, d, chunk):
         hi = min(d, lo + chunk)
-        z = (y[:, :, lo:hi].to(torch.float64) - mean[:, None, lo:hi]).to(work)
-        gram += torch.bmm(z, z.transpose(1, 2))
-    return gram
+        z = buf[:, :, : hi - lo]
+        torch.sub(y[:, :, lo:hi], shift[:, :, lo:hi], out=z)
+        raw += torch.bmm(z, z.transpose(1, 2))
+    return _centre_gram(raw, tau)
 
 
 def _gram_xp(xp: Any, y: Any) -> Any:
     batch, tau, d = y.shape
-    mean = y.sum(axis=1, dtype=xp.float64) / tau
     work = xp.float64 if y.dtype == xp.float64 else xp.float32
-    gram = xp.zeros((batch, tau, tau), dtype=xp.float64)
-    chunk = _chunk_columns(batch * tau, d)
+    shift = y[:, :1, :].astype(work)
+    raw = xp.zeros((batch, tau, tau), dtype=xp.float64)
+    chunk = _chunk_columns(batch * tau, d, xp is not np)
+    buf = xp.empty((batch, tau, min(chunk, d)), dtype=work)
     for lo in range(0, d, chunk):
         hi = min(d, lo + chunk)
-        z = (y[:, :, lo:hi].astype(xp.float64) - mean[:, None, lo:hi]).astype(work)
-        gram += xp.matmul(z, z.transpose(0, 2, 1))
-    return gram
+        z = buf[:, :, : hi - lo]
+        xp.subtract(y[:, :, lo:hi], shift[:, :, lo:hi], out=z, casting="unsafe")
+        raw += xp.matmul(z, z.transpose(0, 2, 1))
+    return _centre_gram(raw, tau)
+
+
+def _centre_gram(raw: Any, tau: int) -> Any:
+    """G = G' − r1ᵀ − 1rᵀ + m (r = G'1/τ, m = 1ᵀG'1/τ²): the Gram of the rows centred on their mean, from the
+    Gram G' of the rows shifted by the first row. The shift makes ‖mean of the shifted rows‖ of the order of the
+    deviations, so this identity does not cancel (it does for the raw rows when ‖μ‖ ≫ ‖z‖)."""
+    r = raw.sum(-1) / tau
+    m = r.sum(-1) / tau
+    return raw - r[:, :, None] - r[:, None, :] + m[:, None, None]
 
 
 def _gram_batch(lib: str, y: Any) -> Any:

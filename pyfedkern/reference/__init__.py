@@ -4,6 +4,6 @@ used by the tests and benchmarks. They favour clarity (and float64 arithmetic) o
 from pyfedkern.reference.aggregate import accumulate_, weighted_sum
 
 __all__ = ["accumulate_", "weighted_sum"]
-from pyfedkern.reference.herding import grab_select, herding_order, herding_select  # noqa: E402
+from pyfedkern.reference.herding import grab_select, herding_order, herding_select
 
 __all__ += ["grab_select", "herding_order", "herding_select"]

@@ -212,7 +212,9 @@ def test_resume_from_state_dict_is_exact(name):
     sim = Simulation(cfg)
     sim.algorithm.setup(sim, sim.initial_vector)
     sim.algorithm.round(0, sim)
-    state = {k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in sim.algorithm.state_dict().items()}
+    state = {
+        k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in sim.algorithm.state_dict().items()
+    }
     fresh = Simulation(cfg)
     fresh.algorithm.setup(fresh, fresh.initial_vector)
     fresh.algorithm.load_state_dict(state)

@@ -125,7 +125,7 @@ def test_full_order_is_permutation_and_centred_sum_returns_to_zero():
     y = random_grads(rng, 37, 300, 10.0)
     order = ops.herding_order(y, 37)
     assert sorted(order.tolist()) == list(range(37))
-    idx, total, gap = ops.herding_select(y, 1.0, return_gap=True)
+    _, total, gap = ops.herding_select(y, 1.0, return_gap=True)
     # the Gram form gets ‖s‖² as a running sum of scores, so ‖s‖ carries √(rounding) of the score scale
     assert gap[0] < 1e-6 * np.linalg.norm(y - y.mean(0), axis=1).max()
     assert np.allclose(total, y.sum(0), rtol=1e-12, atol=1e-12)
@@ -365,3 +365,15 @@ def test_cuda_grab(running_mean):
     ridx, rtotal = reference.grab_select(y, running_mean=running_mean)
     assert torch.equal(idx.cpu(), ridx)
     assert torch.allclose(total.cpu(), rtotal, rtol=1e-10, atol=1e-10)
+
+
+def test_benchmark_peers_select_the_same_rows():
+    from pyfedkern.benchmarks import herding as bench
+
+    y = torch.tensor(random_grads(np.random.default_rng(40), 24, 500), dtype=torch.float64)
+    idx, total = ops.herding_select(y, 0.5)
+    for peer in (bench.torch_greedy_loop, bench.gram_python_loop):
+        order, peer_total = peer(y, len(idx))
+        assert order == idx.tolist()
+        torch.testing.assert_close(peer_total, total)
+    assert len(bench.cases(quick=True)) >= 8
