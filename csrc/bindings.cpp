@@ -9,5 +9,7 @@ PYBIND11_MODULE(_C, m) {
   pybind11::register_exception<pfk::ArgumentError>(m, "ArgumentError", PyExc_ValueError);
   pfk::bind_runtime(m);
   pfk::bind_aggregate(m);
+  pfk::bind_norms(m);
+  pfk::bind_pbc(m);
   pfk::bind_herding(m);
 }

@@ -9,6 +9,8 @@ namespace py = pybind11;
 
 void bind_runtime(py::module_& m);
 void bind_aggregate(py::module_& m);
+void bind_norms(py::module_& m);
+void bind_pbc(py::module_& m);
 void bind_herding(py::module_& m);
 
 }  // namespace pfk

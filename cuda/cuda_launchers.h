@@ -47,6 +47,21 @@ inline int device_count() {
 void weighted_sum(int device, uintptr_t stream, DType dtype, int64_t d, void* out, int64_t out_stride,
                   const std::vector<WeightedRow>& rows, bool accumulate);
 
+// Row L2 norms of a [B, D] matrix; with labels (int32 or int64), per-class sums/means/counts of the norms (fixed
+// order); with logits [B, C], the number of rows whose argmax equals the label. Null pointers switch parts off.
+// Labels must already be checked to lie in [0, C); an out-of-range label is simply not counted.
+void class_feature_norms(int device, uintptr_t stream, DType dtype, bool labels_int32, int64_t B, int64_t D,
+                         const void* features, int64_t f_stride0, int64_t f_stride1, const void* labels,
+                         int64_t label_stride, int64_t C, const void* logits, int64_t logit_stride0,
+                         int64_t logit_stride1, void* norms, void* class_sum, void* class_mean, int64_t* counts,
+                         int64_t* correct);
+
+// grad[r, :] = (grad_norms[r] + class_coef[labels[r]]) * f[r, :] / ||f[r, :]|| with float32 coefficients
+// (float64 for float64 features); grad is a contiguous [B, D] array of the features' dtype.
+void class_feature_norms_backward(int device, uintptr_t stream, DType dtype, bool labels_int32, int64_t B, int64_t D,
+                                  const void* features, int64_t f_stride0, int64_t f_stride1, const void* labels,
+                                  int64_t label_stride, const void* grad_norms, const void* class_coef, void* grad);
+
 // Greedy herding order of n clients on float64 Gram matrices [n, ld, ld] (one block per client).
 void herding_greedy(int device, uintptr_t stream, const double* gram, int64_t ld, const std::vector<int64_t>& taus,
                     const std::vector<int64_t>& ks, double rel_tol, int64_t* order, int64_t kmax, uint8_t* mask,
@@ -70,3 +85,37 @@ void grab_steps(int device, uintptr_t stream, DType dtype, const MatrixView& y, 
 #define PFK_CUDA_CALL(expr) \
   throw ::pfk::ArgumentError("pyfedkern was built without CUDA; reinstall with nvcc available (PYFEDKERN_CUDA=ON)")
 #endif
+
+// ---- FedPBC family (csrc/pbc.cpp, cuda/pbc.cu) ----
+namespace pfk {
+
+// One row of a model store: element j lives at ptr + j * stride (stride in elements).
+struct PbcRow {
+  void* ptr;
+  int64_t stride;
+};
+
+// Arguments of mifa_update: updates[r] is written (as a delta) into memory[r]; all_memory is empty unless the
+// running sum `total` is to be re-summed from every memory row; x += coef * total afterwards.
+struct MifaArgs {
+  PbcRow x{};
+  PbcRow total{};
+  std::vector<PbcRow> updates;
+  std::vector<PbcRow> memory;
+  std::vector<PbcRow> all_memory;
+  double coef = 0.0;
+  bool subtract_x = false;
+};
+
+namespace cuda {
+// server = mean of rows; every row = server (rows non-empty, distinct, none overlapping server).
+void pbc_agg_bcast(int device, uintptr_t stream, DType dtype, int64_t d, const std::vector<PbcRow>& rows, void* server,
+                   int64_t server_stride);
+// x += sum_r weights[r] * (rows[r] - x).
+void weighted_delta(int device, uintptr_t stream, DType dtype, int64_t d, const std::vector<PbcRow>& rows,
+                    const std::vector<double>& weights, void* x, int64_t x_stride);
+// MIFA's running-sum update (see MifaArgs).
+void mifa_update(int device, uintptr_t stream, DType dtype, int64_t d, const MifaArgs& args);
+}  // namespace cuda
+
+}  // namespace pfk

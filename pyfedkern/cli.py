@@ -42,6 +42,7 @@ _COMMON = [
     ("seed", "--seed", int, "random seed (data split, sampling, init)"),
     ("device", "--device", str, "cpu | cuda | cuda:N"),
     ("checkpoint_every", "--checkpoint-every", int, "save a checkpoint every n rounds"),
+    ("threads", "--threads", int, "CPU threads for torch and pyfedkern (none: 1 below 1M parameters, else all)"),
 ]
 
 
@@ -62,7 +63,6 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="model keyword argument, e.g. hidden=64,64 (repeatable)",
     )
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch and pyfedkern")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -158,19 +158,6 @@ def _base_config(args: argparse.Namespace):
     return cfg_cls(**values, parity=args.parity, model_params=_model_params(args.model_param))
 
 
-def _apply_threads(threads: int | None) -> None:
-    if threads is None:
-        return
-    import torch
-
-    import pyfedkern
-
-    if threads < 1:
-        raise CliError(f"--threads must be >= 1, got {threads}")
-    torch.set_num_threads(threads)
-    pyfedkern.set_num_threads(threads)
-
-
 def _help_algorithm(name: str) -> int:
     from pyfedkern.algorithms import algorithm_class
 
@@ -186,7 +173,6 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
 
     if args.help_algorithm:
         return _help_algorithm(args.algorithm)
-    _apply_threads(args.threads)
     if args.resume:
         if args.out is None:
             raise CliError("--resume needs --out DIR (the run to continue)")
@@ -208,7 +194,6 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
 def cmd_compare(args: argparse.Namespace, extra: list[str]) -> int:
     from pyfedkern.sim.compare import compare
 
-    _apply_threads(args.threads)
     algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
     params = _algorithm_params(algorithms, _split_extra(extra))
     result = compare(
@@ -285,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pyfedkern", description="Fast federated-learning kernels and experiments.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    run = sub.add_parser("run", help="run one FL experiment")
+    run = sub.add_parser("run", help="run one FL experiment", allow_abbrev=False)
     run.add_argument("--algorithm", default="fedavg", help="algorithm name (default: fedavg)")
     run.add_argument("--out", default=None, help="directory for config, metrics, checkpoints and summary")
     run.add_argument("--resume", action="store_true", help="continue the interrupted run in --out")
@@ -293,7 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(run)
     run.set_defaults(handler=cmd_run)
 
-    cmp = sub.add_parser("compare", help="run several algorithms on the same split; plot and tabulate")
+    cmp = sub.add_parser(
+        "compare", allow_abbrev=False, help="run several algorithms on the same split; plot and tabulate"
+    )
     cmp.add_argument("--algorithms", required=True, help="comma-separated names, e.g. fedavg,fedprox,scaffold")
     cmp.add_argument("--out", required=True, help="output directory (one sub-directory per algorithm)")
     cmp.add_argument("--target", type=float, default=None, help="accuracy target for rounds-to-target, e.g. 0.85")

@@ -8,6 +8,9 @@ compute the same thing (pyfedkern, the peers users run today) plus the machine's
 from pyfedkern.benchmarks.common import Case, InputCache
 
 #: family name → module under pyfedkern.benchmarks
-FAMILIES = ["aggregate", "herding"]
+FAMILIES = ["aggregate"]
+FAMILIES += ["norms"]
+FAMILIES += ["pbc"]
+FAMILIES += ["herding"]
 
 __all__ = ["FAMILIES", "Case", "InputCache"]

@@ -2,8 +2,15 @@
 used by the tests and benchmarks. They favour clarity (and float64 arithmetic) over speed."""
 
 from pyfedkern.reference.aggregate import accumulate_, weighted_sum
+from pyfedkern.reference.herding import grab_select, herding_order, herding_select
+from pyfedkern.reference.pbc import mifa_update_, pbc_agg_bcast_, weighted_delta_
 
 __all__ = ["accumulate_", "weighted_sum"]
-from pyfedkern.reference.herding import grab_select, herding_order, herding_select
+
+from pyfedkern.reference.norms import class_feature_norms, grad_norms, per_sample_grad_norms
+
+__all__ += ["class_feature_norms", "grad_norms", "per_sample_grad_norms"]
+
+__all__ += ["mifa_update_", "pbc_agg_bcast_", "weighted_delta_"]
 
 __all__ += ["grab_select", "herding_order", "herding_select"]

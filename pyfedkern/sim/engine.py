@@ -39,7 +39,9 @@ class ExperimentConfig:
     """Everything that defines an experiment; saved as config.json next to its results.
 
     lr_schedule: "const" (η_t = lr), "exp:γ" (η_t = lr·γ^t, FedSpeed) or "invsqrt:c" (η_t = lr/√(t/c + 1), FedPBC),
-    with t the 0-based round. local_steps, when set, overrides local_epochs. eval_train_max caps the training
+    with t the 0-based round. local_steps, when set, overrides local_epochs. threads: CPU threads of torch and
+    pyfedkern during the run (None: 1 for models under 1M parameters, whose tiny ops only lose time to threading
+    overhead, else torch's default). eval_train_max caps the training
     samples used to measure the global model's train loss (a fixed seeded subset when the train set is larger).
     """
 
@@ -67,6 +69,7 @@ class ExperimentConfig:
     seed: int = 0
     device: str = "cpu"
     checkpoint_every: int = 10
+    threads: int | None = None
 
     def validate(self) -> None:
         """Raise ValueError for invalid settings, before any work starts."""
@@ -77,8 +80,9 @@ class ExperimentConfig:
 
         for name in ("clients", "rounds", "batch_size", "eval_every", "checkpoint_every", "eval_train_max"):
             positive_int(name, getattr(self, name))
-        if self.local_steps is not None:
-            positive_int("local_steps", self.local_steps)
+        for name in ("local_steps", "threads"):
+            if getattr(self, name) is not None:
+                positive_int(name, getattr(self, name))
         if not (isinstance(self.seed, int) and self.seed >= 0):
             raise ValueError(f"seed must be an integer >= 0, got {self.seed!r}")
         if not (0 < self.fraction <= 1):
@@ -308,6 +312,11 @@ class Simulation:
         With ``out_dir``, config.json, metrics.jsonl (one line per round, written as it goes), checkpoints every
         ``checkpoint_every`` rounds, summary.json and model.pt are written there.
         """
+        threads = self.config.threads or (1 if self.local.dim < 1_000_000 else torch.get_num_threads())
+        with _cpu_threads(threads):
+            return self._run(out_dir, resume, progress)
+
+    def _run(self, out_dir: str | Path | None, resume: bool, progress: bool) -> list[dict[str, Any]]:
         cfg = self.config
         writer = RunWriter(out_dir, cfg.to_dict(), resume=resume) if out_dir is not None else None
         algo = self.algorithm
@@ -376,6 +385,21 @@ class Simulation:
         result = self.evaluate(vector)
         result["time_evaluation"] = time.perf_counter() - start
         return result
+
+
+@contextlib.contextmanager
+def _cpu_threads(n: int) -> Iterator[None]:
+    """Use n CPU threads in torch and pyfedkern inside the block, then restore the previous counts."""
+    import pyfedkern
+
+    before = torch.get_num_threads(), pyfedkern.get_num_threads()
+    torch.set_num_threads(n)
+    pyfedkern.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before[0])
+        pyfedkern.set_num_threads(before[1])
 
 
 def _progress(enabled: bool, start: int, total: int, label: str):

@@ -1,0 +1,357 @@
+"""FedPBC (Xiang, Ioannidis, Yeh, Joe-Wong, Su 2024) and the baselines it is compared with under unreliable uplinks.
+
+In round t the uplink of client i is ON with probability p_i^t (a :class:`~pyfedkern.sim.links.LinkModel`); A^t is
+the set of ON links. The downlink never fails.
+
+- ``fedpbc`` (:class:`FedPBC`): every client keeps its own model x_i and trains it every round, ON or OFF; the
+  server averages the models of A^t and sends the average back to A^t only (postponed broadcast,
+  :func:`pyfedkern.ops.pbc_agg_bcast_`). Clients whose link is OFF keep their progress.
+- ``fedavg-links`` (:class:`FedAvgLinks`): every client starts from x^t; x += η_g·(1/|A|)·Σ_A Δ_i.
+- ``fedavg-all`` (:class:`FedAvgAll`): x += η_g·(1/m)·Σ_A Δ_i (OFF clients count as zero updates).
+- ``fedavg-known-p`` (:class:`FedAvgKnownP`): x += η_g·(1/m)·Σ_A Δ_i/p_i^t (unbiased when p is known).
+- ``fedau`` (:class:`FedAU`): x += η_g·(1/m)·Σ_A ω_i·Δ_i with ω_i the mean of client i's past participation
+  intervals, each capped at K (Wang & Ji 2023).
+- ``mifa`` (:class:`MIFA`): the server remembers every client's latest Δ_i; x += η_g·(1/m)·Σ_{all i} U_i
+  (Gu et al. 2021), with a running sum re-summed every ``resum_every`` rounds (:func:`pyfedkern.ops.mifa_update_`).
+
+Baseline update rules follow the FedAU reference code, as in the spec (specs/fedpbc.md §1). All methods use the
+engine's local SGD settings (``--local-steps``, ``--lr``, ``--lr-schedule invsqrt:10`` for the paper's
+η_t = η_0/√(t/10 + 1), ``--batch-size``); participation is decided by the links, so ``--fraction`` is not used.
+Link options (fields of every class here): ``--links`` pattern, ``--gamma``, ``--period``, ``--cycle-length``,
+``--sigma0``, ``--delta`` (the log-normal class-mix construction of p_i from each client's label histogram) or
+``--link-probs p0,p1,...`` (explicit probabilities for equal contiguous groups of clients). ``--batched`` chooses
+vmapped local training of all clients at once (default) over a Python loop over clients.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from pyfedkern import ops
+from pyfedkern.algorithms.base import Algorithm, ClientStore, FLContext, RoundStats, local_sgd
+from pyfedkern.algorithms.batched import BatchedTrainer, batched_local_sgd_, can_batch
+
+_LINK_SEED = 811  # purpose key of the link model's seed stream
+
+
+def client_class_histograms(ctx: FLContext) -> np.ndarray:
+    """[m, C] label counts of every client, from the context's ``client_y`` and ``data.num_classes``.
+
+    ValueError when the context has no integer class labels (pass explicit ``link_probs`` then).
+    """
+    labels = getattr(ctx, "client_y", None)
+    num_classes = getattr(getattr(ctx, "data", None), "num_classes", None)
+    if labels is None or not num_classes:
+        raise ValueError(
+            "the log-normal link probabilities need per-client class labels (ctx.client_y, ctx.data.num_classes); "
+            "set link_probs (--link-probs p0,p1,...) instead"
+        )
+    hist = np.zeros((len(labels), int(num_classes)))
+    for i, y in enumerate(labels):
+        if torch.is_floating_point(y):
+            raise ValueError("the log-normal link probabilities need integer class labels; set link_probs instead")
+        hist[i] = np.bincount(y.detach().cpu().numpy().astype(np.int64), minlength=int(num_classes))
+    return hist
+
+
+@dataclass
+class _LinkAlgorithm(Algorithm):
+    """Shared link configuration and helpers of FedPBC and its baselines.
+
+    Args:
+        links: link pattern (bernoulli | bernoulli-tv | markov | markov-tv | cyclic | cyclic-reset).
+        gamma: amplitude γ < 0.5 of the time variation p_i·[(1−γ) + γ·sin(2πt/P)] (``-tv`` patterns).
+        period: P, rounds per period of the time variation.
+        cycle_length: L, rounds per cycle of the cyclic patterns.
+        sigma0: σ0 of the log-normal class weights used to derive p_i from label histograms.
+        delta: floor δ of every p_i.
+        link_probs: explicit probabilities instead (m values, or g values for g equal contiguous client groups).
+        batched: train the clients' local SGD as one vmapped step (False: a Python loop over clients).
+    """
+
+    links: str = "bernoulli"
+    gamma: float = 0.3
+    period: int = 40
+    cycle_length: int = 100
+    sigma0: float = 10.0
+    delta: float = 0.02
+    link_probs: tuple[float, ...] = ()
+    batched: bool = True
+
+    def __post_init__(self) -> None:
+        from pyfedkern.sim.links import PATTERNS, TIME_VARYING, check_gamma
+
+        if self.links not in PATTERNS:
+            raise ValueError(f"unknown link pattern {self.links!r}; valid choices: {', '.join(PATTERNS)}")
+        if self.links in TIME_VARYING:
+            check_gamma(self.gamma, None if self.link_probs else self.delta)
+        if not (math.isfinite(self.sigma0) and self.sigma0 >= 0):
+            raise ValueError(f"sigma0 must be finite and >= 0, got {self.sigma0}")
+        if not (math.isfinite(self.delta) and 0 < self.delta <= 1):
+            raise ValueError(f"delta must be in (0, 1], got {self.delta}")
+        for name in ("period", "cycle_length"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if isinstance(self.link_probs, (int, float)):
+            self.link_probs = (float(self.link_probs),)
+        self.link_probs = tuple(float(p) for p in self.link_probs)
+        if any(not (0 < p <= 1) for p in self.link_probs):
+            raise ValueError(f"link_probs must lie in (0, 1], got {self.link_probs}")
+
+    def setup_links(self, ctx: FLContext) -> None:
+        """Build the link model (seeded from ctx.rng) and the batched trainer."""
+        from pyfedkern.sim.links import make_links
+
+        seed = int(ctx.rng(_LINK_SEED).integers(2**62))
+        self.link_model = make_links(
+            self.links,
+            ctx.num_clients,
+            probs=self.link_probs or None,
+            class_dist=None if self.link_probs else client_class_histograms(ctx),
+            sigma0=self.sigma0,
+            delta=self.delta,
+            gamma=self.gamma,
+            period=self.period,
+            cycle_length=self.cycle_length,
+            seed=seed,
+        )
+        self.trainer = BatchedTrainer(ctx.local) if self.batched and can_batch(ctx.local) else None
+
+    def train_(self, ctx: FLContext, t: int, models: torch.Tensor, clients: np.ndarray) -> np.ndarray:
+        """Local SGD of ``clients`` from the rows of ``models`` (in place); returns the per-client mean losses."""
+        with ctx.timer("local"):
+            if self.trainer is not None:
+                losses, _ = batched_local_sgd_(ctx, t, models, clients, trainer=self.trainer)
+            else:
+                losses = np.zeros(len(clients))
+                for r, cid in enumerate(clients):
+                    result = local_sgd(ctx, int(cid), t, models[r])
+                    models[r].copy_(result.x)
+                    losses[r] = result.loss
+        return losses
+
+
+def _mean(values: np.ndarray) -> float:
+    finite = values[np.isfinite(values)]
+    return float(finite.mean()) if finite.size else float("nan")
+
+
+@dataclass
+class FedPBC(_LinkAlgorithm):
+    """FedPBC: all clients train from their own models; the ON clients' average goes to the server and back to them.
+
+    ``global_model()`` is the server model x^t (the paper's x_PS); ``mean_model()`` is x̄^t, the mean of all client
+    models, which the theory covers. Each round logs ``active`` (|A^t|) and ``consensus_dist`` = ‖x^t − x̄^t‖₂.
+    """
+
+    name = "fedpbc"
+
+    def setup(self, ctx: FLContext, x0: torch.Tensor) -> None:
+        super().setup(ctx, x0)
+        self.setup_links(ctx)
+        self.clients = ClientStore(ctx.num_clients, x0.numel(), device=x0.device, dtype=x0.dtype)
+        self.clients.data.copy_(x0.expand_as(self.clients.data))
+
+    def round(self, t: int, ctx: FLContext) -> RoundStats:
+        m = ctx.num_clients
+        losses = self.train_(ctx, t, self.clients.data, np.arange(m))
+        active = self.link_model.active_indices(t)
+        with ctx.timer("aggregation"):
+            ops.pbc_agg_bcast_(self.clients.data, self.x, active)
+        d = int(self.x.numel())
+        gap = float(torch.linalg.vector_norm(self.x - self.mean_model()))
+        return RoundStats(
+            clients=active,
+            local_loss=_mean(losses),
+            upload_floats=len(active) * d,
+            download_floats=len(active) * d,
+            extras={"active": float(len(active)), "consensus_dist": gap},
+        )
+
+    def mean_model(self) -> torch.Tensor:
+        """x̄^t = (1/m)·Σ_i x_i^t, [d]."""
+        return self.clients.mean()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "clients": self.clients.data}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.clients.data.copy_(state["clients"])
+
+
+@dataclass
+class FedAvgLinks(_LinkAlgorithm):
+    """FedAvg under unreliable uplinks: every client starts from x^t, the ON clients' updates are averaged.
+
+    x ← x + η_g·(scale)·Σ_A w_i·(x_i^{t⋆} − x) with scale = 1/|A| and w_i = 1 (subclasses change scale and w).
+    Only the ON clients are simulated (the OFF clients' work would be discarded).
+
+    Args:
+        server_lr: η_g.
+    """
+
+    name = "fedavg-links"
+    server_lr: float = 1.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not (math.isfinite(self.server_lr) and self.server_lr > 0):
+            raise ValueError(f"server_lr must be finite and > 0, got {self.server_lr}")
+
+    def setup(self, ctx: FLContext, x0: torch.Tensor) -> None:
+        super().setup(ctx, x0)
+        self.setup_links(ctx)
+        self.num_clients = ctx.num_clients
+
+    def weights(self, t: int, active: np.ndarray) -> tuple[np.ndarray, float]:
+        """(w_i for the ON clients, scale) of round t."""
+        return np.ones(len(active)), 1.0 / max(len(active), 1)
+
+    def after_round(self, t: int, active: np.ndarray) -> None:
+        """Update per-client bookkeeping once round t's links are known (FedAU's interval counters)."""
+
+    def local_models(self, ctx: FLContext, t: int, active: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
+        models = self.x.unsqueeze(0).repeat(len(active), 1)
+        return models, self.train_(ctx, t, models, active)
+
+    def round(self, t: int, ctx: FLContext) -> RoundStats:
+        active = self.link_model.active_indices(t)
+        models, losses = self.local_models(ctx, t, active)
+        with ctx.timer("aggregation"):
+            self.server_update(t, active, models)
+        self.after_round(t, active)
+        d = int(self.x.numel())
+        return RoundStats(
+            clients=active,
+            local_loss=_mean(losses),
+            upload_floats=len(active) * d,
+            download_floats=self.num_clients * d,
+            extras={"active": float(len(active))},
+        )
+
+    def server_update(self, t: int, active: np.ndarray, models: torch.Tensor) -> None:
+        if len(active) == 0:
+            return
+        w, scale = self.weights(t, active)
+        ops.weighted_delta_(self.x, models, w, self.server_lr * scale)
+
+
+@dataclass
+class FedAvgAll(FedAvgLinks):
+    """FedAvg-all: x ← x + η_g·(1/m)·Σ_A Δ_i (OFF clients count as zero updates)."""
+
+    name = "fedavg-all"
+
+    def weights(self, t: int, active: np.ndarray) -> tuple[np.ndarray, float]:
+        return np.ones(len(active)), 1.0 / self.num_clients
+
+
+@dataclass
+class FedAvgKnownP(FedAvgLinks):
+    """FedAvg with known link probabilities: x ← x + η_g·(1/m)·Σ_A Δ_i / p_i^t (cyclic: p_i = ON rounds / L)."""
+
+    name = "fedavg-known-p"
+
+    def weights(self, t: int, active: np.ndarray) -> tuple[np.ndarray, float]:
+        return 1.0 / self.link_model.prob(t)[active], 1.0 / self.num_clients
+
+
+@dataclass
+class FedAU(FedAvgLinks):
+    """FedAU: x ← x + η_g·(1/m)·Σ_A ω_i·Δ_i, ω_i = mean of client i's recorded participation intervals (1 if none).
+
+    Each client counts rounds since its last report: on a report the interval count+1 is recorded and the count
+    resets; otherwise the count grows and, on reaching K, K is recorded and the count resets. ω_i of round t uses the
+    intervals recorded before round t.
+
+    Args:
+        cutoff: K, the interval cap.
+    """
+
+    name = "fedau"
+    cutoff: int = 50
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.cutoff, bool) or not isinstance(self.cutoff, int) or self.cutoff < 1:
+            raise ValueError(f"cutoff must be an integer >= 1, got {self.cutoff!r}")
+
+    def setup(self, ctx: FLContext, x0: torch.Tensor) -> None:
+        super().setup(ctx, x0)
+        m = ctx.num_clients
+        self.counter = np.zeros(m, dtype=np.int64)
+        self.interval_sum = np.zeros(m, dtype=np.float64)
+        self.interval_count = np.zeros(m, dtype=np.int64)
+
+    def omega(self) -> np.ndarray:
+        """ω_i for every client from the intervals recorded so far, [m]."""
+        return np.where(self.interval_count > 0, self.interval_sum / np.maximum(self.interval_count, 1), 1.0)
+
+    def weights(self, t: int, active: np.ndarray) -> tuple[np.ndarray, float]:
+        return self.omega()[active], 1.0 / self.num_clients
+
+    def after_round(self, t: int, active: np.ndarray) -> None:
+        on = np.zeros(self.num_clients, dtype=bool)
+        on[active] = True
+        self.counter[~on] += 1
+        record = on | (self.counter >= self.cutoff)
+        self.interval_sum[record] += np.where(on, self.counter + 1, self.cutoff)[record]
+        self.interval_count[record] += 1
+        self.counter[record] = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            **super().state_dict(),
+            "counter": self.counter.copy(),
+            "interval_sum": self.interval_sum.copy(),
+            "interval_count": self.interval_count.copy(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.counter[:] = np.asarray(state["counter"])
+        self.interval_sum[:] = np.asarray(state["interval_sum"])
+        self.interval_count[:] = np.asarray(state["interval_count"])
+
+
+@dataclass
+class MIFA(FedAvgLinks):
+    """MIFA: the server keeps U_i, the latest Δ_i of every client (0 until its first report);
+    x ← x + η_g·(1/m)·Σ_{i=1..m} U_i every round, stale entries included (raw Δ, as the FedAU reference code).
+
+    Args:
+        resum_every: re-sum the running Σ U_i from all m rows every this many rounds (float32 drift).
+    """
+
+    name = "mifa"
+    resum_every: int = 100
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.resum_every, bool) or not isinstance(self.resum_every, int) or self.resum_every < 1:
+            raise ValueError(f"resum_every must be an integer >= 1, got {self.resum_every!r}")
+
+    def setup(self, ctx: FLContext, x0: torch.Tensor) -> None:
+        super().setup(ctx, x0)
+        self.memory = ClientStore(ctx.num_clients, x0.numel(), device=x0.device, dtype=x0.dtype)
+        self.total = torch.zeros_like(self.x)
+
+    def server_update(self, t: int, active: np.ndarray, models: torch.Tensor) -> None:
+        updates = models if len(active) else []
+        resum = (t + 1) % self.resum_every == 0
+        ops.mifa_update_(self.x, self.memory.data, self.total, updates, active, self.server_lr, resum=resum)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "memory": self.memory.data, "total": self.total}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.memory.data.copy_(state["memory"])
+        self.total.copy_(state["total"])

@@ -1,0 +1,159 @@
+"""Benchmark cases of the FedPBC server ops over a [m, d] float32 store of client models (m = 100).
+
+- ``pbc_agg_bcast``: pyfedkern's one-pass postponed broadcast vs the torch idiom (index the active rows, mean,
+  write back) and a torch loop over per-client tensors; limit: a copy of k rows ((2k)·d floats of traffic, the op
+  needs (2k+1)·d).
+- ``weighted_delta``: x += (η_g/D)·Σ_A w_i(Y_i − x) vs the torch idiom and the loop; limit: a copy of k rows.
+- ``mifa``: the running-sum update vs the idiom that rewrites the memory rows and re-sums all m of them.
+
+Sizes: the paper's CNNs, d = 273,706 (SVHN), 551,786 (CIFAR-10), 1,193,130 (CINIC-10), with k ∈ {5, 10, 50}.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pyfedkern import ops
+from pyfedkern.benchmarks.common import Case, InputCache, fmt_size
+
+M = 100
+FULL_SIZES = [(k, d) for d in (273_706, 551_786, 1_193_130) for k in (5, 10, 50)]
+QUICK_SIZES = [(5, 50_000), (10, 20_000)]
+SCALE = 1.0 / M  # η_g/m of FedAvg-all / known-p
+
+
+def cases(quick: bool = False, device: str = "cpu") -> list[Case]:
+    """Groups per (k, d) on ``device`` ("cpu" or "cuda") for the three ops."""
+    cache = InputCache()
+    out: list[Case] = []
+    m = 20 if quick else M
+    for k, d in QUICK_SIZES if quick else FULL_SIZES:
+
+        def inputs(k: int = k, d: int = d) -> dict:
+            def build() -> dict:
+                gen = torch.Generator().manual_seed(0)
+                store = torch.randn(m, d, generator=gen).to(device)
+                active = np.sort(np.random.default_rng(0).choice(m, size=k, replace=False))
+                w = np.random.default_rng(1).random(k) + 0.5
+                return {
+                    "store": store,
+                    "clients": list(store.unbind(0)),  # one tensor per client, as FL code keeps them
+                    "x": torch.randn(d, generator=gen).to(device),
+                    "acc": torch.empty(d, device=device),
+                    "active": active,
+                    "active_t": torch.as_tensor(active, device=device),
+                    "w": w,
+                    "w_t": torch.as_tensor(w, dtype=torch.float32, device=device),
+                    "copy": torch.empty(k, d, device=device),
+                    "memory": torch.zeros(m, d, device=device),
+                    "total": torch.zeros(d, device=device),
+                    "updates": torch.randn(k, d, generator=gen).to(device),
+                }
+
+            return cache.get((k, d, device), build)
+
+        size = f"m={m} k={k} d={fmt_size(d)} float32 {device}"
+        limit_bytes = 2 * k * d * 4
+
+        def limit_copy(inputs=inputs, k=k):
+            a = inputs()
+            return lambda: a["copy"].copy_(a["store"][:k])
+
+        # postponed broadcast --------------------------------------------------------------------------------
+        group = f"pbc_agg_bcast {size}"
+
+        def agg_ours(inputs=inputs):
+            a = inputs()
+            return lambda: ops.pbc_agg_bcast_(a["store"], a["x"], a["active"])
+
+        def agg_idiom(inputs=inputs):
+            a = inputs()
+            store, x, idx = a["store"], a["x"], a["active_t"]
+
+            def run():
+                x.copy_(store[idx].mean(0))
+                store[idx] = x
+                return x
+
+            return run
+
+        def agg_loop(inputs=inputs):
+            a = inputs()
+            clients, x, idx = a["clients"], a["x"], [int(i) for i in a["active"]]
+
+            def run():
+                x.zero_()
+                for i in idx:
+                    x.add_(clients[i])
+                x.div_(len(idx))
+                for i in idx:
+                    clients[i].copy_(x)
+                return x
+
+            return run
+
+        nbytes = (2 * k + 1) * d * 4
+        out += [
+            Case(group, "pyfedkern", agg_ours, nbytes, k * d, device),
+            Case(group, "torch-idiom X[A].mean(0); X[A] = x", agg_idiom, nbytes, k * d, device),
+            Case(group, "torch loop over client tensors", agg_loop, nbytes, k * d, device),
+            Case(group, "limit:copy", limit_copy, limit_bytes, 0, device),
+        ]
+
+        # weighted delta -------------------------------------------------------------------------------------
+        group = f"weighted_delta {size}"
+
+        def wd_ours(inputs=inputs):
+            a = inputs()
+            return lambda: ops.weighted_delta_(a["x"], a["store"], a["w"], SCALE, rows=a["active"])
+
+        def wd_idiom(inputs=inputs):
+            a = inputs()
+            store, x, idx, w = a["store"], a["x"], a["active_t"], a["w_t"]
+            return lambda: x.add_(((store[idx] - x) * w[:, None]).sum(0), alpha=SCALE)
+
+        def wd_loop(inputs=inputs):
+            a = inputs()
+            clients, x, acc = a["clients"], a["x"], a["acc"]
+            pairs = [(int(i), float(w)) for i, w in zip(a["active"], a["w"], strict=True)]
+
+            def run():
+                acc.zero_()
+                for i, w in pairs:
+                    acc.add_(clients[i] - x, alpha=w)
+                return x.add_(acc, alpha=SCALE)
+
+            return run
+
+        nbytes = (k + 2) * d * 4
+        out += [
+            Case(group, "pyfedkern", wd_ours, nbytes, 3 * k * d, device),
+            Case(group, "torch-idiom x += s*((X[A]-x)*w).sum(0)", wd_idiom, nbytes, 3 * k * d, device),
+            Case(group, "torch loop over client tensors", wd_loop, nbytes, 3 * k * d, device),
+            Case(group, "limit:copy", limit_copy, limit_bytes, 0, device),
+        ]
+
+        # MIFA -----------------------------------------------------------------------------------------------
+        group = f"mifa_update {size}"
+
+        def mifa_ours(inputs=inputs):
+            a = inputs()
+            return lambda: ops.mifa_update_(a["x"], a["memory"], a["total"], a["updates"], a["active"], 1.0)
+
+        def mifa_idiom(inputs=inputs):
+            a = inputs()
+            memory, x, idx, upd = a["memory"], a["x"], a["active_t"], a["updates"]
+
+            def run():
+                memory[idx] = upd - x
+                return x.add_(memory.sum(0), alpha=1.0 / memory.shape[0])
+
+            return run
+
+        out += [
+            Case(group, "pyfedkern", mifa_ours, (3 * k + 4) * d * 4, 3 * k * d, device),
+            Case(group, "torch-idiom U[A] = Y-x; x += U.sum(0)/m", mifa_idiom, (3 * k + 4) * d * 4, 3 * k * d, device),
+            Case(group, "limit:copy", limit_copy, limit_bytes, 0, device),
+        ]
+    return out

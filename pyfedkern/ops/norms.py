@@ -1,0 +1,367 @@
+"""Feature-norm ops: per-class mean feature norms (FNR-FL's statistic) and per-sample gradient norms.
+
+``class_feature_norms`` reads a [B, D] feature matrix once and returns every row's L2 norm, the per-class sum and
+mean of the norms (a segmented reduction by label, summed in a fixed order: the same bits for any number of CPU
+threads) and the class counts; given logits it also counts the correct top-1 predictions. For torch tensors that
+require grad it is differentiable with respect to the features through a native backward kernel.
+
+``per_sample_grad_norms`` gives the [B] norms of one Linear/Conv2d layer's per-sample gradients from the layer's
+input activations and output gradients, without building the [B, P] per-sample gradients (see
+:func:`pyfedkern.persample.grad_norms` for a whole model).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from pyfedkern import _arrays
+from pyfedkern._arrays import ArrayRef
+from pyfedkern._runtime import native
+
+LABEL_DTYPES = ("int32", "int64")
+_INT_DTYPES = ("int8", "int16", "uint8", "uint16", "uint32", "uint64")
+
+
+class FeatureNorms(NamedTuple):
+    """Result of :func:`class_feature_norms` (arrays of the caller's library and device).
+
+    Attributes:
+        norms: [B] L2 norm of each feature row (features' dtype).
+        class_sum: [C] sum of the norms of the rows of each class (features' dtype).
+        class_mean: [C] mean norm of each class; **0.0 for a class with no rows** (never NaN).
+        counts: [C] int64 number of rows of each class.
+        correct: 0-d int64 count of rows whose logits' argmax (first maximum, NaN counts as maximum) equals the
+            label, or None when no logits were given.
+    """
+
+    norms: Any
+    class_sum: Any
+    class_mean: Any
+    counts: Any
+    correct: Any
+
+
+def _check_features(features: Any, name: str = "features") -> ArrayRef:
+    ref = _arrays.describe(features, name)
+    if len(ref.shape) != 2:
+        raise ValueError(f"{name} must be a 2-D [B, D] array, got shape {ref.shape}")
+    _arrays.check_float_dtype(ref, name)
+    if ref.shape[0] == 0 or ref.shape[1] == 0:
+        raise ValueError(f"{name} is empty (shape {ref.shape}); need B >= 1 rows and D >= 1 columns")
+    return ref
+
+
+def _check_num_classes(num_classes: Any) -> int:
+    if isinstance(num_classes, bool) or not isinstance(num_classes, (int, np.integer)) or num_classes < 1:
+        raise ValueError(f"num_classes must be an integer >= 1, got {num_classes!r}")
+    return int(num_classes)
+
+
+def _prepare_labels(labels: Any, feats: ArrayRef, num_classes: int) -> tuple[Any, ArrayRef]:
+    """labels as an int32/int64 1-D array of length B on the features' library/device (small ints are widened)."""
+    ref = _arrays.describe(labels, "labels")
+    if ref.lib != feats.lib or ref.device != feats.device:
+        raise ValueError(f"labels is a {ref.where} array but features is a {feats.where} array; mixing is not allowed")
+    if ref.dtype not in LABEL_DTYPES + _INT_DTYPES:
+        raise TypeError(f"labels must have an integer dtype (int32 or int64), got {ref.dtype}")
+    if ref.shape != (feats.shape[0],):
+        raise ValueError(f"labels must have shape ({feats.shape[0]},) (one per feature row), got {ref.shape}")
+    if ref.dtype not in LABEL_DTYPES:
+        labels = labels.astype(np.int64) if ref.lib != "torch" else labels.long()
+        ref = _arrays.describe(labels, "labels")
+    if ref.device >= 0:  # the CPU kernel checks the range itself; on a GPU it needs two host values
+        lo, hi = int(labels.min()), int(labels.max())
+        if lo < 0 or hi >= num_classes:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"labels contain {bad}, out of range [0, {num_classes})")
+    return labels, ref
+
+
+def _check_logits(logits: Any, feats: ArrayRef, num_classes: int) -> ArrayRef:
+    ref = _arrays.describe(logits, "logits")
+    _arrays.check_same(ref, feats, "logits", "features")
+    if ref.shape != (feats.shape[0], num_classes):
+        raise ValueError(
+            f"logits must have shape ({feats.shape[0]}, {num_classes}) ([B, num_classes]), got {ref.shape}"
+        )
+    return ref
+
+
+def _acc_dtype(dtype: str) -> str:
+    return "float64" if dtype == "float64" else "float32"
+
+
+def _forward(feats: ArrayRef, labels: ArrayRef | None, num_classes: int, logits: ArrayRef | None) -> FeatureNorms:
+    B, D = feats.shape
+    norms = _arrays.empty_like_lib(feats, (B,))
+    class_sum = class_mean = counts = correct = None
+    if labels is not None:
+        class_sum = _arrays.empty_like_lib(feats, (num_classes,))
+        class_mean = _arrays.empty_like_lib(feats, (num_classes,))
+        counts = _arrays.empty_like_lib(feats, (num_classes,), "int64")
+    if logits is not None:
+        correct = _arrays.empty_like_lib(feats, (), "int64")
+
+    def ptr(x: Any) -> int:
+        return 0 if x is None else _arrays.describe(x, "output").ptr
+
+    native().class_feature_norms(
+        feats.device,
+        _arrays.stream_handle(feats),
+        feats.dtype,
+        B,
+        D,
+        feats.ptr,
+        feats.strides[0],
+        feats.strides[1],
+        0 if labels is None else labels.ptr,
+        "" if labels is None else labels.dtype,
+        0 if labels is None else labels.strides[0],
+        num_classes if labels is not None else 0,
+        0 if logits is None else logits.ptr,
+        0 if logits is None else logits.strides[0],
+        0 if logits is None else logits.strides[1],
+        ptr(norms),
+        ptr(class_sum),
+        ptr(class_mean),
+        ptr(counts),
+        ptr(correct),
+    )
+    return FeatureNorms(norms, class_sum, class_mean, counts, correct)
+
+
+def _backward(feats: ArrayRef, labels: ArrayRef, num_classes: int, grad_norms: Any, class_coef: Any) -> Any:
+    """grad_f[r] = (grad_norms[r] + class_coef[labels[r]])·f[r]/‖f[r]‖ via the native kernel (torch tensors)."""
+    B, D = feats.shape
+    grad = _arrays.empty_like_lib(feats, (B, D))
+    gn = _arrays.describe(grad_norms, "grad_norms").ptr if grad_norms is not None else 0
+    cc = _arrays.describe(class_coef, "class_coef").ptr if class_coef is not None else 0
+    native().class_feature_norms_backward(
+        feats.device,
+        _arrays.stream_handle(feats),
+        feats.dtype,
+        B,
+        D,
+        feats.ptr,
+        feats.strides[0],
+        feats.strides[1],
+        labels.ptr,
+        labels.dtype,
+        labels.strides[0],
+        num_classes,
+        gn,
+        cc,
+        _arrays.describe(grad, "grad").ptr,
+    )
+    return grad
+
+
+def _autograd_function():
+    import torch
+
+    class _ClassFeatureNorms(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, features, labels, num_classes, logits):
+            feats = _arrays.describe(features, "features")
+            lab = _arrays.describe(labels, "labels")
+            lg = None if logits is None else _arrays.describe(logits, "logits")
+            result = _forward(feats, lab, num_classes, lg)
+            ctx.save_for_backward(features, labels, result.counts)
+            ctx.num_classes = num_classes
+            ctx.mark_non_differentiable(*(t for t in (result.counts, result.correct) if t is not None))
+            return tuple(result)
+
+        @staticmethod
+        @torch.autograd.function.once_differentiable
+        def backward(ctx, g_norms, g_sum, g_mean, _g_counts, _g_correct):
+            features, labels, counts = ctx.saved_tensors
+            acc = getattr(torch, _acc_dtype(str(features.dtype).removeprefix("torch.")))
+            grad_norms = None if g_norms is None else g_norms.to(acc).contiguous()
+            class_coef = None
+            if g_sum is not None or g_mean is not None:
+                class_coef = torch.zeros(ctx.num_classes, dtype=acc, device=features.device)
+                if g_sum is not None:
+                    class_coef += g_sum.to(acc)
+                if g_mean is not None:
+                    class_coef += g_mean.to(acc) / counts.clamp(min=1).to(acc)
+            if grad_norms is None and class_coef is None:
+                return None, None, None, None
+            feats = _arrays.describe(features, "features")
+            lab = _arrays.describe(labels, "labels")
+            return _backward(feats, lab, ctx.num_classes, grad_norms, class_coef), None, None, None
+
+    return _ClassFeatureNorms
+
+
+_FUNCTION: Any = None
+
+
+def class_feature_norms(features: Any, labels: Any, num_classes: int, logits: Any = None) -> FeatureNorms:
+    """Row L2 norms of ``features`` and their per-class sums, means and counts, in one pass over the features.
+
+    Args:
+        features: [B, D] float array (numpy, torch CPU/CUDA or cupy; float32/float64/float16/bfloat16, any
+            strides). 16-bit inputs are accumulated in float32, per-class sums in float64.
+        labels: [B] integer array (int32/int64; smaller integer types are widened) on the features' device, every
+            value in [0, num_classes). Out-of-range values raise ValueError; float or bool labels raise TypeError.
+        num_classes: C ≥ 1.
+        logits: optional [B, C] array of the features' library, device and dtype; when given, ``correct`` counts
+            the rows whose argmax equals the label (FNR-FL's public-set accuracy).
+
+    Returns:
+        :class:`FeatureNorms` (norms [B], class_sum [C], class_mean [C], counts [C] int64, correct 0-d int64 or
+        None). A class with no rows has count 0, sum 0.0 and mean 0.0. For torch features that require grad the
+        norms, sums and means are differentiable (∂‖f‖/∂f = f/‖f‖, taken as 0 for an all-zero row).
+    """
+    global _FUNCTION
+    feats = _check_features(features)
+    C = _check_num_classes(num_classes)
+    labels, lab = _prepare_labels(labels, feats, C)
+    lg = None if logits is None else _check_logits(logits, feats, C)
+    if feats.lib == "torch":
+        import torch
+
+        if torch.is_grad_enabled() and features.requires_grad:
+            if _FUNCTION is None:
+                _FUNCTION = _autograd_function()
+            return FeatureNorms(*_FUNCTION.apply(features, labels, C, logits))
+        features = features.detach()
+        feats = _arrays.describe(features, "features")
+        if lg is not None:
+            lg = _arrays.describe(logits.detach(), "logits")
+    return _forward(feats, lab, C, lg)
+
+
+def row_norms(x: Any) -> Any:
+    """[B] L2 norms of the rows of a [B, D] float array (not differentiable), in the caller's library/dtype."""
+    feats = _check_features(x, "x")
+    if feats.lib == "torch":
+        feats = _arrays.describe(x.detach(), "x")
+    return _forward(feats, None, 0, None).norms
+
+
+# Per-sample gradient norms ---------------------------------------------------------------------------------
+
+#: Largest temporary (elements) one batch chunk of the Gram / materialised path may allocate.
+_CHUNK_ELEMENTS = 1 << 24
+
+
+def per_sample_grad_norms(layer: Any, activations: Any, grad_outputs: Any, *, squared: bool = False) -> Any:
+    """[B] norms of the per-sample gradients of one ``nn.Linear`` or ``nn.Conv2d`` layer (weight and bias).
+
+    Args:
+        layer: the module (only its kind, shape hyper-parameters and which parameters require grad are read).
+        activations: the layer's input, [B, in] or [B, ..., in] for Linear, [B, C_in, H, W] for Conv2d.
+        grad_outputs: ∂ℓ_n/∂(layer output) of each sample's own loss, shaped like the layer's output.
+        squared: return squared norms (summable across layers).
+
+    Linear with 2-D inputs uses ‖∇W‖ = ‖g_n‖·‖a_n‖ (plus ‖g_n‖² for the bias). Sequence inputs and Conv2d (as an
+    unfolded [B, T, C_in·k·k] matrix) use the Gram form ⟨g gᵀ, a aᵀ⟩ (cost ∝ T²·(in + out)) or the per-sample
+    weight gradient gᵀa (cost ∝ T·in·out), whichever is cheaper, in batch chunks of bounded memory. Never builds
+    the [B, P] per-sample gradients of the model.
+    """
+    import torch
+    from torch import nn
+
+    if not isinstance(activations, torch.Tensor) or not isinstance(grad_outputs, torch.Tensor):
+        raise TypeError("per_sample_grad_norms: activations and grad_outputs must be torch tensors")
+    if activations.shape[0] != grad_outputs.shape[0]:
+        raise ValueError(
+            f"activations and grad_outputs must have the same batch size, got {activations.shape[0]} and "
+            f"{grad_outputs.shape[0]}"
+        )
+    with torch.no_grad():
+        a, g = activations.detach(), grad_outputs.detach()
+        if isinstance(layer, nn.Linear):
+            sq = _linear_sq_norms(layer, a, g)
+        elif isinstance(layer, nn.Conv2d):
+            sq = _conv2d_sq_norms(layer, a, g)
+        else:
+            raise TypeError(
+                f"per_sample_grad_norms supports nn.Linear and nn.Conv2d layers, got {type(layer).__qualname__}"
+            )
+    return sq if squared else sq.sqrt()
+
+
+def _wants(param: Any) -> bool:
+    return param is not None and param.requires_grad
+
+
+def _sq_rows(x: Any) -> Any:
+    """Squared row norms of a 2-D torch tensor, via the native row-norm kernel for float dtypes."""
+    if x.dtype.is_floating_point and x.shape[1] > 0:
+        n = row_norms(x)
+        return n * n
+    return (x * x).sum(1)
+
+
+def _linear_sq_norms(layer: Any, a: Any, g: Any) -> Any:
+    if a.shape[-1] != layer.in_features or g.shape[-1] != layer.out_features:
+        raise ValueError(
+            f"Linear({layer.in_features}, {layer.out_features}): activations [..., {a.shape[-1]}] / grad_outputs "
+            f"[..., {g.shape[-1]}] do not match"
+        )
+    if a.dim() == 2:
+        g_sq = _sq_rows(g)
+        total = g_sq * _sq_rows(a) if _wants(layer.weight) else g_sq.new_zeros(g_sq.shape)
+        return total + g_sq if _wants(layer.bias) else total
+    B = a.shape[0]
+    return _sequence_sq_norms(a.reshape(B, -1, a.shape[-1]), g.reshape(B, -1, g.shape[-1]), layer.weight, layer.bias)
+
+
+def _conv2d_sq_norms(layer: Any, a: Any, g: Any) -> Any:
+    import torch.nn.functional as F
+
+    if layer.groups != 1 or layer.padding_mode != "zeros":
+        raise ValueError(
+            f"per_sample_grad_norms: Conv2d with groups={layer.groups}, padding_mode={layer.padding_mode!r} is not "
+            "supported (groups=1, padding_mode='zeros' only)"
+        )
+    if a.dim() != 4 or g.dim() != 4 or a.shape[1] != layer.in_channels or g.shape[1] != layer.out_channels:
+        raise ValueError(
+            f"Conv2d({layer.in_channels}, {layer.out_channels}): expected activations [B, {layer.in_channels}, H, W] "
+            f"and grad_outputs [B, {layer.out_channels}, H', W'], got {tuple(a.shape)} and {tuple(g.shape)}"
+        )
+    padding = layer.padding
+    if isinstance(padding, str):
+        if padding == "same":
+            a = F.pad(a, layer._reversed_padding_repeated_twice)
+        padding = 0
+    cols = F.unfold(a, layer.kernel_size, dilation=layer.dilation, padding=padding, stride=layer.stride)
+    B = a.shape[0]
+    if cols.shape[2] != g.shape[2] * g.shape[3]:
+        raise ValueError(f"grad_outputs spatial size {tuple(g.shape[2:])} does not match the layer's output")
+    return _sequence_sq_norms(
+        cols.transpose(1, 2), g.reshape(B, g.shape[1], -1).transpose(1, 2), layer.weight, layer.bias
+    )
+
+
+def _sequence_sq_norms(a: Any, g: Any, weight: Any, bias: Any) -> Any:
+    """Squared per-sample norms of Σ_t g_tᵀ a_t (weight) and Σ_t g_t (bias) for a [B, T, i], g [B, T, o]."""
+    import torch
+
+    B, T, i = a.shape
+    o = g.shape[2]
+    total = torch.zeros(B, dtype=g.dtype, device=g.device)
+    if _wants(bias):
+        total += _sq_rows(g.sum(1))
+    if not _wants(weight):
+        return total
+    gram = gram_is_cheaper(T, i, o)
+    per_sample = T * T if gram else i * o
+    chunk = max(1, min(B, _CHUNK_ELEMENTS // max(1, per_sample)))
+    for start in range(0, B, chunk):
+        aa, gg = a[start : start + chunk], g[start : start + chunk]
+        if gram:
+            sq = (torch.bmm(gg, gg.transpose(1, 2)) * torch.bmm(aa, aa.transpose(1, 2))).sum((1, 2))
+        else:
+            sq = torch.bmm(gg.transpose(1, 2), aa).square().sum((1, 2))
+        total[start : start + chunk] += sq
+    return total
+
+
+def gram_is_cheaper(T: int, in_features: int, out_features: int) -> bool:
+    """Whether the Gram form (T²·(in+out)) beats per-sample materialisation (T·in·out) for a [T, in] input."""
+    return T * (in_features + out_features) < in_features * out_features

@@ -1,0 +1,103 @@
+"""Per-sample gradient norms of a whole model without per-sample gradients: hooks + per-layer closed forms.
+
+:func:`grad_norms` runs one forward pass capturing each Linear/Conv2d layer's input, gets every sample's own
+output gradient ∂ℓ(f(x_n), y_n)/∂f(x_n) (a vmap over the loss only), backpropagates it once to capture each
+layer's output gradients, and combines them with :func:`pyfedkern.ops.norms.per_sample_grad_norms`. Parameter
+``.grad`` fields are not touched. The model must treat samples independently (no BatchNorm in training mode).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from pyfedkern.ops.norms import per_sample_grad_norms
+
+SUPPORTED = (nn.Linear, nn.Conv2d)
+
+
+def _check_model(model: nn.Module) -> list[nn.Module]:
+    layers = []
+    for name, module in model.named_modules():
+        own = [p for p in module.parameters(recurse=False) if p.requires_grad]
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training:
+            raise ValueError(
+                f"grad_norms: {name or 'model'} is a {type(module).__qualname__} in training mode, which mixes "
+                "samples; call model.eval() first"
+            )
+        if not own:
+            continue
+        if not isinstance(module, SUPPORTED):
+            raise TypeError(
+                f"grad_norms: layer {name!r} of type {type(module).__qualname__} has trainable parameters but is "
+                "not supported (supported: Linear, Conv2d); freeze it (requires_grad=False) or use torch.func"
+            )
+        extra = [n for n, p in module.named_parameters(recurse=False) if n not in ("weight", "bias")]
+        if extra:
+            raise TypeError(f"grad_norms: layer {name!r} has unexpected parameters {extra}")
+        layers.append(module)
+    if not layers:
+        raise ValueError("grad_norms: the model has no trainable Linear or Conv2d layer")
+    return layers
+
+
+def capture_layer_grads(
+    model: nn.Module, loss_fn: Any, x: torch.Tensor, y: torch.Tensor
+) -> tuple[list[tuple[nn.Module, torch.Tensor, torch.Tensor]], torch.Tensor]:
+    """((layer, input, per-sample output gradient) for each trainable Linear/Conv2d layer, model output).
+
+    The output gradients are those of each sample's own loss ``loss_fn(output[n:n+1], y[n:n+1])``.
+    """
+    layers = _check_model(model)
+    inputs: dict[nn.Module, torch.Tensor] = {}
+    outputs: dict[nn.Module, torch.Tensor] = {}
+
+    def capture(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        if module in inputs:
+            raise ValueError(
+                f"grad_norms: a {type(module).__qualname__} layer was called more than once in one forward pass "
+                "(shared weights are not supported)"
+            )
+        inputs[module] = args[0].detach()
+        outputs[module] = out
+
+    handles = [layer.register_forward_hook(capture) for layer in layers]
+    try:
+        with torch.enable_grad():
+            out = model(x)
+    finally:
+        for h in handles:
+            h.remove()
+    if not isinstance(out, torch.Tensor) or out.shape[0] != x.shape[0]:
+        raise ValueError("grad_norms: the model must return one [B, ...] tensor")
+
+    def loss_one(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return loss_fn(o.unsqueeze(0), t.unsqueeze(0))
+
+    grad_out = torch.func.vmap(torch.func.grad(loss_one))(out.detach(), y)
+    used = [m for m in layers if m in outputs and outputs[m].requires_grad]
+    grads = torch.autograd.grad(out, [outputs[m] for m in used], grad_outputs=grad_out, allow_unused=True)
+    captured = [(m, inputs[m], g) for m, g in zip(used, grads, strict=True) if g is not None]
+    return captured, out.detach()
+
+
+def grad_norms(model: nn.Module, loss_fn: Any, x: torch.Tensor, y: torch.Tensor, *, squared: bool = False) -> Any:
+    """[B] L2 norms of the per-sample gradients ∇_θ loss_fn(model(x_n[None]), y_n[None]) over all trainable params.
+
+    Args:
+        model: built from Linear / Conv2d layers (any parameter-free modules in between); each layer called once
+            per forward pass.
+        loss_fn: called as ``loss_fn(output[n:n+1], y[n:n+1])`` for one sample (e.g. ``F.cross_entropy``); must be
+            vmap-compatible.
+        x, y: a batch of inputs [B, ...] and targets [B, ...].
+        squared: return squared norms.
+
+    Matches ``torch.func`` (vmap over grad) to float tolerance, at the cost of one forward and one backward pass.
+    """
+    captured, out = capture_layer_grads(model, loss_fn, x, y)
+    total = torch.zeros(x.shape[0], dtype=out.dtype, device=out.device)
+    for module, a, g in captured:
+        total += per_sample_grad_norms(module, a, g, squared=True)
+    return total if squared else total.sqrt()

@@ -1,0 +1,218 @@
+"""FNR-FL: regularizer values/gradients vs the spec's closed forms, Alg. 2 differences, selection of the lowest-accuracy
+clients, aggregation with refined models substituted, p = 0 ≡ FedAvg, λ = 0 ≡ literal, the public set and the CLI."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pyfedkern.algorithms import make_algorithm
+from pyfedkern.algorithms.fnrfl import (
+    FNRFL,
+    PublicStats,
+    differences,
+    reference_sums,
+    regularizer,
+    select_lowest,
+    selection_count,
+)
+from pyfedkern.sim.engine import ExperimentConfig, Simulation
+
+
+def _batch(seed: int = 0, B: int = 24, D: int = 7, K: int = 5):
+    gen = torch.Generator().manual_seed(seed)
+    f = torch.randn(B, D, generator=gen, dtype=torch.float64).abs()  # post-ReLU-like features
+    y = torch.randint(0, K - 1, (B,), generator=gen)  # class K-1 absent from the batch
+    return f.requires_grad_(True), y
+
+
+def _class_stats(f: torch.Tensor, y: torch.Tensor, K: int):
+    norms = f.detach().norm(dim=1)
+    counts = torch.bincount(y, minlength=K).double()
+    means = torch.zeros(K, dtype=torch.float64).index_add_(0, y, norms) / counts.clamp(min=1)
+    return norms, counts, means
+
+
+def test_abs_regularizer_value_and_gradient_match_the_spec():
+    K = 5
+    f, y = _batch()
+    B = f.shape[0]
+    target_sum = torch.tensor([3.0, 20.0, 0.5, 9.0, 4.0], dtype=torch.float64)
+    target_count = torch.tensor([3.0, 3.0, 3.0, 0.0, 3.0], dtype=torch.float64)  # no reference for class 3
+    J = regularizer("abs", f, y, K, target_sum, target_count, torch.zeros(K))
+    norms, counts, means = _class_stats(f, y, K)
+    rho = counts / B
+    active = (counts > 0) & (target_count > 0)
+    expected = (rho * (target_sum - target_count * means).abs())[active].sum()
+    torch.testing.assert_close(J, expected)
+    J.backward()
+    # ∂J/∂f_b = −(M_l/|B|)·sign(Σ_m F_m[l] − M_l·F̂_l)·f_b/‖f_b‖ for l = y_b
+    sign = torch.sign(target_sum - target_count * means)
+    coef = -(target_count / B) * sign * active
+    expected_grad = coef[y][:, None] * f.detach() / norms[:, None]
+    torch.testing.assert_close(f.grad, expected_grad)
+    assert torch.all(f.grad[y == 3] == 0)
+
+
+def test_sq_regularizer_gradient_matches_the_spec():
+    K = 5
+    f, y = _batch(1)
+    B = f.shape[0]
+    target_sum = torch.tensor([6.0, 1.0, 12.0, 3.0, 1.0], dtype=torch.float64)
+    target_count = torch.full((K,), 3.0, dtype=torch.float64)
+    J = regularizer("sq", f, y, K, target_sum, target_count, torch.zeros(K))
+    norms, counts, means = _class_stats(f, y, K)
+    bar = target_sum / target_count
+    torch.testing.assert_close(J, ((counts / B) * (bar - means) ** 2)[counts > 0].sum())
+    J.backward()
+    # ρ_l/c_l = 1/|B|: ∂J/∂f_b = −(2/|B|)·(F̄_l − F̂_l)·f_b/‖f_b‖
+    coef = -(2.0 / B) * (bar - means)
+    torch.testing.assert_close(f.grad, coef[y][:, None] * f.detach() / norms[:, None])
+
+
+def test_literal_regularizer_is_the_printed_constant():
+    K = 5
+    f, y = _batch(2)
+    delta = torch.tensor([1.0, -2.0, 0.5, 3.0, 7.0], dtype=torch.float64)
+    J = regularizer("literal", f, y, K, torch.zeros(K), torch.zeros(K), delta)
+    counts = torch.bincount(y, minlength=K).double()
+    torch.testing.assert_close(J, (counts / y.shape[0] * delta).sum())
+    assert not J.requires_grad  # the paper's J has no gradient
+
+
+def _stats(means, present, acc=0.5):
+    return PublicStats(torch.tensor(means, dtype=torch.float64), torch.tensor(present), acc)
+
+
+def test_differences_are_signed_sums_over_non_selected_clients():
+    others = [_stats([1.0, 2.0, 3.0], [True, True, True]), _stats([4.0, 0.0, 5.0], [True, False, True])]
+    own = _stats([2.0, 1.0, 0.0], [True, True, False])
+    delta = differences(*reference_sums(others), own)
+    # label 0: (1-2)+(4-2) = 1; label 1: only client 0 has it: (2-1) = 1; label 2 absent from F_j: 0
+    assert delta.tolist() == [1.0, 1.0, 0.0]
+
+
+def test_selection_picks_the_lowest_accuracies_stably():
+    assert selection_count(10, 0.3) == 3 and selection_count(10, 0.0) == 0 and selection_count(3, 1.0) == 3
+    assert selection_count(7, 0.5) == 3
+    acc = np.array([0.9, 0.2, 0.5, 0.2, 0.1, 0.7])
+    assert select_lowest(acc, 3).tolist() == [1, 3, 4]
+    assert select_lowest(acc, 2).tolist() == [1, 4]  # tie at 0.2: the lower position first
+    assert select_lowest(acc, 0).tolist() == []
+
+
+def _config(**params):
+    base = {"public_size": 10, "refine_epochs": 1.0, "p": 0.5}
+    base.update(params)
+    return ExperimentConfig(
+        algorithm="fnrfl",
+        algorithm_params=base,
+        dataset="digits",
+        model="mlp",
+        clients=4,
+        rounds=1,
+        partition="noise:0.5",
+        batch_size=32,
+        seed=3,
+    )
+
+
+def test_public_set_is_carved_disjoint_from_clients():
+    sim = Simulation(_config(public_size=12))
+    assert sim.public_x.shape[0] == 12 * sim.data.num_classes
+    assert torch.bincount(sim.public_y).tolist() == [12] * sim.data.num_classes
+    client_rows = {r.tobytes() for x in sim.client_x for r in x.reshape(x.shape[0], -1).numpy()}
+    assert not any(r.tobytes() in client_rows for r in sim.public_x.reshape(sim.public_x.shape[0], -1).numpy())
+    assert sum(sim.client_sizes) + sim.public_x.shape[0] == len(sim.data.y_train)
+
+
+def test_refined_clients_are_the_lowest_accuracy_and_aggregation_substitutes_them(monkeypatch):
+    sim = Simulation(_config(p=0.5))
+    algo: FNRFL = sim.algorithm
+    algo.setup(sim, sim.initial_vector)
+    x0 = algo.x.clone()
+    seen = {}
+    original_stats, original_refine = FNRFL.public_statistics, FNRFL.refine
+    trained = {}
+
+    def stats_spy(self, vector, ctx):
+        s = original_stats(self, vector, ctx)
+        seen[len(seen)] = s.accuracy
+        trained[len(trained)] = vector.clone()
+        return s
+
+    refined = []
+
+    def refine_spy(self, t, cid, start, ctx, target, delta):
+        refined.append(cid)
+        return torch.zeros_like(start), 0.0, 0.0
+
+    monkeypatch.setattr(FNRFL, "public_statistics", stats_spy)
+    monkeypatch.setattr(FNRFL, "refine", refine_spy)
+    stats = algo.round(0, sim)
+    acc = np.array([seen[k] for k in range(4)])
+    assert sorted(refined) == sorted(np.argsort(acc, kind="stable")[:2].tolist())
+    assert stats.extras["fnr_refined"] == 2.0
+    # w^{t+1} = Σ |D_i|/Σ|D| · w_i with the refined (here zero) models substituted
+    w = sim.client_sizes / sim.client_sizes.sum()
+    expected = sum(w[k] * (torch.zeros_like(x0) if k in refined else trained[k]) for k in range(4))
+    torch.testing.assert_close(algo.x, expected.to(algo.x.dtype), rtol=1e-6, atol=1e-7)
+    monkeypatch.setattr(FNRFL, "refine", original_refine)
+
+
+def test_p_zero_is_exactly_fedavg():
+    sim = Simulation(_config(p=0.0))
+    fnr: FNRFL = sim.algorithm
+    fnr.setup(sim, sim.initial_vector)
+    stats = fnr.round(0, sim)
+    avg = make_algorithm("fedavg")
+    avg.setup(sim, sim.initial_vector)  # same clients, same batches
+    avg.round(0, sim)
+    assert torch.equal(avg.x, fnr.x)
+    assert stats.extras["fnr_refined"] == 0.0
+
+
+def test_lambda_zero_equals_literal_and_lambda_changes_the_model():
+    models = {}
+    for key, params in {
+        "abs0": {"lam": 0.0, "reg_mode": "abs"},
+        "literal": {"lam": 5.0, "reg_mode": "literal"},
+        "abs": {"lam": 1.0, "reg_mode": "abs"},
+    }.items():
+        sim = Simulation(_config(**params))
+        sim.run()
+        models[key] = sim.algorithm.x.clone()
+    torch.testing.assert_close(models["abs0"], models["literal"], rtol=0, atol=0)
+    assert not torch.equal(models["abs"], models["abs0"])
+
+
+def test_parameters_are_validated_and_reach_the_cli():
+    from pyfedkern.cli import _algorithm_params
+
+    params = _algorithm_params(["fnrfl"], {"lam": "0.1", "p": "0.2", "public_size": "10", "reg_mode": "sq"})["fnrfl"]
+    algo = make_algorithm("fnrfl", **params)
+    assert (algo.lam, algo.p, algo.public_size, algo.reg_mode, algo.public_per_class) == (0.1, 0.2, 10, "sq", 10)
+    for bad in ({"p": 1.5}, {"lam": -1.0}, {"public_size": 0}, {"reg_mode": "linear"}, {"refine_epochs": -1.0}):
+        with pytest.raises(ValueError):
+            FNRFL(**bad)
+
+
+def test_missing_public_set_and_model_split_are_reported():
+    algo = FNRFL()
+
+    class Ctx:
+        public_x = None
+        public_y = None
+
+    with pytest.raises(ValueError, match="public set"):
+        algo.public_statistics(torch.zeros(1), Ctx())
+
+
+def test_cli_accepts_the_short_p_option(tmp_path):
+    from pyfedkern.cli import main
+
+    argv = ["run", "--algorithm", "fnrfl", "--p", "0.5", "--lam", "0.1", "--public-size", "10", "--refine-epochs", "1"]
+    argv += ["--dataset", "digits", "--model", "logreg", "--clients", "3", "--rounds", "1", "--no-progress"]
+    assert main([*argv, "--out", str(tmp_path / "run")]) == 0
+    assert (tmp_path / "run" / "summary.json").exists()
