@@ -2,6 +2,10 @@
 
 import pytest
 
+from pyfedkern.benchmarks import herding
+
+FAMILY = herding  # bench/conftest.py parametrizes `case` over FAMILY.cases()
+
 
 @pytest.mark.benchmark(disable_gc=True)
 def test_herding_select(run_benchmark, case):
