@@ -11,6 +11,10 @@ from pyfedkern.benchmarks.common import Case, InputCache
 FAMILIES = ["aggregate"]
 FAMILIES += ["norms"]
 FAMILIES += ["pbc"]
+<<<<<<< HEAD
 FAMILIES += ["fedspeed"]
+=======
+FAMILIES += ["herding"]
+>>>>>>> herding
 
 __all__ = ["FAMILIES", "Case", "InputCache"]

@@ -1,0 +1,525 @@
+"""Herding ops of BHerd (arXiv 2403.16557): greedy gradient selection (Algorithm 2) and GraB balancing (Algorithm 4).
+
+How :func:`herding_order` / :func:`herding_select` compute (the Gram form of specs/bherd.md §2):
+
+1. **Gram matrix of the centred gradients**, G = Z Zᵀ with z_λ = y_λ − μ, computed in the Python layer with the
+   caller's own library matmul (MKL/OpenBLAS for numpy and torch on the CPU, cuBLAS for torch/cupy on the GPU).
+   The columns are processed in cache-sized chunks: each chunk is shifted explicitly by the first row
+   (y'_λ = y_λ − y_1, in the GEMM dtype: float64 for float64 gradients, float32 otherwise) and multiplied, the
+   chunk products being summed into a float64 G'; then G = G' − r1ᵀ − 1rᵀ + m with r = G'1/τ, m = 1ᵀG'1/τ².
+   The shift keeps the mean of the shifted rows as small as the deviations, so this identity does not suffer the
+   cancellation the raw identity has when ‖μ‖ ≫ ‖z‖ (specs/bherd.md §2). One pass over the [τ, d] buffer, no
+   separate mean pass, compute-bound.
+   On the GPU, TF32 matmul (``torch.backends.cuda.matmul.allow_tf32``) lowers the precision of G; leave it off.
+2. **Greedy loop** in native code (``pyfedkern._C.herding_greedy``; OpenMP over clients on the CPU, one CUDA block
+   per client on the GPU): ‖s + z_m‖² = ‖s‖² + 2c_m + G_mm with c_m = ⟨s, z_m⟩, so each step is an argmin over the
+   remaining m of 2c_m + G_mm followed by c += G[j, :]. O(k·τ) per client, no τ³ term. Ties go to the lowest
+   index; a score ties with the minimum when it is within the rounding scale of the Gram form,
+   ρ·(G_mm + 2·sqrt(G_mm·Σ_{j picked} G_jj)) with ρ = 8 ulps of the GEMM dtype (:func:`tie_rel_tol`), so exact
+   duplicate rows tie however the library's GEMM rounded their entries (for float64 data ρ ≈ 1.8e-15).
+3. **Masked row sum** in native code (``pyfedkern._C.herding_masked_sum``): the sum of the selected *raw* rows, in
+   ascending row order (so with k = τ it does not depend on the order), float32 accumulation for 16-bit storage.
+
+Gradients are given as one [τ, d] matrix, a [N, τ, d] stack (N clients with the same τ) or a list of N matrices of
+different τ and the same d. Non-finite gradients (or squared norms that overflow) raise ValueError; this check
+reads G on the host, the only synchronisation of a GPU call.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from pyfedkern import _arrays
+from pyfedkern._arrays import ArrayRef
+from pyfedkern._runtime import native
+
+#: Elements (rows × columns over all clients) of one shifted Gram chunk: 1 MiB of float32 stays in L2 on the CPU;
+#: on the GPU, 64 MiB chunks keep the number of launches small.
+GRAM_CHUNK_ELEMENTS = {"cpu": 1 << 18, "gpu": 1 << 24}
+
+
+def tie_rel_tol(dtype: str) -> float:
+    """Relative rounding scale of the Gram entries (8 ulps of the GEMM dtype): float64 for float64 gradients."""
+    return 8 * float(np.finfo(np.float64 if dtype == "float64" else np.float32).eps)
+
+
+@dataclass
+class _Clients:
+    """The validated gradient matrices of N clients."""
+
+    kind: str  # "single" ([τ, d]), "stack" ([N, τ, d]) or "list"
+    objs: list[Any]  # per client [τ_i, d] (single/list), or the one [N, τ, d] stack
+    refs: list[ArrayRef]  # one 2-D ref per client
+    taus: list[int]
+    d: int
+
+    @property
+    def lib(self) -> str:
+        return self.refs[0].lib
+
+    @property
+    def first(self) -> ArrayRef:
+        return self.refs[0]
+
+
+def _matrix_ref(ref: ArrayRef, n: int) -> ArrayRef:
+    """Client n of a 3-D stack as a 2-D ref."""
+    return ArrayRef(
+        ref.obj,
+        ref.lib,
+        ref.device,
+        ref.dtype,
+        ref.shape[1:],
+        ref.strides[1:],
+        ref.ptr + n * ref.strides[0] * ref.itemsize,
+        ref.itemsize,
+        ref.writeable,
+    )
+
+
+def _clients(grads: Any, name: str = "grads") -> _Clients:
+    if _arrays.is_array(grads):
+        ref = _arrays.describe(grads, name)
+        _arrays.check_float_dtype(ref, name)
+        if len(ref.shape) == 2:
+            kind, refs, objs = "single", [ref], [grads]
+        elif len(ref.shape) == 3:
+            if ref.shape[0] == 0:
+                raise ValueError(f"{name} has no clients (shape {ref.shape})")
+            kind, refs, objs = "stack", [_matrix_ref(ref, n) for n in range(ref.shape[0])], [grads]
+        else:
+            raise ValueError(
+                f"{name} must be a [τ, d] matrix, a [N, τ, d] stack or a list of [τ_i, d] matrices, got shape "
+                f"{ref.shape}"
+            )
+    elif isinstance(grads, Sequence) and not isinstance(grads, (str, bytes)):
+        if len(grads) == 0:
+            raise ValueError(f"{name} is an empty list: need at least one client")
+        refs = [_arrays.describe(g, f"{name}[{n}]") for n, g in enumerate(grads)]
+        _arrays.check_float_dtype(refs[0], f"{name}[0]")
+        for n, r in enumerate(refs):
+            if len(r.shape) != 2:
+                raise ValueError(f"{name}[{n}] must be a 2-D [τ, d] matrix, got shape {r.shape}")
+            if n:
+                _arrays.check_same(r, refs[0], f"{name}[{n}]", f"{name}[0]")
+                if r.shape[1] != refs[0].shape[1]:
+                    raise ValueError(
+                        f"{name}[{n}] has d = {r.shape[1]} columns, expected {refs[0].shape[1]} (the d of {name}[0])"
+                    )
+        kind, objs = "list", list(grads)
+    else:
+        raise TypeError(f"{name} must be an array or a list of arrays, got {type(grads).__qualname__}")
+    taus = [r.shape[0] for r in refs]
+    d = refs[0].shape[1]
+    if min(taus) < 1:
+        raise ValueError(f"{name} has a client with no gradients (τ = 0)")
+    if d < 1:
+        raise ValueError(f"{name} has empty gradients (d = 0)")
+    return _Clients(kind, objs, refs, taus, d)
+
+
+def selection_size(tau: int, alpha: float) -> int:
+    """K = round(α·τ) = ⌊α·τ + 0.5⌋, clamped to [1, τ] (specs/bherd.md §5.4)."""
+    return min(tau, max(1, math.floor(alpha * tau + 0.5)))
+
+
+def check_alpha(alpha: Any) -> float:
+    """α as a float; ValueError unless 0 < α ≤ 1."""
+    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real):
+        raise TypeError(f"alpha must be a real number in (0, 1], got {type(alpha).__qualname__}")
+    a = float(alpha)
+    if not (math.isfinite(a) and 0.0 < a <= 1.0):
+        raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+    return a
+
+
+def _check_k(k: Any, taus: list[int], name: str = "k") -> list[int]:
+    def one(value: Any, tau: int, label: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{label} must be an integer, got {type(value).__qualname__}")
+        if not 1 <= int(value) <= tau:
+            raise ValueError(f"{label} must be in [1, τ] = [1, {tau}], got {value}")
+        return int(value)
+
+    if isinstance(k, Sequence) or (_arrays.is_array(k) and len(k.shape) == 1):
+        values = list(_arrays.host_float64(k, name)) if _arrays.is_array(k) else list(k)
+        if _arrays.is_array(k):
+            if any(v != int(v) for v in values):
+                raise TypeError(f"{name} must hold integers")
+            values = [int(v) for v in values]
+        if len(values) != len(taus):
+            raise ValueError(f"{name} has {len(values)} entries, expected one per client ({len(taus)})")
+        return [one(v, tau, f"{name}[{n}]") for n, (v, tau) in enumerate(zip(values, taus, strict=True))]
+    return [one(k, tau, name if len(taus) == 1 else f"{name} (client {n})") for n, tau in enumerate(taus)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Centred Gram matrices with the caller's library.
+
+
+def _chunk_columns(rows: int, d: int, gpu: bool) -> int:
+    return max(256, min(d, GRAM_CHUNK_ELEMENTS["gpu" if gpu else "cpu"] // max(rows, 1)))
+
+
+def _gram_torch(y: Any) -> Any:
+    import torch
+
+    y = y.detach()
+    batch, tau, d = y.shape
+    work = torch.float64 if y.dtype == torch.float64 else torch.float32
+    shift = y[:, :1, :].to(work)
+    raw = torch.zeros(batch, tau, tau, dtype=torch.float64, device=y.device)
+    chunk = _chunk_columns(batch * tau, d, y.is_cuda)
+    buf = torch.empty(batch, tau, min(chunk, d), dtype=work, device=y.device)
+    for lo in range(0, d, chunk):
+        hi = min(d, lo + chunk)
+        z = buf[:, :, : hi - lo]
+        torch.sub(y[:, :, lo:hi], shift[:, :, lo:hi], out=z)
+        raw += torch.bmm(z, z.transpose(1, 2))
+    return _centre_gram(raw, tau)
+
+
+def _gram_xp(xp: Any, y: Any) -> Any:
+    batch, tau, d = y.shape
+    work = xp.float64 if y.dtype == xp.float64 else xp.float32
+    shift = y[:, :1, :].astype(work)
+    raw = xp.zeros((batch, tau, tau), dtype=xp.float64)
+    chunk = _chunk_columns(batch * tau, d, xp is not np)
+    buf = xp.empty((batch, tau, min(chunk, d)), dtype=work)
+    for lo in range(0, d, chunk):
+        hi = min(d, lo + chunk)
+        z = buf[:, :, : hi - lo]
+        xp.subtract(y[:, :, lo:hi], shift[:, :, lo:hi], out=z, casting="unsafe")
+        raw += xp.matmul(z, z.transpose(0, 2, 1))
+    return _centre_gram(raw, tau)
+
+
+def _centre_gram(raw: Any, tau: int) -> Any:
+    """G = G' − r1ᵀ − 1rᵀ + m (r = G'1/τ, m = 1ᵀG'1/τ²): the Gram of the rows centred on their mean, from the
+    Gram G' of the rows shifted by the first row. The shift makes ‖mean of the shifted rows‖ of the order of the
+    deviations, so this identity does not cancel (it does for the raw rows when ‖μ‖ ≫ ‖z‖)."""
+    r = raw.sum(-1) / tau
+    m = r.sum(-1) / tau
+    return raw - r[:, :, None] - r[:, None, :] + m[:, None, None]
+
+
+def _gram_batch(lib: str, y: Any) -> Any:
+    """float64 [B, τ, τ] Gram matrices of the centred rows of a [B, τ, d] array, in y's library and device."""
+    if lib == "torch":
+        return _gram_torch(y)
+    if lib == "numpy":
+        with np.errstate(invalid="ignore", over="ignore"):  # non-finite input is reported after the Gram
+            return _gram_xp(np, y)
+    import cupy
+
+    with cupy.cuda.Device(y.device.id):
+        return _gram_xp(cupy, y)
+
+
+def centred_gram(grads: Any) -> Any:
+    """Gram matrix of the centred gradients, float64 [τ, τ] (or [N, τ_max, τ_max], zero-padded, for N clients).
+
+    Computed with the caller's library matmul as described in the module docstring.
+    """
+    cl = _clients(grads)
+    gram = _centred_gram(cl)
+    return gram[0] if cl.kind == "single" else gram
+
+
+def _centred_gram(cl: _Clients) -> Any:
+    """float64 [N, T, T] (T = max τ, zero padded), contiguous, in the caller's library/device."""
+    if cl.kind == "single":
+        return _gram_batch(cl.lib, cl.objs[0][None])
+    if cl.kind == "stack":
+        return _gram_batch(cl.lib, cl.objs[0])
+    big = max(cl.taus)
+    gram = _arrays.empty_like_lib(cl.first, (len(cl.taus), big, big), "float64")
+    gram[...] = 0
+    for n, (y, tau) in enumerate(zip(cl.objs, cl.taus, strict=True)):
+        gram[n, :tau, :tau] = _gram_batch(cl.lib, y[None])[0]
+    return gram
+
+
+def _finite_per_client(lib: str, gram: Any) -> np.ndarray:
+    if lib == "torch":
+        import torch
+
+        return torch.isfinite(gram).flatten(1).all(dim=1).cpu().numpy()
+    if lib == "numpy":
+        return np.isfinite(gram).reshape(gram.shape[0], -1).all(axis=1)
+    import cupy
+
+    return cupy.isfinite(gram).reshape(gram.shape[0], -1).all(axis=1).get()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Native greedy loop and masked sum.
+
+
+@dataclass
+class _Herd:
+    order: Any  # int64 [N, kmax], -1 padded
+    mask: Any  # uint8 [N, T]
+    sq_norm: Any  # float64 [N]: ‖Σ_{selected} z‖²
+
+
+def _herd(cl: _Clients, ks: list[int]) -> _Herd:
+    gram = _centred_gram(cl)
+    finite = _finite_per_client(cl.lib, gram)
+    if not finite.all():
+        bad = int(np.flatnonzero(~finite)[0])
+        where = "" if cl.kind == "single" else f" (client {bad})"
+        raise ValueError(
+            f"grads contain non-finite values (inf or NaN), or their squared norms overflow{where}; "
+            "check the gradients before selecting"
+        )
+    n, big, kmax = len(cl.taus), max(cl.taus), max(ks)
+    like = cl.first
+    order = _arrays.empty_like_lib(like, (n, kmax), "int64")
+    mask = _arrays.empty_like_lib(like, (n, big), "uint8")
+    sq_norm = _arrays.empty_like_lib(like, (n,), "float64")
+    gram_ref = _arrays.describe(gram, "gram")
+    native().herding_greedy(
+        like.device,
+        _arrays.stream_handle(like),
+        gram_ref.ptr,
+        big,
+        cl.taus,
+        ks,
+        tie_rel_tol(like.dtype),
+        _arrays.describe(order, "order").ptr,
+        kmax,
+        _arrays.describe(mask, "mask").ptr,
+        _arrays.describe(sq_norm, "sq_norm").ptr,
+    )
+    return _Herd(order, mask, sq_norm)
+
+
+def _masked_sum(cl: _Clients, mask: Any) -> Any:
+    like = cl.first
+    out = _arrays.empty_like_lib(like, (len(cl.taus), cl.d))
+    out_ref = _arrays.describe(out, "out")
+    mask_ref = _arrays.describe(mask, "mask")
+    native().herding_masked_sum(
+        like.device,
+        _arrays.stream_handle(like),
+        like.dtype,
+        cl.d,
+        [r.ptr for r in cl.refs],
+        cl.taus,
+        [r.strides[0] for r in cl.refs],
+        [r.strides[1] for r in cl.refs],
+        mask_ref.ptr,
+        mask_ref.strides[0],
+        out_ref.ptr,
+        out_ref.strides[0],
+        out_ref.strides[1],
+    )
+    return out
+
+
+def _orders(cl: _Clients, order: Any, ks: list[int], listed: bool) -> Any:
+    if cl.kind == "single":
+        return order[0, : ks[0]]
+    if cl.kind == "list" or listed:
+        return [order[n, :k] for n, k in enumerate(ks)]
+    return order
+
+
+def _gaps(cl: _Clients, herd: _Herd, ks: list[int]) -> np.ndarray:
+    sq = _arrays.host_float64(herd.sq_norm, "sq_norm") if cl.lib != "numpy" else herd.sq_norm
+    return np.sqrt(np.maximum(sq, 0.0)) / np.asarray(ks, dtype=np.float64)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Public ops.
+
+
+def herding_order(grads: Any, k: Any) -> Any:
+    """The first k indices of the greedy herding permutation (BHerd Algorithm 2) of the rows of ``grads``.
+
+    Step j picks, among the rows not yet picked, the m minimising ‖s + z_m‖ with z_m = y_m − μ (μ the mean row)
+    and s the sum of the centred rows picked so far; ties go to the lowest index. The first pick is the row
+    nearest the mean.
+
+    Args:
+        grads: [τ, d] matrix, [N, τ, d] stack or list of N [τ_i, d] matrices (numpy, torch CPU/CUDA or cupy;
+            float32, float64, float16 or bfloat16; rows may be strided).
+        k: number of steps, 1 ≤ k ≤ τ; an integer, or one per client for batched input.
+
+    Returns:
+        int64 indices in the caller's library and device: [k] for one matrix, [N, k] for a stack with one k, a list
+        of N 1-D arrays for a list input or per-client k.
+    """
+    cl = _clients(grads)
+    ks = _check_k(k, cl.taus)
+    herd = _herd(cl, ks)
+    listed = isinstance(k, Sequence) or _arrays.is_array(k)
+    return _orders(cl, herd.order, ks, listed)
+
+
+def herding_select(grads: Any, alpha: Any, *, return_gap: bool = False) -> tuple[Any, ...]:
+    """Herding selection of K = round(α·τ) (clamped to [1, τ]) gradients and the sum of the selected raw rows.
+
+    Args:
+        grads: [τ, d], [N, τ, d] or a list of N [τ_i, d] matrices (see :func:`herding_order`).
+        alpha: selection fraction α ∈ (0, 1].
+        return_gap: also return, per client, ‖g/K − μ‖ (the distance between the mean of the selected gradients
+            and the mean of all of them; BHerd's Fig. 4d), a float64 numpy [N] array, computed from the Gram
+            matrix at no extra pass over the gradients.
+
+    Returns:
+        ``(indices, sums)`` or ``(indices, sums, gap)``: indices as in :func:`herding_order` (selection order),
+        sums the [d] (one matrix) or [N, d] sums Σ_{selected} y in the caller's library, device and dtype.
+    """
+    cl = _clients(grads)
+    a = check_alpha(alpha)
+    ks = [selection_size(tau, a) for tau in cl.taus]
+    herd = _herd(cl, ks)
+    sums = _masked_sum(cl, herd.mask)
+    if cl.kind == "single":
+        sums = sums[0]
+    result = (_orders(cl, herd.order, ks, False), sums)
+    return (*result, _gaps(cl, herd, ks)) if return_gap else result
+
+
+class GrabBalancer:
+    """GraB-FedAvg's online balancing (BHerd Algorithm 4) for one client and one round, with O(d) state.
+
+    For each gradient y_λ (λ = 1..τ), in order: μ ← μ + y/τ (the paper's literal rule; with ``running_mean`` the true
+    running mean μ ← μ + (y − μ)/λ); z = y − μ; the gradient is selected when ⟨s, z⟩ < 0 (i.e. ‖s + z‖ < ‖s − z‖),
+    then s += z and g += y, otherwise s −= z. The first gradient (s = 0) is never selected.
+
+    State (μ, s, g) is float64 for float64 gradients and float32 otherwise, in the gradients' library and device.
+    The decisions stay on the device until :meth:`selected` / :attr:`count` is read.
+
+    Args:
+        tau: number of gradients this round (τ_i).
+        running_mean: use the true running mean instead of the literal /τ rule.
+    """
+
+    def __init__(self, tau: int, *, running_mean: bool = False) -> None:
+        if isinstance(tau, bool) or not isinstance(tau, numbers.Integral) or tau < 1:
+            raise ValueError(f"tau must be an integer >= 1, got {tau!r}")
+        self.tau = int(tau)
+        self.running_mean = bool(running_mean)
+        self.steps = 0
+        self._like: ArrayRef | None = None
+        self.mean: Any = None
+        self.s: Any = None
+        self.g: Any = None
+        self.picked: Any = None
+
+    def _allocate(self, ref: ArrayRef) -> None:
+        state = "float64" if ref.dtype == "float64" else "float32"
+        d = ref.shape[-1]
+        self._like = ref
+        self.mean, self.s, self.g = (_arrays.empty_like_lib(ref, (d,), state) for _ in range(3))
+        for v in (self.mean, self.s, self.g):
+            v[...] = 0
+        self.picked = _arrays.empty_like_lib(ref, (self.tau,), "uint8")
+        self.picked[...] = 0
+
+    def step(self, y: Any) -> None:
+        """Balance one gradient [d] or several rows [r, d] (in order)."""
+        ref = _arrays.describe(y, "y")
+        _arrays.check_float_dtype(ref, "y")
+        if len(ref.shape) == 1:
+            rows, row_stride, col_stride = 1, 0, ref.strides[0]
+        elif len(ref.shape) == 2:
+            rows, row_stride, col_stride = ref.shape[0], ref.strides[0], ref.strides[1]
+        else:
+            raise ValueError(f"y must be a [d] vector or a [r, d] matrix, got shape {ref.shape}")
+        if rows == 0 or ref.shape[-1] == 0:
+            raise ValueError(f"y is empty (shape {ref.shape})")
+        if self._like is None:
+            self._allocate(ref)
+        else:
+            _arrays.check_same(ref, self._like, "y", "the first gradient")
+            if ref.shape[-1] != self._like.shape[-1]:
+                raise ValueError(f"y has d = {ref.shape[-1]}, expected {self._like.shape[-1]}")
+        if self.steps + rows > self.tau:
+            raise ValueError(f"GrabBalancer got {self.steps + rows} gradients, more than tau = {self.tau}")
+        picked = _arrays.describe(self.picked, "picked")
+        native().grab_steps(
+            ref.device,
+            _arrays.stream_handle(ref),
+            ref.dtype,
+            rows,
+            ref.shape[-1],
+            ref.ptr,
+            row_stride,
+            col_stride,
+            _arrays.describe(self.mean, "mean").ptr,
+            _arrays.describe(self.s, "s").ptr,
+            _arrays.describe(self.g, "g").ptr,
+            picked.ptr + self.steps,
+            self.steps + 1,
+            self.tau,
+            self.running_mean,
+        )
+        self.steps += rows
+
+    def picked_mask(self) -> np.ndarray:
+        """bool [steps] numpy: which of the gradients seen so far were selected.
+
+        Raises ValueError when the balancing state is not finite (a non-finite gradient was seen).
+        """
+        if not self.steps:
+            return np.zeros(0, dtype=bool)
+        _arrays.host_float64(self.s, "GraB running sum s (non-finite gradients?)")
+        return _arrays.host_float64(self.picked[: self.steps], "picked").astype(bool)
+
+    def selected(self) -> Any:
+        """int64 indices of the selected gradients, ascending, in the gradients' library and device."""
+        idx = np.flatnonzero(self.picked_mask()).astype(np.int64)
+        if self._like is None or self._like.lib == "numpy":
+            return idx
+        if self._like.lib == "torch":
+            import torch
+
+            return torch.as_tensor(idx, device=self._like.obj.device)
+        import cupy
+
+        with cupy.cuda.Device(self._like.device):
+            return cupy.asarray(idx)
+
+    @property
+    def count(self) -> int:
+        """Number of selected gradients."""
+        return int(self.picked_mask().sum())
+
+    @property
+    def alpha(self) -> float:
+        """α_i = count / τ."""
+        return self.count / self.tau
+
+
+def grab_select(grads: Any, *, running_mean: bool = False) -> tuple[Any, Any]:
+    """GraB's online balancing (BHerd Algorithm 4) over the rows of a [τ, d] matrix, in row order.
+
+    Args:
+        grads: [τ, d] gradients of one client in the order they were computed (numpy, torch or cupy; float32,
+            float64, float16 or bfloat16).
+        running_mean: use the true running mean (/λ) instead of the paper's literal μ += y/τ.
+
+    Returns:
+        ``(indices, sums)``: int64 ascending indices of the selected rows and Σ_{selected} y [d], in the caller's
+        library, device and dtype (accumulated in float32, float64 for float64 gradients).
+    """
+    ref = _arrays.describe(grads, "grads")
+    _arrays.check_float_dtype(ref, "grads")
+    if len(ref.shape) != 2 or ref.shape[0] < 1 or ref.shape[1] < 1:
+        raise ValueError(f"grads must be a non-empty [τ, d] matrix, got shape {ref.shape}")
+    balancer = GrabBalancer(ref.shape[0], running_mean=running_mean)
+    balancer.step(grads)
+    sums = balancer.g
+    if ref.dtype not in ("float32", "float64"):
+        sums = sums.to(grads.dtype) if ref.lib == "torch" else sums.astype(grads.dtype)
+    return balancer.selected(), sums
