@@ -11,9 +11,6 @@ PYBIND11_MODULE(_C, m) {
   pfk::bind_aggregate(m);
   pfk::bind_norms(m);
   pfk::bind_pbc(m);
-<<<<<<< HEAD
   pfk::bind_fedspeed(m);
-=======
   pfk::bind_herding(m);
->>>>>>> herding
 }

@@ -11,10 +11,7 @@ void bind_runtime(py::module_& m);
 void bind_aggregate(py::module_& m);
 void bind_norms(py::module_& m);
 void bind_pbc(py::module_& m);
-<<<<<<< HEAD
 void bind_fedspeed(py::module_& m);
-=======
 void bind_herding(py::module_& m);
->>>>>>> herding
 
 }  // namespace pfk

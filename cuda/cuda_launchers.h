@@ -63,12 +63,10 @@ void class_feature_norms_backward(int device, uintptr_t stream, DType dtype, boo
                                   const void* features, int64_t f_stride0, int64_t f_stride1, const void* labels,
                                   int64_t label_stride, const void* grad_norms, const void* class_coef, void* grad);
 
-<<<<<<< HEAD
 // FedSpeed step kernels (see csrc/fedspeed.h); norms stay on the device (norm_out), no host synchronisation.
 void fedspeed_perturb(int device, uintptr_t stream, DType dtype, const PerturbArgs& args);
 void fedspeed_update(int device, uintptr_t stream, DType dtype, const UpdateArgs& args);
 void fedspeed_round_end(int device, uintptr_t stream, DType dtype, const RoundEndArgs& args);
-=======
 // Greedy herding order of n clients on float64 Gram matrices [n, ld, ld] (one block per client).
 void herding_greedy(int device, uintptr_t stream, const double* gram, int64_t ld, const std::vector<int64_t>& taus,
                     const std::vector<int64_t>& ks, double rel_tol, int64_t* order, int64_t kmax, uint8_t* mask,
@@ -82,7 +80,6 @@ void herding_masked_sum(int device, uintptr_t stream, DType dtype, int64_t d, co
 // GraB balancing of the rows of y in order; mean/s/g are in the accumulation type (float, or double for F64).
 void grab_steps(int device, uintptr_t stream, DType dtype, const MatrixView& y, int64_t d, void* mean, void* s, void* g,
                 uint8_t* picked, int64_t first_step, int64_t tau, bool running_mean);
->>>>>>> herding
 
 }  // namespace pfk::cuda
 

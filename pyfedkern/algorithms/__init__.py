@@ -31,19 +31,16 @@ ALGORITHMS: dict[str, str] = {
     "fedavg-known-p": "pyfedkern.algorithms.fedpbc:FedAvgKnownP",
     "fedau": "pyfedkern.algorithms.fedpbc:FedAU",
     "mifa": "pyfedkern.algorithms.fedpbc:MIFA",
-<<<<<<< HEAD
     "fedspeed": "pyfedkern.algorithms.fedspeed:FedSpeed",
     "feddyn": "pyfedkern.algorithms.fedspeed_baselines:FedDyn",
     "fedsam": "pyfedkern.algorithms.fedspeed_baselines:FedSAM",
     "fedcm": "pyfedkern.algorithms.fedspeed_baselines:FedCM",
     "fedadam": "pyfedkern.algorithms.fedspeed_baselines:FedAdam",
-=======
     "bherd": "pyfedkern.algorithms.bherd:BHerd",
     "grab": "pyfedkern.algorithms.bherd:GrabFedAvg",
     "bherd-fednova": "pyfedkern.algorithms.bherd:BHerdFedNova",
     "bherd-scaffold": "pyfedkern.algorithms.bherd:BHerdScaffold",
     "fednova": "pyfedkern.algorithms.bherd:FedNova",
->>>>>>> herding
 }
 
 

@@ -8,13 +8,6 @@ compute the same thing (pyfedkern, the peers users run today) plus the machine's
 from pyfedkern.benchmarks.common import Case, InputCache
 
 #: family name → module under pyfedkern.benchmarks
-FAMILIES = ["aggregate"]
-FAMILIES += ["norms"]
-FAMILIES += ["pbc"]
-<<<<<<< HEAD
-FAMILIES += ["fedspeed"]
-=======
-FAMILIES += ["herding"]
->>>>>>> herding
+FAMILIES = ["aggregate", "fedspeed", "herding", "norms", "pbc"]
 
 __all__ = ["FAMILIES", "Case", "InputCache"]

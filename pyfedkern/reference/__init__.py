@@ -2,20 +2,24 @@
 used by the tests and benchmarks. They favour clarity (and float64 arithmetic) over speed."""
 
 from pyfedkern.reference.aggregate import accumulate_, weighted_sum
+from pyfedkern.reference.fedspeed import fedspeed_round_end_, fedspeed_update_, sam_perturb
 from pyfedkern.reference.herding import grab_select, herding_order, herding_select
+from pyfedkern.reference.norms import class_feature_norms, grad_norms, per_sample_grad_norms
 from pyfedkern.reference.pbc import mifa_update_, pbc_agg_bcast_, weighted_delta_
 
-__all__ = ["accumulate_", "weighted_sum"]
-
-from pyfedkern.reference.fedspeed import fedspeed_round_end_, fedspeed_update_, sam_perturb
-from pyfedkern.reference.norms import class_feature_norms, grad_norms, per_sample_grad_norms
-
-__all__ += ["class_feature_norms", "grad_norms", "per_sample_grad_norms"]
-
-__all__ += ["mifa_update_", "pbc_agg_bcast_", "weighted_delta_"]
-<<<<<<< HEAD
-__all__ += ["fedspeed_round_end_", "fedspeed_update_", "sam_perturb"]
-=======
-
-__all__ += ["grab_select", "herding_order", "herding_select"]
->>>>>>> herding
+__all__ = [
+    "accumulate_",
+    "class_feature_norms",
+    "fedspeed_round_end_",
+    "fedspeed_update_",
+    "grab_select",
+    "grad_norms",
+    "herding_order",
+    "herding_select",
+    "mifa_update_",
+    "pbc_agg_bcast_",
+    "per_sample_grad_norms",
+    "sam_perturb",
+    "weighted_delta_",
+    "weighted_sum",
+]
