@@ -9,4 +9,5 @@ PYBIND11_MODULE(_C, m) {
   pybind11::register_exception<pfk::ArgumentError>(m, "ArgumentError", PyExc_ValueError);
   pfk::bind_runtime(m);
   pfk::bind_aggregate(m);
+  pfk::bind_similarity(m);
 }

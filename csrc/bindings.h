@@ -9,5 +9,6 @@ namespace py = pybind11;
 
 void bind_runtime(py::module_& m);
 void bind_aggregate(py::module_& m);
+void bind_similarity(py::module_& m);
 
 }  // namespace pfk

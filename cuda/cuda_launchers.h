@@ -23,6 +23,15 @@ inline int device_count() {
 void weighted_sum(int device, uintptr_t stream, DType dtype, int64_t d, void* out, int64_t out_stride,
                   const std::vector<WeightedRow>& rows, bool accumulate);
 
+// Similarity softmax (csrc/similarity.h) of a query and K bank rows over the included segments
+// [seg_begin[l], seg_end[l]): per-segment statistics in one pass, then scores and weights, written to `weights`
+// and `scores` (K elements of out_dtype, F32 or F64; scores may be null). When host_alpha is not null the weights
+// are also copied to it in double, which waits for the stream (similarity_combine needs them on the host).
+void similarity_weights(int device, uintptr_t stream, DType dtype, const void* query, int64_t query_stride,
+                        const std::vector<uintptr_t>& bank_ptrs, const std::vector<int64_t>& bank_strides,
+                        const std::vector<int64_t>& seg_begin, const std::vector<int64_t>& seg_end, int metric,
+                        double scale, double eps, DType out_dtype, void* weights, void* scores, double* host_alpha);
+
 }  // namespace pfk::cuda
 
 // Evaluates a CUDA launcher call, or raises when this build has no CUDA.

@@ -6,3 +6,7 @@ Every op has a plain reference with the same signature in :mod:`pyfedkern.refere
 from pyfedkern.ops.aggregate import accumulate_, weighted_sum
 
 __all__ = ["accumulate_", "weighted_sum"]
+
+from pyfedkern.ops.similarity import similarity_combine, similarity_weights  # noqa: E402
+
+__all__ += ["similarity_combine", "similarity_weights"]

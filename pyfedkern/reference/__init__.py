@@ -4,3 +4,7 @@ used by the tests and benchmarks. They favour clarity (and float64 arithmetic) o
 from pyfedkern.reference.aggregate import accumulate_, weighted_sum
 
 __all__ = ["accumulate_", "weighted_sum"]
+
+from pyfedkern.reference.similarity import similarity_combine, similarity_weights  # noqa: E402
+
+__all__ += ["similarity_combine", "similarity_weights"]
