@@ -248,13 +248,16 @@ std::vector<double> run_weights(const SimilarityCall& c) {
   for (int64_t k = 0; k < K; ++k) bank[k] = {reinterpret_cast<const void*>(c.bank_ptrs[k]), c.bank_strides[k]};
   const std::vector<double> stats = segment_stats(c.dtype, c.query, c.query_stride, bank, c.seg_begin, c.seg_end);
   const int64_t L = static_cast<int64_t>(c.seg_begin.size());
-  std::vector<double> scores(K);
-  for (int64_t k = 0; k < K; ++k) {
-    scores[k] = similarity_score(c.metric, stats.data(), L, K, k, c.eps);
-    if (!std::isfinite(scores[k]))
-      throw ArgumentError("similarity: the query or bank row " + std::to_string(k) +
-                          " holds non-finite values (inf or nan)");
+  const int64_t pitch = similarity_pitch(K);
+  for (int64_t l = 0; l < L; ++l) {
+    const double* s = stats.data() + l * pitch;
+    if (!std::isfinite(s[0])) throw ArgumentError("similarity: the query holds non-finite values (inf or nan)");
+    for (int64_t k = 0; k < K; ++k)
+      if (!std::isfinite(s[2 + 3 * k]) || !std::isfinite(s[3 + 3 * k]))
+        throw ArgumentError("similarity: bank row " + std::to_string(k) + " holds non-finite values (inf or nan)");
   }
+  std::vector<double> scores(K);
+  for (int64_t k = 0; k < K; ++k) scores[k] = similarity_score(c.metric, stats.data(), L, K, k, c.eps);
   similarity_softmax(c.metric, scores.data(), K, c.scale, alpha.data());
   store_values(c.out_dtype, alpha, c.weights);
   store_values(c.out_dtype, scores, c.scores);

@@ -107,8 +107,7 @@ def _prepare(query: Any, bank: Any, scale: Any, metric: str, segments: Any, incl
     if d == 0:
         raise ValueError("query is empty (d = 0)")
     rows = _rows(bank, "bank")
-    for k, r in enumerate(rows):
-        _arrays.check_same(r, q, f"bank[{k}]" if len(rows) > 1 else "bank", "query")
+    _arrays.check_same(rows[0], q, "bank", "query")
     if rows[0].shape[0] != d:
         raise ValueError(f"bank rows have length {rows[0].shape[0]}, expected {d} (the length of query)")
     s = _arrays.host_scalar(scale, "scale")
@@ -208,9 +207,7 @@ def similarity_combine(
     q, rows, args, weights, _ = _prepare(query, bank, scale, metric, segments, include, eps)
     mrows = _rows(models, "models")
     if mrows[0].lib != q.lib or mrows[0].device != q.device:
-        raise ValueError(
-            f"models is a {mrows[0].where} array but query is a {q.where} array; mixing is not allowed"
-        )
+        raise ValueError(f"models is a {mrows[0].where} array but query is a {q.where} array; mixing is not allowed")
     if len(mrows) != len(rows):
         raise ValueError(f"models has {len(mrows)} rows, expected {len(rows)} (one per bank row)")
     dim = mrows[0].shape[0]
