@@ -7,6 +7,6 @@ from pyfedkern.ops.aggregate import accumulate_, weighted_sum
 
 __all__ = ["accumulate_", "weighted_sum"]
 
-from pyfedkern.ops.similarity import similarity_combine, similarity_weights  # noqa: E402
+from pyfedkern.ops.similarity import similarity_combine, similarity_weights
 
 __all__ += ["similarity_combine", "similarity_weights"]

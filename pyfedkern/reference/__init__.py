@@ -5,6 +5,6 @@ from pyfedkern.reference.aggregate import accumulate_, weighted_sum
 
 __all__ = ["accumulate_", "weighted_sum"]
 
-from pyfedkern.reference.similarity import similarity_combine, similarity_weights  # noqa: E402
+from pyfedkern.reference.similarity import similarity_combine, similarity_weights
 
 __all__ += ["similarity_combine", "similarity_weights"]
