@@ -1,0 +1,386 @@
+"""Datasets for simulations, as NumPy arrays: x float32 [n, *input_shape], y int64 [n].
+
+- ``digits``: scikit-learn's bundled 8×8 digits (no download), a seeded stratified 1347/450 split.
+- ``synthetic:α,β[,clients[,dim[,classes]]]``: the synthetic(α, β) benchmark of Li et al. (FedProx), with natural
+  clients (``client_ids``).
+- ``mnist`` / ``cifar10``: read from files you download (``root``); nothing is fetched from the network.
+- ``quadratic:m,d``: FedPBC's toy problem F_i(x) = ½‖x − u_i‖² (not a real dataset; see :func:`load_dataset`).
+
+Normalisation (``normalize``): ``"standard"`` subtracts the training set's mean and divides by its std (per feature
+for digits/synthetic, per channel for MNIST/CIFAR-10), applied to train and test alike; ``"unit"`` scales pixels to
+[0, 1] (synthetic: per-feature min-max of the training set); ``"none"`` keeps raw values (pixels 0..16 or 0..255).
+"""
+
+from __future__ import annotations
+
+import gzip
+import pickle
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pyfedkern.sim.spec import parse_spec
+
+DATASETS = ("digits", "synthetic", "mnist", "cifar10", "quadratic")
+NORMALIZATIONS = ("standard", "unit", "none")
+
+MNIST_URL = "http://yann.lecun.com/exdb/mnist/"
+CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar.html"
+
+
+@dataclass
+class Dataset:
+    """A train/test split. x: float32 [n, *input_shape]; y: int64 [n] in [0, num_classes).
+
+    ``normalization`` describes what was applied to x. ``client_ids`` (int64 [n_train]) names the natural client
+    of each training sample for datasets that have them (synthetic, quadratic), else None.
+    """
+
+    name: str
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    num_classes: int
+    input_shape: tuple[int, ...]
+    normalization: str
+    client_ids: np.ndarray | None = None
+
+
+def load_dataset(
+    spec: str, root: str | Path | None = None, *, normalize: str = "standard", split_seed: int = 0
+) -> Dataset:
+    """Load the dataset named by ``spec`` (``"digits"``, ``"synthetic:1,1"``, ``"mnist"``, ...).
+
+    ``root`` is the directory holding MNIST/CIFAR-10 files. ``split_seed`` seeds the digits train/test split and
+    the generated data of synthetic and quadratic.
+
+    ``quadratic:m,d`` (defaults 100, 100) carries FedPBC's targets u_i ~ N((i/1000)·1, 0.01·I), i = 1..m, as
+    x_train = u (float32 [m, d]) with y_train = client_ids = arange(m); the test split is the same data, and
+    ``normalize`` is ignored. Pair it with the ``quadratic`` model and the ``natural`` partition, so that client i
+    holds exactly u_i.
+    """
+    if normalize not in NORMALIZATIONS:
+        raise ValueError(f"normalize must be one of {', '.join(NORMALIZATIONS)}, got {normalize!r}")
+    if isinstance(split_seed, bool) or not isinstance(split_seed, (int, np.integer)) or split_seed < 0:
+        raise ValueError(f"split_seed must be an integer >= 0, got {split_seed!r}")
+    name, args = parse_spec(spec, what="dataset", choices=DATASETS)
+    if name == "synthetic":
+        return _synthetic(args, normalize, int(split_seed))
+    if name == "quadratic":
+        return _quadratic(args, int(split_seed))
+    if args:
+        raise ValueError(f"dataset {name!r} takes no arguments, got {spec!r}")
+    if name == "digits":
+        return _digits(normalize, int(split_seed))
+    if name == "mnist":
+        return _mnist(root, normalize)
+    return _cifar10(root, normalize)
+
+
+def to_parity(data: Dataset) -> Dataset:
+    """The same data with labels y % 2 (even = 0, odd = 1) and 2 classes; the name gets a ``:parity`` suffix."""
+    if data.name.startswith("quadratic"):
+        raise ValueError("to_parity: the quadratic dataset has no class labels")
+    return replace(
+        data,
+        name=f"{data.name}:parity",
+        y_train=data.y_train % 2,
+        y_test=data.y_test % 2,
+        num_classes=2,
+    )
+
+
+# Normalisation ------------------------------------------------------------------------------------------------
+
+
+def _normalize(
+    x_train: np.ndarray, x_test: np.ndarray, mode: str, *, per: str, pixel_max: float | None
+) -> tuple[np.ndarray, np.ndarray, str]:
+    """Apply ``mode`` in place to float32 arrays; ``per`` is "feature" or "channel" (axis 1 of [n, C, H, W])."""
+    if mode == "none":
+        return x_train, x_test, "none"
+    if mode == "unit":
+        if pixel_max is not None:
+            x_train /= pixel_max
+            x_test /= pixel_max
+            return x_train, x_test, f"unit: pixels / {pixel_max:g}"
+        low, high = x_train.min(axis=0), x_train.max(axis=0)
+        span = np.where(high > low, high - low, 1.0).astype(np.float32)
+        for x in (x_train, x_test):
+            x -= low
+            x /= span
+        return x_train, x_test, "unit: per-feature min-max of the train set"
+    mean, std = _train_stats(x_train, per)
+    for x in (x_train, x_test):
+        x -= mean
+        x /= std
+    return x_train, x_test, f"standard: per-{per} train mean/std"
+
+
+def _train_stats(x: np.ndarray, per: str, chunk: int = 4096) -> tuple[np.ndarray, np.ndarray]:
+    """Float64 mean and std (std 0 → 1) over samples, and over pixels too when ``per == "channel"``.
+
+    Accumulated in chunks so a float64 copy of the whole set is never made. Returns float32 arrays that broadcast
+    against x.
+    """
+    axes = (0,) if per == "feature" else (0, *range(2, x.ndim))
+    total = np.zeros((), np.float64)
+    sums = squares = None
+    for start in range(0, x.shape[0], chunk):
+        part = x[start : start + chunk].astype(np.float64)
+        s, q = part.sum(axis=axes, keepdims=True), np.square(part).sum(axis=axes, keepdims=True)
+        sums, squares = (s, q) if sums is None else (sums + s, squares + q)
+        total += part.size / s.size
+    mean = sums / total
+    var = np.maximum(squares / total - mean**2, 0.0)
+    std = np.sqrt(var)
+    std[std < 1e-8] = 1.0
+    return mean[0].astype(np.float32), std[0].astype(np.float32)
+
+
+# digits, synthetic, quadratic --------------------------------------------------------------------------------
+
+
+def _digits(normalize: str, split_seed: int) -> Dataset:
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    bunch = load_digits()
+    x = bunch.data.astype(np.float32).reshape(-1, 1, 8, 8)
+    y = bunch.target.astype(np.int64)
+    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=450, stratify=y, random_state=split_seed)
+    x_train, x_test, how = _normalize(
+        np.ascontiguousarray(x_train), np.ascontiguousarray(x_test), normalize, per="feature", pixel_max=16.0
+    )
+    return Dataset("digits", x_train, y_train, x_test, y_test, 10, (1, 8, 8), how)
+
+
+def _int_arg(value: float, what: str, minimum: int) -> int:
+    if not np.isfinite(value) or value != int(value) or value < minimum:
+        raise ValueError(f"{what} must be an integer >= {minimum}, got {value:g}")
+    return int(value)
+
+
+def _synthetic(args: list[float], normalize: str, seed: int) -> Dataset:
+    """Li et al.'s synthetic(α, β): per client k, u_k ~ N(0, α²), B_k ~ N(0, β²), W_k, b_k ~ N(u_k, 1),
+    v_k ~ N(B_k, 1) per feature, x ~ N(v_k, Σ) with Σ_jj = j^-1.2, y = argmax(W_k x + b_k).
+
+    α and β default to 1, then 30 clients, dim 60, 10 classes. Client sizes are ⌊lognormal(4, 2)⌋ + 50, capped at
+    1000; each client's samples split 80/20 train/test (train and test rows grouped by client).
+    """
+    if len(args) > 5:
+        raise ValueError(f"dataset synthetic takes at most 5 arguments (α,β,clients,dim,classes), got {len(args)}")
+    alpha, beta, clients, dim, classes = [*args, *(1.0, 1.0, 30.0, 60.0, 10.0)[len(args) :]]
+    if not (np.isfinite(alpha) and alpha >= 0 and np.isfinite(beta) and beta >= 0):
+        raise ValueError(f"synthetic: α and β must be finite and >= 0, got α={alpha:g}, β={beta:g}")
+    clients = _int_arg(clients, "synthetic: clients", 1)
+    dim = _int_arg(dim, "synthetic: dim", 1)
+    classes = _int_arg(classes, "synthetic: classes", 2)
+
+    rng = np.random.default_rng(seed)
+    sizes = np.minimum(rng.lognormal(4.0, 2.0, clients).astype(np.int64) + 50, 1000)
+    u = rng.normal(0.0, alpha, clients)
+    b_shift = rng.normal(0.0, beta, clients)
+    feature_std = np.arange(1, dim + 1, dtype=np.float64) ** -0.6  # sqrt of Σ_jj = j^-1.2
+    parts: dict[str, list[np.ndarray]] = {"xtr": [], "ytr": [], "xte": [], "yte": [], "ids": []}
+    for k in range(clients):
+        v = rng.normal(b_shift[k], 1.0, dim)
+        w = rng.normal(u[k], 1.0, (dim, classes))
+        b = rng.normal(u[k], 1.0, classes)
+        x = v + rng.standard_normal((sizes[k], dim)) * feature_std
+        y = np.argmax(x @ w + b, axis=1)
+        n_train = int(0.8 * sizes[k])
+        parts["xtr"].append(x[:n_train])
+        parts["ytr"].append(y[:n_train])
+        parts["xte"].append(x[n_train:])
+        parts["yte"].append(y[n_train:])
+        parts["ids"].append(np.full(n_train, k))
+    x_train = np.concatenate(parts["xtr"]).astype(np.float32)
+    x_test = np.concatenate(parts["xte"]).astype(np.float32)
+    x_train, x_test, how = _normalize(x_train, x_test, normalize, per="feature", pixel_max=None)
+    return Dataset(
+        f"synthetic:{alpha:g},{beta:g},{clients},{dim},{classes}",
+        x_train,
+        np.concatenate(parts["ytr"]).astype(np.int64),
+        x_test,
+        np.concatenate(parts["yte"]).astype(np.int64),
+        classes,
+        (dim,),
+        how,
+        client_ids=np.concatenate(parts["ids"]).astype(np.int64),
+    )
+
+
+def _quadratic(args: list[float], seed: int) -> Dataset:
+    if len(args) > 2:
+        raise ValueError(f"dataset quadratic takes at most 2 arguments (m,d), got {len(args)}")
+    m, d = [*args, *(100.0, 100.0)[len(args) :]]
+    m = _int_arg(m, "quadratic: m (clients)", 1)
+    d = _int_arg(d, "quadratic: d (dimension)", 1)
+    rng = np.random.default_rng(seed)
+    centres = np.arange(1, m + 1, dtype=np.float64)[:, None] / 1000.0
+    u = (centres + 0.1 * rng.standard_normal((m, d))).astype(np.float32)
+    ids = np.arange(m, dtype=np.int64)
+    return Dataset(f"quadratic:{m},{d}", u, ids, u.copy(), ids.copy(), m, (d,), "none", client_ids=ids.copy())
+
+
+# MNIST ----------------------------------------------------------------------------------------------------------
+
+_MNIST_FILES = {
+    "train_x": ("train-images-idx3-ubyte", 2051),
+    "train_y": ("train-labels-idx1-ubyte", 2049),
+    "test_x": ("t10k-images-idx3-ubyte", 2051),
+    "test_y": ("t10k-labels-idx1-ubyte", 2049),
+}
+
+
+def _require_root(root: str | Path | None, dataset: str, layout: str, url: str) -> Path:
+    if root is None:
+        raise FileNotFoundError(
+            f"dataset {dataset!r} needs a data root (data_root / --data-root): a directory holding {layout}; "
+            f"get the files from {url}"
+        )
+    path = Path(root).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"{dataset} data root {str(path)!r} is not a directory; get the files from {url}")
+    return path
+
+
+def _mnist(root: str | Path | None, normalize: str) -> Dataset:
+    base = _require_root(root, "mnist", "the four IDX files (optionally .gz, or under MNIST/raw/)", MNIST_URL)
+    folders = [base, base / "MNIST" / "raw", base / "raw"]
+    arrays = {}
+    for key, (stem, magic) in _MNIST_FILES.items():
+        candidates = [folder / name for folder in folders for name in (stem, f"{stem}.gz")]
+        path = next((p for p in candidates if p.is_file()), None)
+        if path is None:
+            looked = ", ".join(str(f) for f in folders)
+            raise FileNotFoundError(
+                f"MNIST file {stem} (or {stem}.gz) not found; looked in {looked}. Download it from {MNIST_URL} "
+                f"or with torchvision.datasets.MNIST(root, download=True)"
+            )
+        arrays[key] = _read_idx(path, magic)
+    for split in ("train", "test"):
+        images, labels = arrays[f"{split}_x"], arrays[f"{split}_y"]
+        if images.shape[0] != labels.shape[0]:
+            raise ValueError(f"MNIST {split}: {images.shape[0]} images but {labels.shape[0]} labels")
+        if labels.size and labels.max() > 9:
+            raise ValueError(f"MNIST {split}: label {int(labels.max())} out of range 0..9")
+    if arrays["train_x"].shape[1:] != arrays["test_x"].shape[1:]:
+        raise ValueError(f"MNIST: train images {arrays['train_x'].shape[1:]} vs test {arrays['test_x'].shape[1:]}")
+    rows, cols = arrays["train_x"].shape[1:]
+    x_train = arrays["train_x"].astype(np.float32).reshape(-1, 1, rows, cols)
+    x_test = arrays["test_x"].astype(np.float32).reshape(-1, 1, rows, cols)
+    x_train, x_test, how = _normalize(x_train, x_test, normalize, per="channel", pixel_max=255.0)
+    y_train, y_test = arrays["train_y"].astype(np.int64), arrays["test_y"].astype(np.int64)
+    return Dataset("mnist", x_train, y_train, x_test, y_test, 10, (1, rows, cols), how)
+
+
+def _read_idx(path: Path, magic: int) -> np.ndarray:
+    """An IDX file (big-endian header: magic 2051 = images [n, rows, cols] or 2049 = labels [n]) as uint8."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rb") as f:
+            raw = f.read()
+    except (OSError, EOFError) as err:
+        raise ValueError(f"cannot read IDX file {path}: {err}") from err
+    ndim = 3 if magic == 2051 else 1
+    header = 4 + 4 * ndim
+    if len(raw) < header:
+        raise ValueError(f"IDX file {path} is truncated: {len(raw)} bytes, header needs {header}")
+    found = int.from_bytes(raw[:4], "big")
+    if found != magic:
+        kind = "images" if magic == 2051 else "labels"
+        raise ValueError(f"IDX file {path}: magic number {found}, expected {magic} (an MNIST {kind} file)")
+    dims = tuple(int(v) for v in np.frombuffer(raw, dtype=">i4", count=ndim, offset=4))
+    expected = header + int(np.prod(dims, dtype=np.int64))
+    if len(raw) != expected:
+        raise ValueError(f"IDX file {path}: dimensions {dims} need {expected} bytes, the file has {len(raw)}")
+    return np.frombuffer(raw, dtype=np.uint8, offset=header).reshape(dims)
+
+
+# CIFAR-10 ---------------------------------------------------------------------------------------------------------
+
+
+def _latin1_encode(text: str, encoding: str) -> bytes:
+    """``_codecs.encode`` as protocol-2 pickles use it for bytes objects, limited to latin-1."""
+    if encoding.lower().replace("_", "-") not in ("latin1", "latin-1") or not isinstance(text, str):
+        raise pickle.UnpicklingError(f"_codecs.encode with encoding {encoding!r} is not allowed")
+    return text.encode("latin-1")
+
+
+def _numpy_globals() -> dict[tuple[str, str], Any]:
+    try:
+        from numpy._core import multiarray, numeric
+    except ImportError:  # NumPy < 2
+        from numpy.core import multiarray, numeric
+    allowed: dict[tuple[str, str], Any] = {
+        ("numpy", "ndarray"): np.ndarray,
+        ("numpy", "dtype"): np.dtype,
+        ("_codecs", "encode"): _latin1_encode,
+    }
+    for module in ("numpy.core", "numpy._core"):
+        allowed[(f"{module}.multiarray", "_reconstruct")] = multiarray._reconstruct
+        allowed[(f"{module}.numeric", "_frombuffer")] = numeric._frombuffer
+    return allowed
+
+
+class _ArrayUnpickler(pickle.Unpickler):
+    """Unpickler that only resolves the globals NumPy arrays need; any other global is refused unresolved."""
+
+    _allowed = _numpy_globals()
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return self._allowed[(module, name)]
+        except KeyError:
+            raise pickle.UnpicklingError(
+                f"refusing to load global {module}.{name}: CIFAR batches only contain NumPy arrays and lists"
+            ) from None
+
+
+def _load_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """One CIFAR-10 python batch: images uint8 [n, 3, 32, 32] and labels int64 [n]."""
+    with open(path, "rb") as f:
+        try:
+            batch = _ArrayUnpickler(f, encoding="bytes").load()
+        except pickle.UnpicklingError as err:
+            raise pickle.UnpicklingError(f"CIFAR-10 batch {path}: {err}") from None
+        except Exception as err:
+            raise ValueError(f"CIFAR-10 batch {path} is not a readable pickle: {err}") from err
+    if not isinstance(batch, dict) or b"data" not in batch or b"labels" not in batch:
+        raise ValueError(f"CIFAR-10 batch {path}: expected a dict with keys b'data' and b'labels'")
+    data = batch[b"data"]
+    if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3072:
+        got = f"{data.dtype} {data.shape}" if isinstance(data, np.ndarray) else type(data).__name__
+        raise ValueError(f"CIFAR-10 batch {path}: b'data' must be uint8 [n, 3072], got {got}")
+    try:
+        labels = np.asarray(batch[b"labels"], dtype=np.int64).reshape(-1)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"CIFAR-10 batch {path}: b'labels' is not a list of integers") from err
+    if labels.shape[0] != data.shape[0]:
+        raise ValueError(f"CIFAR-10 batch {path}: {data.shape[0]} images but {labels.shape[0]} labels")
+    if labels.size and (labels.min() < 0 or labels.max() > 9):
+        raise ValueError(f"CIFAR-10 batch {path}: labels must be in 0..9")
+    return data.reshape(-1, 3, 32, 32), labels
+
+
+def _cifar10(root: str | Path | None, normalize: str) -> Dataset:
+    base = _require_root(root, "cifar10", "cifar-10-batches-py/ (the python version)", CIFAR10_URL)
+    folder = base / "cifar-10-batches-py" if (base / "cifar-10-batches-py").is_dir() else base
+    names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+    for name in names:
+        if not (folder / name).is_file():
+            raise FileNotFoundError(
+                f"CIFAR-10 file {name} not found in {folder}; download 'CIFAR-10 python version' from "
+                f"{CIFAR10_URL} and extract it into {base}"
+            )
+    batches = [_load_cifar_batch(folder / name) for name in names]
+    x_train = np.concatenate([b[0] for b in batches[:5]]).astype(np.float32)
+    y_train = np.concatenate([b[1] for b in batches[:5]])
+    x_test, y_test = batches[5][0].astype(np.float32), batches[5][1]
+    x_train, x_test, how = _normalize(x_train, x_test, normalize, per="channel", pixel_max=255.0)
+    return Dataset("cifar10", x_train, y_train, x_test, y_test, 10, (3, 32, 32), how)

@@ -1,0 +1,302 @@
+"""Models for simulations: ``build_model(name, input_shape, num_classes, **kwargs)``.
+
+Inputs are batches [B, *input_shape]; classifiers return logits/scores [B, num_classes] (the binary SVM: [B, 1]).
+Every classifier exposes ``features(x)`` (the penultimate representation, [B, F]) and ``classifier`` (the last
+layer), so ``model(x) == model.classifier(model.features(x))``. Beyond plain modules, a model may define
+``loss(output, target)``, ``penalty()``, ``predict(output)`` and ``has_accuracy`` (see
+:class:`~pyfedkern.algorithms.LocalModel`).
+
+- ``svm`` (l2=0.1, bias=False): BHerd's squared-hinge SVM (Wang et al. JSAC'19), zero-initialised.
+- ``logreg``: one linear layer (cross-entropy).
+- ``mlp`` (hidden=64): flatten → [Linear → ReLU] per hidden width → Linear; an int means two layers of that width.
+- ``cnn`` (channels=32, hidden=256): BHerd's CNN, 430,698 parameters on MNIST and 555,178 on CIFAR-10.
+- ``resnet18`` (groups=2, stem="cifar"): ResNet-18 with GroupNorm.
+- ``quadratic``: FedPBC's F_i(x) = ½‖x − u_i‖², one parameter x ∈ R^d.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import numbers
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SquaredHingeSVM(nn.Module):
+    """Linear SVM f(x) = w·flatten(x) (+ b) with the squared hinge loss of BHerd's reference code.
+
+    Binary (num_classes = 2): one score; class 0 ↔ +1 and class 1 ↔ −1 (with parity labels: even = +1, odd = −1),
+    loss ½·mean(max(0, 1 − y·f)²), prediction class 0 when f ≥ 0. More classes: one-vs-rest, C scores, loss
+    ½·mean over samples of Σ_c max(0, 1 − y_c·f_c)² with y_c = +1 for the true class and −1 otherwise, argmax
+    prediction. ``penalty()`` = (l2/2)·‖w‖² (the bias is not penalised).
+    """
+
+    def __init__(self, in_features: int, num_classes: int, *, l2: float, bias: bool) -> None:
+        super().__init__()
+        self.binary = num_classes == 2
+        self.l2 = l2
+        self.classifier = nn.Linear(in_features, 1 if self.binary else num_classes, bias=bias)
+        nn.init.zeros_(self.classifier.weight)
+        if bias:
+            nn.init.zeros_(self.classifier.bias)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        return x.flatten(1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self.binary:
+            sign = 1.0 - 2.0 * target.to(output.dtype)
+            return 0.5 * F.relu(1.0 - sign * output[:, 0]).square().mean()
+        signs = 2.0 * F.one_hot(target, output.shape[1]).to(output.dtype) - 1.0
+        return 0.5 * F.relu(1.0 - signs * output).square().sum(dim=1).mean()
+
+    def penalty(self) -> torch.Tensor:
+        return 0.5 * self.l2 * self.classifier.weight.square().sum()
+
+    def predict(self, output: torch.Tensor) -> torch.Tensor:
+        if self.binary:
+            return (output[:, 0] < 0).long()
+        return output.argmax(dim=1)
+
+
+class LogisticRegression(nn.Module):
+    """Multinomial logistic regression: Linear on the flattened input; features are the flattened input."""
+
+    def __init__(self, in_features: int, num_classes: int) -> None:
+        super().__init__()
+        self.classifier = nn.Linear(in_features, num_classes)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        return x.flatten(1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+
+class MLP(nn.Module):
+    """flatten → (Linear → ReLU) per hidden width → Linear(num_classes); features = the last hidden activations."""
+
+    def __init__(self, in_features: int, num_classes: int, hidden: Sequence[int]) -> None:
+        super().__init__()
+        layers: list[nn.Module] = [nn.Flatten()]
+        width = in_features
+        for h in hidden:
+            layers += [nn.Linear(width, h), nn.ReLU()]
+            width = h
+        self.body = nn.Sequential(*layers)
+        self.classifier = nn.Linear(width, num_classes)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+
+class CNN(nn.Module):
+    """BHerd's CNN: [conv 5×5 (padding 2) → ReLU → max-pool 2×2] × 2 → FC(hidden) → ReLU → FC(num_classes).
+
+    With 32 channels and hidden 256: MNIST 1×28×28 → 7·7·32 = 1568 inputs to the FC layer, 430,698 parameters;
+    CIFAR-10 3×32×32 → 2048, 555,178 parameters; digits 1×8×8 → 128, 62,058 parameters. Features: the hidden
+    FC layer's ReLU output [B, hidden].
+    """
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int, channels: int, hidden: int) -> None:
+        super().__init__()
+        in_channels, height, width = input_shape
+        self.conv = nn.Sequential(
+            nn.Conv2d(in_channels, channels, 5, padding=2),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(channels, channels, 5, padding=2),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+        )
+        self.fc = nn.Sequential(nn.Linear(channels * (height // 4) * (width // 4), hidden), nn.ReLU())
+        self.classifier = nn.Linear(hidden, num_classes)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.conv(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+
+class _BasicBlock(nn.Module):
+    def __init__(self, in_channels: int, out_channels: int, stride: int, groups: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_channels, out_channels, 3, stride=stride, padding=1, bias=False)
+        self.norm1 = nn.GroupNorm(groups, out_channels)
+        self.conv2 = nn.Conv2d(out_channels, out_channels, 3, padding=1, bias=False)
+        self.norm2 = nn.GroupNorm(groups, out_channels)
+        self.shortcut = nn.Identity()
+        if stride != 1 or in_channels != out_channels:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(in_channels, out_channels, 1, stride=stride, bias=False), nn.GroupNorm(groups, out_channels)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.relu(self.norm1(self.conv1(x)))
+        return F.relu(self.norm2(self.conv2(out)) + self.shortcut(x))
+
+
+class ResNet18(nn.Module):
+    """ResNet-18 (BasicBlocks [2, 2, 2, 2], widths 64-128-256-512) with GroupNorm(groups) in place of BatchNorm.
+
+    stem "cifar": 3×3 conv, stride 1, no max-pool (11,173,962 parameters for 3×32×32 and 10 classes); stem
+    "imagenet": torchvision's 7×7 stride-2 conv + 3×3 max-pool (11,181,642, FedSpeed's model). Features: the
+    global-average-pooled 512-d output of the last stage (post-ReLU).
+    """
+
+    def __init__(self, in_channels: int, num_classes: int, groups: int, stem: str) -> None:
+        super().__init__()
+        if stem == "cifar":
+            layers: list[nn.Module] = [nn.Conv2d(in_channels, 64, 3, padding=1, bias=False)]
+        else:
+            layers = [nn.Conv2d(in_channels, 64, 7, stride=2, padding=3, bias=False)]
+        layers += [nn.GroupNorm(groups, 64), nn.ReLU()]
+        if stem == "imagenet":
+            layers.append(nn.MaxPool2d(3, stride=2, padding=1))
+        width = 64
+        for out_channels, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+            layers += [
+                _BasicBlock(width, out_channels, stride, groups),
+                _BasicBlock(out_channels, out_channels, 1, groups),
+            ]
+            width = out_channels
+        layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten()]
+        self.body = nn.Sequential(*layers)
+        self.classifier = nn.Linear(512, num_classes)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+
+class Quadratic(nn.Module):
+    """FedPBC's toy objective F_i(x) = ½‖x − u_i‖² with one parameter x ∈ R^d (initially 0).
+
+    forward returns the batch of targets u flattened to [B, d]; loss = mean over rows of ½‖x − u‖², whose gradient
+    is x − mean(u). No accuracy (``has_accuracy = False``).
+    """
+
+    has_accuracy = False
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.x = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        return u.flatten(1)
+
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return 0.5 * (self.x - output).square().sum(dim=1).mean()
+
+
+# builders -------------------------------------------------------------------------------------------------------
+
+
+def _nonneg_float(value: object, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{what} must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+def _pos_int(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{what} must be an integer >= 1, got {value!r}")
+    return int(value)
+
+
+def _image_shape(input_shape: tuple[int, ...], model: str, min_side: int) -> tuple[int, int, int]:
+    if len(input_shape) != 3 or min(input_shape[1:]) < min_side:
+        raise ValueError(
+            f"model {model!r} needs input_shape (channels, height, width) with sides >= {min_side}, got {input_shape}"
+        )
+    return input_shape
+
+
+def _flag(value: object, what: str) -> bool:
+    """A bool, also from 0/1 or the strings true/false/yes/no (command-line values)."""
+    if isinstance(value, str) and value.lower() in ("true", "yes", "1", "false", "no", "0"):
+        return value.lower() in ("true", "yes", "1")
+    if value in (0, 1):
+        return bool(value)
+    raise ValueError(f"{what} must be true or false, got {value!r}")
+
+
+def _svm(input_shape: tuple[int, ...], num_classes: int, l2: float = 0.1, bias: bool = False) -> nn.Module:
+    return SquaredHingeSVM(
+        math.prod(input_shape), num_classes, l2=_nonneg_float(l2, "svm: l2"), bias=_flag(bias, "svm: bias")
+    )
+
+
+def _logreg(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    return LogisticRegression(math.prod(input_shape), num_classes)
+
+
+def _mlp(input_shape: tuple[int, ...], num_classes: int, hidden: int | Sequence[int] = 64) -> nn.Module:
+    widths = (hidden, hidden) if isinstance(hidden, int) and not isinstance(hidden, bool) else hidden
+    if isinstance(widths, (str, bytes)) or not isinstance(widths, Sequence) or not widths:
+        raise ValueError(f"mlp: hidden must be an int or a non-empty sequence of ints, got {hidden!r}")
+    return MLP(math.prod(input_shape), num_classes, [_pos_int(h, "mlp: hidden width") for h in widths])
+
+
+def _cnn(input_shape: tuple[int, ...], num_classes: int, channels: int = 32, hidden: int = 256) -> nn.Module:
+    shape = _image_shape(input_shape, "cnn", 4)
+    return CNN(shape, num_classes, _pos_int(channels, "cnn: channels"), _pos_int(hidden, "cnn: hidden"))
+
+
+def _resnet18(input_shape: tuple[int, ...], num_classes: int, groups: int = 2, stem: str = "cifar") -> nn.Module:
+    shape = _image_shape(input_shape, "resnet18", 1)
+    groups = _pos_int(groups, "resnet18: groups")
+    if 64 % groups:
+        raise ValueError(f"resnet18: groups must divide 64 (the narrowest layer), got {groups}")
+    if stem not in ("cifar", "imagenet"):
+        raise ValueError(f"resnet18: stem must be 'cifar' or 'imagenet', got {stem!r}")
+    return ResNet18(shape[0], num_classes, groups, stem)
+
+
+def _quadratic(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    return Quadratic(math.prod(input_shape))
+
+
+_BUILDERS: dict[str, Callable[..., nn.Module]] = {
+    "svm": _svm,
+    "logreg": _logreg,
+    "mlp": _mlp,
+    "cnn": _cnn,
+    "resnet18": _resnet18,
+    "quadratic": _quadratic,
+}
+MODELS = tuple(_BUILDERS)
+
+
+def build_model(name: str, input_shape: Sequence[int], num_classes: int, **kwargs: object) -> nn.Module:
+    """Build model ``name`` for inputs [B, *input_shape] and ``num_classes`` classes; kwargs as in the module doc."""
+    if name not in _BUILDERS:
+        raise ValueError(f"unknown model {name!r}; valid choices: {', '.join(sorted(MODELS))}")
+    shape = tuple(input_shape)
+    if not shape or any(isinstance(s, bool) or not isinstance(s, numbers.Integral) or s < 1 for s in shape):
+        raise ValueError(f"input_shape must be a non-empty tuple of positive ints, got {input_shape!r}")
+    shape = tuple(int(s) for s in shape)
+    fewest = 1 if name == "quadratic" else 2
+    if isinstance(num_classes, bool) or not isinstance(num_classes, numbers.Integral) or num_classes < fewest:
+        raise ValueError(f"num_classes must be an integer >= {fewest}, got {num_classes!r}")
+    builder = _BUILDERS[name]
+    accepted = list(inspect.signature(builder).parameters)[2:]
+    unknown = sorted(set(kwargs) - set(accepted))
+    if unknown:
+        allowed = ", ".join(accepted) if accepted else "none"
+        raise ValueError(f"model {name!r}: unknown argument(s) {', '.join(unknown)}; accepted: {allowed}")
+    return builder(shape, int(num_classes), **kwargs)

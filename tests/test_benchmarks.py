@@ -1,0 +1,40 @@
+"""The benchmark cases compute what they claim (every peer of a group gives pyfedkern's result) and report ratios."""
+
+import numpy as np
+import torch
+
+from pyfedkern.benchmarks import aggregate
+from pyfedkern.benchmarks.common import time_case
+from pyfedkern.benchmarks.runner import Row, report
+
+
+def _flat(result) -> np.ndarray:
+    if isinstance(result, list):
+        return np.concatenate([np.asarray(r).reshape(-1) for r in result])
+    if isinstance(result, torch.Tensor):
+        return result.detach().cpu().double().numpy()
+    return np.asarray(result, dtype=np.float64)
+
+
+def test_aggregate_peers_agree_with_pyfedkern():
+    cases = [c for c in aggregate.cases(quick=True) if c.group == aggregate.cases(quick=True)[-1].group]
+    results = {c.name: _flat(c.make()()) for c in cases if not c.is_limit}
+    ours = results.pop("pyfedkern")
+    assert len(results) >= 5
+    for name, value in results.items():
+        np.testing.assert_allclose(value, ours, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_time_case_and_report():
+    case = aggregate.cases(quick=True)[0]
+    seconds = time_case(case, min_time=0.0)
+    assert seconds > 0
+    rows = [
+        Row("g", "pyfedkern", 1e-3, 4_000_000, 0),
+        Row("g", "peer", 3e-3, 4_000_000, 0),
+        Row("g", "limit:copy", 1e-3, 5_000_000, 0),
+    ]
+    text = report(rows)
+    assert "| peer | 3.000 | 1.3 |  | 3.00× |" in text
+    assert "vs fastest peer (peer): 3.00×" in text
+    assert "bandwidth vs limit:copy: 80%" in text
