@@ -24,6 +24,7 @@ ALGORITHMS: dict[str, str] = {
     "fedavg": "pyfedkern.algorithms.fedavg:FedAvg",
     "fedprox": "pyfedkern.algorithms.fedavg:FedProx",
     "scaffold": "pyfedkern.algorithms.fedavg:Scaffold",
+    "dynamic": "pyfedkern.algorithms.dynamic:DynamicInit",
 }
 
 
