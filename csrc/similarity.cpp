@@ -242,6 +242,8 @@ std::vector<double> run_weights(const SimilarityCall& c) {
                                            c.bank_strides, c.seg_begin, c.seg_end, c.metric, c.scale, c.eps,
                                            c.out_dtype, reinterpret_cast<void*>(c.weights),
                                            reinterpret_cast<void*>(c.scores), alpha.data()));
+    for (double a : alpha)
+      if (!std::isfinite(a)) throw ArgumentError("similarity: the query or the bank holds non-finite values");
     return alpha;
   }
   std::vector<Row> bank(K);
