@@ -3,15 +3,16 @@
 //
 // One streaming pass: the included segments are cut into fixed chunks; for each chunk the query slice is loaded
 // once into an L1-resident buffer and every bank row streams over it, accumulating per segment Σq², and per row
-// Σq·b, Σb² and Σ(q − b)². Sums run in the storage's accumulator (float for 32/16-bit storage) over 16 lanes and
-// short blocks, then in double; chunk partials are added in chunk order, so results never depend on the thread
-// count. The scores and the max-subtracted softmax are computed in double (similarity.h); the blend is the
-// aggregation kernel (aggregate.h).
+// Σq·b, Σb² and Σ(q − b)², in double over 16 independent lanes; chunk partials are added in chunk order, so
+// results never depend on the thread count. The scores and the max-subtracted softmax are computed in double
+// (similarity.h); the blend is the aggregation kernel (aggregate.h).
 #include "similarity.h"
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "aggregate.h"
@@ -26,8 +27,7 @@ namespace pfk {
 namespace {
 
 constexpr int64_t kChunk = 4096;  // elements per work item: the query slice stays in L1 while K rows stream by
-constexpr int64_t kBlock = 256;   // elements summed in the storage accumulator before moving to double
-constexpr int kLanes = 16;        // independent partial sums: the inner loops vectorise without reassociation
+constexpr int kLanes8 = 8;        // doubles per vector; two vectors give 16 independent partial sums
 
 struct Row {
   const void* ptr;
@@ -41,84 +41,139 @@ struct WorkItem {
   int64_t end;
 };
 
-// Writes partial[0] = Σq² and partial[1 + 3k + (0, 1, 2)] = (Σq·b_k, Σb_k², Σ(q − b_k)²) over one chunk.
-template <typename T, bool Contiguous>
-PFK_ALWAYS_INLINE void chunk_stats_body(const WorkItem& item, const T* query, int64_t query_stride,
-                                        const std::vector<Row>& bank, double* partial) {
-  using Acc = typename AccOf<T>::type;
-  const int64_t n = item.end - item.begin;
-  Acc q[kChunk];
-  {
-    const T* src = query + item.begin * (Contiguous ? 1 : query_stride);
-    for (int64_t j = 0; j < n; ++j) q[j] = to_acc(src[j * (Contiguous ? 1 : query_stride)]);
-  }
-  double q_lanes[kLanes] = {};
-  for (int64_t b0 = 0; b0 < n; b0 += kBlock) {
-    const int64_t b1 = std::min(n, b0 + kBlock);
-    Acc sq[kLanes] = {};
-    int64_t j = b0;
-    for (; j + kLanes <= b1; j += kLanes)
-      for (int l = 0; l < kLanes; ++l) sq[l] = sq[l] + q[j + l] * q[j + l];
-    for (int l = 0; j < b1; ++j, ++l) sq[l] = sq[l] + q[j] * q[j];
-    for (int l = 0; l < kLanes; ++l) q_lanes[l] += static_cast<double>(sq[l]);
-  }
-  double total = 0.0;
-  for (int l = 0; l < kLanes; ++l) total += q_lanes[l];
-  partial[0] = total;
+// Eight doubles as one value (GCC/Clang vector extension): the lane loops below are explicit SIMD on every ISA
+// (AVX-512: one register; narrower ISAs split it), with exactly the same rounding per lane.
+typedef double Vd8 __attribute__((vector_size(64)));
+typedef float Vf8 __attribute__((vector_size(32)));
 
-  for (size_t k = 0; k < bank.size(); ++k) {
-    const int64_t s = Contiguous ? 1 : bank[k].stride;
-    const T* __restrict__ r = static_cast<const T*>(bank[k].ptr) + item.begin * s;
-    double dot_l[kLanes] = {}, bb_l[kLanes] = {}, dd_l[kLanes] = {};
-    for (int64_t b0 = 0; b0 < n; b0 += kBlock) {
-      const int64_t b1 = std::min(n, b0 + kBlock);
-      Acc dot[kLanes] = {}, bb[kLanes] = {}, dd[kLanes] = {};
-      int64_t j = b0;
-      for (; j + kLanes <= b1; j += kLanes) {
-        for (int l = 0; l < kLanes; ++l) {
-          const Acc a = q[j + l];
-          const Acc b = to_acc(r[(j + l) * s]);
-          const Acc e = a - b;
-          dot[l] = dot[l] + a * b;
-          bb[l] = bb[l] + b * b;
-          dd[l] = dd[l] + e * e;
+PFK_ALWAYS_INLINE void load8(Vd8& v, const double* p) {
+  std::memcpy(&v, p, sizeof v);
+}
+
+PFK_ALWAYS_INLINE void load8(Vd8& v, const float* p) {
+  Vf8 f;
+  std::memcpy(&f, p, sizeof f);
+  v = __builtin_convertvector(f, Vd8);
+}
+
+// Sums over n contiguous elements of the query q and R rows, in double, each in 16 lanes (element j of the full
+// 16-blocks goes to lane j mod 16, the tail to lanes 0, 1, ...), then the lanes in order: a row's result does not
+// depend on R. Diff: out[r][2] = Σ (q − b_r)² (the l2 metric, no cancellation); otherwise out[r][0] = Σ q·b_r and
+// out[r][1] = Σ b_r². R rows per sweep keep R + 1 memory streams in flight.
+template <bool Diff, int R, typename Q, typename B>
+PFK_ALWAYS_INLINE void lane_stats(const Q* q, const B* const* rows, int64_t n, double out[][3]) {
+  constexpr int W = 2 * kLanes8;
+  Vd8 x[R][2] = {}, y[R][2] = {};
+  int64_t j = 0;
+  for (; j + W <= n; j += W) {
+    Vd8 a[2];
+    load8(a[0], q + j);
+    load8(a[1], q + j + kLanes8);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        Vd8 b;
+        load8(b, rows[r] + j + h * kLanes8);
+        if constexpr (Diff) {
+          const Vd8 e = a[h] - b;
+          x[r][h] += e * e;
+        } else {
+          x[r][h] += a[h] * b;
+          y[r][h] += b * b;
         }
       }
-      for (int l = 0; j < b1; ++j, ++l) {
-        const Acc a = q[j];
-        const Acc b = to_acc(r[j * s]);
-        const Acc e = a - b;
-        dot[l] = dot[l] + a * b;
-        bb[l] = bb[l] + b * b;
-        dd[l] = dd[l] + e * e;
-      }
-      for (int l = 0; l < kLanes; ++l) {
-        dot_l[l] += static_cast<double>(dot[l]);
-        bb_l[l] += static_cast<double>(bb[l]);
-        dd_l[l] += static_cast<double>(dd[l]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    double xl[W], yl[W];
+    std::memcpy(xl, &x[r][0], sizeof(Vd8));
+    std::memcpy(xl + kLanes8, &x[r][1], sizeof(Vd8));
+    std::memcpy(yl, &y[r][0], sizeof(Vd8));
+    std::memcpy(yl + kLanes8, &y[r][1], sizeof(Vd8));
+    for (int64_t t = j, l = 0; t < n; ++t, ++l) {
+      const double a = static_cast<double>(q[t]), v = static_cast<double>(rows[r][t]);
+      if constexpr (Diff) {
+        xl[l] += (a - v) * (a - v);
+      } else {
+        xl[l] += a * v;
+        yl[l] += v * v;
       }
     }
-    double dot_t = 0.0, bb_t = 0.0, dd_t = 0.0;
-    for (int l = 0; l < kLanes; ++l) {
-      dot_t += dot_l[l];
-      bb_t += bb_l[l];
-      dd_t += dd_l[l];
+    double sx = 0.0, sy = 0.0;
+    for (int l = 0; l < W; ++l) {
+      sx += xl[l];
+      sy += yl[l];
     }
-    partial[1 + 3 * k] = dot_t;
-    partial[2 + 3 * k] = bb_t;
-    partial[3 + 3 * k] = dd_t;
+    out[r][0] = Diff ? 0.0 : sx;
+    out[r][1] = Diff ? 0.0 : sy;
+    out[r][2] = Diff ? sx : 0.0;
   }
 }
 
-PFK_ISA_DISPATCH(template <typename T PFK_COMMA bool Contiguous>, <T PFK_COMMA Contiguous>, void, chunk_stats,
+// dst[j] = src[j * stride] converted, j < n.
+template <typename T, bool Contiguous, typename D>
+PFK_ALWAYS_INLINE void load_chunk(D* dst, const T* src, int64_t stride, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<D>(to_acc(src[j * (Contiguous ? 1 : stride)]));
+}
+
+// Writes partial[0] = Σq² and partial[1 + 3k + (0, 1, 2)] = (Σq·b_k, Σb_k², 0), or (0, 0, Σ(q − b_k)²) with Diff,
+// over one chunk. Products and sums are in double (16-bit and float values convert exactly), so the cosine of
+// nearly parallel segments keeps its last digits. The query slice is loaded once per chunk and reused K times;
+// float/double rows are read in place four at a time, others are converted (or gathered) one at a time.
+template <typename T, bool Contiguous, bool Diff>
+PFK_ALWAYS_INLINE void chunk_stats_body(const WorkItem& item, const T* query, int64_t query_stride,
+                                        const std::vector<Row>& bank, double* partial) {
+  using Buf = typename AccOf<T>::type;  // float holds 32/16-bit values exactly
+  constexpr bool kReadInPlace = Contiguous && std::is_same_v<T, Buf>;
+  const int64_t n = item.end - item.begin;
+  alignas(64) Buf q[kChunk];
+  alignas(64) Buf row[kReadInPlace ? 1 : kChunk];  // a converted or gathered bank row
+  load_chunk<T, Contiguous>(q, query + item.begin * (Contiguous ? 1 : query_stride), query_stride, n);
+  double st[4][3];
+  const Buf* qp = q;
+  lane_stats<false, 1>(q, &qp, n, st);
+  partial[0] = st[0][0];
+  auto store = [&](size_t k, const double* v) {
+    for (int i = 0; i < 3; ++i) partial[1 + 3 * k + i] = v[i];
+  };
+  const size_t K = bank.size();
+  size_t k = 0;
+  if constexpr (kReadInPlace) {
+    for (; k + 4 <= K; k += 4) {
+      const Buf* rows[4];
+      for (int r = 0; r < 4; ++r) rows[r] = static_cast<const Buf*>(bank[k + r].ptr) + item.begin;
+      lane_stats<Diff, 4>(q, rows, n, st);
+      for (int r = 0; r < 4; ++r) store(k + r, st[r]);
+    }
+  }
+  for (; k < K; ++k) {
+    const int64_t s = Contiguous ? 1 : bank[k].stride;
+    const T* r = static_cast<const T*>(bank[k].ptr) + item.begin * s;
+    const Buf* b;
+    if constexpr (kReadInPlace) {
+      b = r;
+    } else {
+      load_chunk<T, Contiguous>(row, r, s, n);
+      b = row;
+    }
+    lane_stats<Diff, 1>(q, &b, n, st);
+    store(k, st[0]);
+  }
+}
+
+PFK_ISA_DISPATCH(template <typename T PFK_COMMA bool Contiguous PFK_COMMA bool Diff>,
+                 <T PFK_COMMA Contiguous PFK_COMMA Diff>, void, chunk_stats,
                  (const WorkItem& item, const T* query, int64_t query_stride, const std::vector<Row>& bank,
                   double* partial),
                  (item, query, query_stride, bank, partial), chunk_stats_body)
 
 // Segment statistics [L][1 + 3K] (similarity.h layout) of the included segments [seg_begin[l], seg_end[l]).
+// With diff the rows' statistic is Σ(q − b)² (the l2 metric), otherwise Σq·b and Σb².
 template <typename T>
 std::vector<double> segment_stats_cpu(const void* query, int64_t query_stride, const std::vector<Row>& bank,
-                                      const std::vector<int64_t>& seg_begin, const std::vector<int64_t>& seg_end) {
+                                      const std::vector<int64_t>& seg_begin, const std::vector<int64_t>& seg_end,
+                                      bool diff) {
   const int64_t L = static_cast<int64_t>(seg_begin.size());
   const int64_t pitch = similarity_pitch(static_cast<int64_t>(bank.size()));
   std::vector<WorkItem> items;
@@ -132,9 +187,11 @@ std::vector<double> segment_stats_cpu(const void* query, int64_t query_stride, c
   parallel_chunks(static_cast<int64_t>(items.size()), 1, [&](int64_t c, int64_t, int64_t) {
     double* out = partials.data() + c * pitch;
     if (contiguous) {
-      chunk_stats<T, true>(items[c], q, 1, bank, out);
+      diff ? chunk_stats<T, true, true>(items[c], q, 1, bank, out)
+           : chunk_stats<T, true, false>(items[c], q, 1, bank, out);
     } else {
-      chunk_stats<T, false>(items[c], q, query_stride, bank, out);
+      diff ? chunk_stats<T, false, true>(items[c], q, query_stride, bank, out)
+           : chunk_stats<T, false, false>(items[c], q, query_stride, bank, out);
     }
   });
   std::vector<double> stats(L * pitch, 0.0);
@@ -147,16 +204,17 @@ std::vector<double> segment_stats_cpu(const void* query, int64_t query_stride, c
 }
 
 std::vector<double> segment_stats(DType dtype, const void* query, int64_t query_stride, const std::vector<Row>& bank,
-                                  const std::vector<int64_t>& seg_begin, const std::vector<int64_t>& seg_end) {
+                                  const std::vector<int64_t>& seg_begin, const std::vector<int64_t>& seg_end,
+                                  bool diff) {
   switch (dtype) {
     case DType::F32:
-      return segment_stats_cpu<float>(query, query_stride, bank, seg_begin, seg_end);
+      return segment_stats_cpu<float>(query, query_stride, bank, seg_begin, seg_end, diff);
     case DType::F64:
-      return segment_stats_cpu<double>(query, query_stride, bank, seg_begin, seg_end);
+      return segment_stats_cpu<double>(query, query_stride, bank, seg_begin, seg_end, diff);
     case DType::F16:
-      return segment_stats_cpu<f16_t>(query, query_stride, bank, seg_begin, seg_end);
+      return segment_stats_cpu<f16_t>(query, query_stride, bank, seg_begin, seg_end, diff);
     case DType::BF16:
-      return segment_stats_cpu<bf16_t>(query, query_stride, bank, seg_begin, seg_end);
+      return segment_stats_cpu<bf16_t>(query, query_stride, bank, seg_begin, seg_end, diff);
   }
   return {};
 }
@@ -248,14 +306,15 @@ std::vector<double> run_weights(const SimilarityCall& c) {
   }
   std::vector<Row> bank(K);
   for (int64_t k = 0; k < K; ++k) bank[k] = {reinterpret_cast<const void*>(c.bank_ptrs[k]), c.bank_strides[k]};
-  const std::vector<double> stats = segment_stats(c.dtype, c.query, c.query_stride, bank, c.seg_begin, c.seg_end);
+  const std::vector<double> stats =
+      segment_stats(c.dtype, c.query, c.query_stride, bank, c.seg_begin, c.seg_end, c.metric == kMetricL2);
   const int64_t L = static_cast<int64_t>(c.seg_begin.size());
   const int64_t pitch = similarity_pitch(K);
   for (int64_t l = 0; l < L; ++l) {
     const double* s = stats.data() + l * pitch;
     if (!std::isfinite(s[0])) throw ArgumentError("similarity: the query holds non-finite values (inf or nan)");
     for (int64_t k = 0; k < K; ++k)
-      if (!std::isfinite(s[2 + 3 * k]) || !std::isfinite(s[3 + 3 * k]))
+      if (!std::isfinite(s[1 + 3 * k]) || !std::isfinite(s[2 + 3 * k]) || !std::isfinite(s[3 + 3 * k]))
         throw ArgumentError("similarity: bank row " + std::to_string(k) + " holds non-finite values (inf or nan)");
   }
   std::vector<double> scores(K);

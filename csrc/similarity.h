@@ -14,7 +14,8 @@ namespace pfk {
 enum SimilarityMetric : int { kMetricL2 = 0, kMetricLayerL2 = 1, kMetricLayerCos = 2 };
 
 // Statistics of one segment: query_sq = Σ q², then for each of the K bank rows (dot = Σ q·b, bank_sq = Σ b²,
-// diff_sq = Σ (q − b)²). A segment's block has 1 + 3K doubles.
+// diff_sq = Σ (q − b)²); the kernels fill diff_sq only for the l2 metric and dot, bank_sq only for the others.
+// A segment's block has 1 + 3K doubles.
 PFK_HD int64_t similarity_pitch(int64_t K) {
   return 1 + 3 * K;
 }
@@ -34,21 +35,14 @@ PFK_HD double similarity_score(int metric, const double* stats, int64_t L, int64
       continue;
     }
     const double nq = sqrt(query_sq), nb = sqrt(bank_sq);
-    const bool q_zero = !(nq > eps), b_zero = !(nb > eps);
-    if (metric == kMetricLayerL2) {
-      double dist;
-      if (q_zero || b_zero) {
-        dist = (q_zero && b_zero) ? 0.0 : 1.0;
-      } else {
-        // ‖q/|q| − b/|b|‖² = (‖q − b‖² − (|q| − |b|)²) / (|q||b|): no cancellation for nearly equal segments.
-        const double gap = nq - nb;
-        const double sq = (diff_sq - gap * gap) / (nq * nb);
-        dist = sqrt(fmin(fmax(sq, 0.0), 4.0));
-      }
-      total += dist;
-    } else {
-      total += (q_zero || b_zero) ? 0.0 : fmin(fmax(dot / (nq * nb), -1.0), 1.0);
+    const bool zero_q = !(nq > eps), zero_b = !(nb > eps);
+    if (zero_q || zero_b) {  // a zero segment normalises to the zero vector
+      total += metric == kMetricLayerL2 ? ((zero_q && zero_b) ? 0.0 : 1.0) : 0.0;
+      continue;
     }
+    const double cosine = fmin(fmax(dot / (nq * nb), -1.0), 1.0);
+    // ‖q/|q| − b/|b|‖ = √(2 − 2·cos): the sums are in double, so nearly parallel segments keep ~8 digits
+    total += metric == kMetricLayerL2 ? sqrt(fmax(2.0 - 2.0 * cosine, 0.0)) : cosine;
   }
   return metric == kMetricL2 ? sqrt(total) : total / static_cast<double>(L);
 }

@@ -2,8 +2,8 @@
 // scores and the max-subtracted softmax (csrc/similarity.h), all on the caller's stream.
 //
 // Pass 1: each block takes one chunk of 4096 elements of an included segment; every thread keeps its 16 query
-// values in registers and reuses them for all K rows (coalesced loads), sums in the storage accumulator over its
-// 16 elements, then in double across the block, and writes the chunk's 1 + 3K partials. Pass 2: one block per
+// values (as double) in registers and reuses them for all K rows (coalesced loads), sums in double over its 16
+// elements and then across the block, and writes the chunk's 1 + 3K partials. Pass 2: one block per
 // segment adds its chunks' partials in chunk order (deterministic). Pass 3: one block computes the K scores and
 // the softmax in double and writes the weights.
 #include <vector>
@@ -55,43 +55,44 @@ __device__ void block_sum3(double v[3], double* shared) {
   __syncthreads();
 }
 
-template <typename T>
+// Diff: the rows' statistic is Σ(q − b)² (the l2 metric); otherwise Σq·b and Σb². All products and sums in double
+// (16-bit and float values convert exactly), like the CPU kernel.
+template <typename T, bool Diff>
 __global__ void __launch_bounds__(kThreads)
     chunk_stats_kernel(const T* __restrict__ query, int64_t query_stride, const DeviceRow* __restrict__ bank, int K,
                        const DeviceItem* __restrict__ items, int64_t num_items, double* __restrict__ partials) {
-  using Acc = typename AccOf<T>::type;
   __shared__ double shared[3 * kWarps];
   const int64_t pitch = similarity_pitch(K);
   for (int64_t it = blockIdx.x; it < num_items; it += gridDim.x) {
     const DeviceItem item = items[it];
-    Acc q[kPerThread];
-    Acc qq = Acc(0);
+    double q[kPerThread];
+    double v[3] = {0.0, 0.0, 0.0};
 #pragma unroll
     for (int i = 0; i < kPerThread; ++i) {
       const int64_t e = item.begin + static_cast<int64_t>(i) * kThreads + threadIdx.x;
-      q[i] = e < item.end ? to_acc(query[e * query_stride]) : Acc(0);
-      qq = qq + q[i] * q[i];
+      q[i] = e < item.end ? static_cast<double>(to_acc(query[e * query_stride])) : 0.0;
+      v[0] += q[i] * q[i];
     }
-    double v[3] = {static_cast<double>(qq), 0.0, 0.0};
     block_sum3(v, shared);
     double* out = partials + it * pitch;
     if (threadIdx.x == 0) out[0] = v[0];
     for (int k = 0; k < K; ++k) {
       const T* __restrict__ r = static_cast<const T*>(bank[k].ptr);
       const int64_t s = bank[k].stride;
-      Acc dot = Acc(0), bb = Acc(0), dd = Acc(0);
+      double w[3] = {0.0, 0.0, 0.0};
 #pragma unroll
       for (int i = 0; i < kPerThread; ++i) {
         const int64_t e = item.begin + static_cast<int64_t>(i) * kThreads + threadIdx.x;
         if (e < item.end) {
-          const Acc b = to_acc(r[e * s]);
-          const Acc diff = q[i] - b;
-          dot = dot + q[i] * b;
-          bb = bb + b * b;
-          dd = dd + diff * diff;
+          const double b = static_cast<double>(to_acc(r[e * s]));
+          if (Diff) {
+            w[2] += (q[i] - b) * (q[i] - b);
+          } else {
+            w[0] += q[i] * b;
+            w[1] += b * b;
+          }
         }
       }
-      double w[3] = {static_cast<double>(dot), static_cast<double>(bb), static_cast<double>(dd)};
       block_sum3(w, shared);
       if (threadIdx.x == 0) {
         out[1 + 3 * k] = w[0];
@@ -123,7 +124,7 @@ __global__ void finalize_kernel(int metric, const double* __restrict__ stats, in
     bool finite = true;
     for (int64_t l = 0; l < L; ++l) {
       const double* s = stats + l * pitch;
-      finite = finite && isfinite(s[0]) && isfinite(s[2 + 3 * k]) && isfinite(s[3 + 3 * k]);
+      finite = finite && isfinite(s[0]) && isfinite(s[1 + 3 * k]) && isfinite(s[2 + 3 * k]) && isfinite(s[3 + 3 * k]);
     }
     scores[k] = finite ? similarity_score(metric, stats, L, K, k, eps) : nan("");
   }
@@ -153,11 +154,16 @@ class StreamScratch {
 };
 
 template <typename T>
-void launch_stats(int device, cudaStream_t stream, const void* query, int64_t query_stride, const DeviceRow* bank,
-                  int K, const DeviceItem* items, int64_t num_items, double* partials) {
+void launch_stats(int device, cudaStream_t stream, bool diff, const void* query, int64_t query_stride,
+                  const DeviceRow* bank, int K, const DeviceItem* items, int64_t num_items, double* partials) {
   if (num_items == 0) return;
-  chunk_stats_kernel<T><<<grid_for(device, num_items * kThreads, kThreads), kThreads, 0, stream>>>(
-      static_cast<const T*>(query), query_stride, bank, K, items, num_items, partials);
+  const unsigned grid = grid_for(device, num_items * kThreads, kThreads);
+  const T* q = static_cast<const T*>(query);
+  if (diff) {
+    chunk_stats_kernel<T, true><<<grid, kThreads, 0, stream>>>(q, query_stride, bank, K, items, num_items, partials);
+  } else {
+    chunk_stats_kernel<T, false><<<grid, kThreads, 0, stream>>>(q, query_stride, bank, K, items, num_items, partials);
+  }
 }
 
 }  // namespace
@@ -194,18 +200,23 @@ void similarity_weights(int device, uintptr_t stream_handle, DType dtype, const 
   double* d_scores = stats + n_stats;
   double* d_alpha = d_scores + K;
 
+  const bool diff = metric == kMetricL2;
   switch (dtype) {
     case DType::F32:
-      launch_stats<float>(device, stream, query, query_stride, d_rows.get(), K, d_items.get(), num_items, partials);
+      launch_stats<float>(device, stream, diff, query, query_stride, d_rows.get(), K, d_items.get(), num_items,
+                          partials);
       break;
     case DType::F64:
-      launch_stats<double>(device, stream, query, query_stride, d_rows.get(), K, d_items.get(), num_items, partials);
+      launch_stats<double>(device, stream, diff, query, query_stride, d_rows.get(), K, d_items.get(), num_items,
+                           partials);
       break;
     case DType::F16:
-      launch_stats<f16_t>(device, stream, query, query_stride, d_rows.get(), K, d_items.get(), num_items, partials);
+      launch_stats<f16_t>(device, stream, diff, query, query_stride, d_rows.get(), K, d_items.get(), num_items,
+                          partials);
       break;
     case DType::BF16:
-      launch_stats<bf16_t>(device, stream, query, query_stride, d_rows.get(), K, d_items.get(), num_items, partials);
+      launch_stats<bf16_t>(device, stream, diff, query, query_stride, d_rows.get(), K, d_items.get(), num_items,
+                           partials);
       break;
   }
   check(cudaGetLastError(), "similarity chunk_stats launch");

@@ -9,5 +9,6 @@ from pyfedkern.benchmarks.common import Case, InputCache
 
 #: family name → module under pyfedkern.benchmarks
 FAMILIES = ["aggregate"]
+FAMILIES += ["similarity"]
 
 __all__ = ["FAMILIES", "Case", "InputCache"]

@@ -377,3 +377,21 @@ def test_cuda_combine_zero_norm_strided_and_streams():
 def test_cuda_bad_input_and_threads_free():
     with pytest.raises(ValueError, match="mixing"):
         ops.similarity_weights(torch.ones(4, device="cuda"), torch.ones(2, 4), 1.0)
+
+
+def test_benchmark_peers_agree_with_pyfedkern():
+    from pyfedkern.benchmarks import similarity as bench
+
+    cases = [c for c in bench.cases(quick=True) if c.group.startswith("similarity_combine K=16 d=1e5")]
+    results = {}
+    for c in cases:
+        if c.is_limit:
+            continue
+        r = c.make()()
+        results[c.name] = torch.cat([t.reshape(-1) for t in r]) if isinstance(r, list) else r
+    ours = results.pop("pyfedkern").double().numpy()
+    assert len(results) == 2
+    for name, value in results.items():
+        np.testing.assert_allclose(value.double().numpy(), ours, rtol=1e-4, atol=1e-5, err_msg=name)
+    offsets, include, names = bench.layout(11_200_000)
+    assert len(names) == 62 and include.sum() == 41 and sum(n for _, n in bench.resnet18_tensors()) == 11_181_642
