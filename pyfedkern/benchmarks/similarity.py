@@ -30,13 +30,14 @@ def resnet18_tensors(num_classes: int = 10) -> list[tuple[str, int]]:
         for block in range(2):
             pre = f"layer{stage}.{block}"
             first_in = cin if block == 0 else cout
-            out += [(f"{pre}.conv1.weight", cout * first_in * 9), (f"{pre}.bn1.weight", cout), (f"{pre}.bn1.bias", cout)]
-            out += [(f"{pre}.conv2.weight", cout * cout * 9), (f"{pre}.bn2.weight", cout), (f"{pre}.bn2.bias", cout)]
+            for conv, fan_in in (("1", first_in), ("2", cout)):
+                out += [(f"{pre}.conv{conv}.weight", cout * fan_in * 9)]
+                out += [(f"{pre}.bn{conv}.weight", cout), (f"{pre}.bn{conv}.bias", cout)]
             if block == 0 and first_in != cout:
                 out += [(f"{pre}.downsample.0.weight", cout * first_in)]
                 out += [(f"{pre}.downsample.1.weight", cout), (f"{pre}.downsample.1.bias", cout)]
         cin = cout
-    return out + [("fc.weight", 512 * num_classes), ("fc.bias", num_classes)]
+    return [*out, ("fc.weight", 512 * num_classes), ("fc.bias", num_classes)]
 
 
 def layout(d: int) -> tuple[np.ndarray, np.ndarray, list[str]]:

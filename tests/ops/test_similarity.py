@@ -393,5 +393,5 @@ def test_benchmark_peers_agree_with_pyfedkern():
     assert len(results) == 2
     for name, value in results.items():
         np.testing.assert_allclose(value.double().numpy(), ours, rtol=1e-4, atol=1e-5, err_msg=name)
-    offsets, include, names = bench.layout(11_200_000)
+    _, include, names = bench.layout(11_200_000)
     assert len(names) == 62 and include.sum() == 41 and sum(n for _, n in bench.resnet18_tensors()) == 11_181_642
