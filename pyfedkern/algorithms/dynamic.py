@@ -179,7 +179,7 @@ class DynamicInit(Algorithm):
         method: "proposed", "previous", "average" or "continuous".
         sessions: number of sessions S, pilot included.
         session_rounds: rounds per session T (0: the engine's rounds / sessions).
-        pilot_sessions: P (proposed only).
+        pilot_sessions: P (baselines skip these sessions).
         grad_rounds: footprint rounds V per session.
         scale: softmax scale R.
         metric: "layer_l2" (default), "l2" or "layer_cos".
