@@ -1,5 +1,7 @@
 // Aggregation kernels: out = (accumulate ? out : 0) + sum_k w_k * u_k over K vectors of d elements.
 // One pass over memory: the columns are cut into tiles that stay in L1 while every row streams through once.
+#include "aggregate.h"
+
 #include <vector>
 
 #include "bindings.h"
@@ -75,6 +77,8 @@ void weighted_sum_cpu_typed(int64_t d, void* out, int64_t out_stride, const std:
   });
 }
 
+}  // namespace
+
 void weighted_sum_cpu(DType dtype, int64_t d, void* out, int64_t out_stride, const std::vector<WeightedRow>& rows,
                       bool accumulate) {
   switch (dtype) {
@@ -88,6 +92,8 @@ void weighted_sum_cpu(DType dtype, int64_t d, void* out, int64_t out_stride, con
       return weighted_sum_cpu_typed<bf16_t>(d, out, out_stride, rows, accumulate);
   }
 }
+
+namespace {
 
 // Entry point from Python: pointers and strides (in elements) of out and of each row, one weight per row.
 void weighted_sum(int device, uintptr_t stream, const std::string& dtype_name, int64_t d, uintptr_t out,

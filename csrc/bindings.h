@@ -13,5 +13,6 @@ void bind_norms(py::module_& m);
 void bind_pbc(py::module_& m);
 void bind_fedspeed(py::module_& m);
 void bind_herding(py::module_& m);
+void bind_similarity(py::module_& m);
 
 }  // namespace pfk

@@ -80,6 +80,14 @@ void herding_masked_sum(int device, uintptr_t stream, DType dtype, int64_t d, co
 // GraB balancing of the rows of y in order; mean/s/g are in the accumulation type (float, or double for F64).
 void grab_steps(int device, uintptr_t stream, DType dtype, const MatrixView& y, int64_t d, void* mean, void* s, void* g,
                 uint8_t* picked, int64_t first_step, int64_t tau, bool running_mean);
+// Similarity softmax (csrc/similarity.h) of a query and K bank rows over the included segments
+// [seg_begin[l], seg_end[l]): per-segment statistics in one pass, then scores and weights, written to `weights`
+// and `scores` (K elements of out_dtype, F32 or F64; scores may be null). When host_alpha is not null the weights
+// are also copied to it in double, which waits for the stream (similarity_combine needs them on the host).
+void similarity_weights(int device, uintptr_t stream, DType dtype, const void* query, int64_t query_stride,
+                        const std::vector<uintptr_t>& bank_ptrs, const std::vector<int64_t>& bank_strides,
+                        const std::vector<int64_t>& seg_begin, const std::vector<int64_t>& seg_end, int metric,
+                        double scale, double eps, DType out_dtype, void* weights, void* scores, double* host_alpha);
 
 }  // namespace pfk::cuda
 

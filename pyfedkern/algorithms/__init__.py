@@ -41,6 +41,7 @@ ALGORITHMS: dict[str, str] = {
     "bherd-fednova": "pyfedkern.algorithms.bherd:BHerdFedNova",
     "bherd-scaffold": "pyfedkern.algorithms.bherd:BHerdScaffold",
     "fednova": "pyfedkern.algorithms.bherd:FedNova",
+    "dynamic": "pyfedkern.algorithms.dynamic:DynamicInit",
 }
 
 

@@ -8,6 +8,6 @@ compute the same thing (pyfedkern, the peers users run today) plus the machine's
 from pyfedkern.benchmarks.common import Case, InputCache
 
 #: family name → module under pyfedkern.benchmarks
-FAMILIES = ["aggregate", "fedspeed", "herding", "norms", "pbc"]
+FAMILIES = ["aggregate", "fedspeed", "herding", "norms", "pbc", "similarity"]
 
 __all__ = ["FAMILIES", "Case", "InputCache"]

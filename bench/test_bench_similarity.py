@@ -1,0 +1,10 @@
+"""similarity_combine vs the authors' per-layer PyTorch loop, the loop batched over K, and the read limit (issue 7)."""
+
+import pytest
+
+from pyfedkern.benchmarks import similarity as FAMILY  # noqa: N812  (conftest parametrizes `case` from it)
+
+
+@pytest.mark.benchmark(disable_gc=True)
+def test_similarity_combine(run_benchmark, case):
+    run_benchmark(case)

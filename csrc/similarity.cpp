@@ -1,0 +1,392 @@
+// Similarity kernels of the dynamic initial-model method: softmax weights over K stored vectors of
+// −scale·distance (or +scale·cosine) to a query, whole-vector or per segment, and the blend Σ_k α_k·models_k.
+//
+// One streaming pass: the included segments are cut into fixed chunks; for each chunk the query slice is loaded
+// once into an L1-resident buffer and every bank row streams over it, accumulating per segment Σq², and per row
+// Σq·b, Σb² and Σ(q − b)², in double over 16 independent lanes; chunk partials are added in chunk order, so
+// results never depend on the thread count. The scores and the max-subtracted softmax are computed in double
+// (similarity.h); the blend is the aggregation kernel (aggregate.h).
+#include "similarity.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "aggregate.h"
+#include "bindings.h"
+#include "cuda_launchers.h"
+#include "half.h"
+#include "parallel.h"
+#include "simd.h"
+#include "types.h"
+
+namespace pfk {
+namespace {
+
+constexpr int64_t kChunk = 4096;  // elements per work item: the query slice stays in L1 while K rows stream by
+constexpr int kLanes8 = 8;        // doubles per vector; two vectors give 16 independent partial sums
+
+struct Row {
+  const void* ptr;
+  int64_t stride;
+};
+
+// One chunk [begin, end) of included segment `segment`.
+struct WorkItem {
+  int64_t segment;
+  int64_t begin;
+  int64_t end;
+};
+
+// Eight doubles as one value (GCC/Clang vector extension): the lane loops below are explicit SIMD on every ISA
+// (AVX-512: one register; narrower ISAs split it), with exactly the same rounding per lane.
+typedef double Vd8 __attribute__((vector_size(64)));
+typedef float Vf8 __attribute__((vector_size(32)));
+
+PFK_ALWAYS_INLINE void load8(Vd8& v, const double* p) {
+  std::memcpy(&v, p, sizeof v);
+}
+
+PFK_ALWAYS_INLINE void load8(Vd8& v, const float* p) {
+  Vf8 f;
+  std::memcpy(&f, p, sizeof f);
+  v = __builtin_convertvector(f, Vd8);
+}
+
+// Sums over n contiguous elements of the query q and R rows, in double, each in 16 lanes (element j of the full
+// 16-blocks goes to lane j mod 16, the tail to lanes 0, 1, ...), then the lanes in order: a row's result does not
+// depend on R. Diff: out[r][2] = Σ (q − b_r)² (the l2 metric, no cancellation); otherwise out[r][0] = Σ q·b_r and
+// out[r][1] = Σ b_r². R rows per sweep keep R + 1 memory streams in flight.
+template <bool Diff, int R, typename Q, typename B>
+PFK_ALWAYS_INLINE void lane_stats(const Q* q, const B* const* rows, int64_t n, double out[][3]) {
+  constexpr int W = 2 * kLanes8;
+  Vd8 x[R][2] = {}, y[R][2] = {};
+  int64_t j = 0;
+  for (; j + W <= n; j += W) {
+    Vd8 a[2];
+    load8(a[0], q + j);
+    load8(a[1], q + j + kLanes8);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        Vd8 b;
+        load8(b, rows[r] + j + h * kLanes8);
+        if constexpr (Diff) {
+          const Vd8 e = a[h] - b;
+          x[r][h] += e * e;
+        } else {
+          x[r][h] += a[h] * b;
+          y[r][h] += b * b;
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    double xl[W], yl[W];
+    std::memcpy(xl, &x[r][0], sizeof(Vd8));
+    std::memcpy(xl + kLanes8, &x[r][1], sizeof(Vd8));
+    std::memcpy(yl, &y[r][0], sizeof(Vd8));
+    std::memcpy(yl + kLanes8, &y[r][1], sizeof(Vd8));
+    for (int64_t t = j, l = 0; t < n; ++t, ++l) {
+      const double a = static_cast<double>(q[t]), v = static_cast<double>(rows[r][t]);
+      if constexpr (Diff) {
+        xl[l] += (a - v) * (a - v);
+      } else {
+        xl[l] += a * v;
+        yl[l] += v * v;
+      }
+    }
+    double sx = 0.0, sy = 0.0;
+    for (int l = 0; l < W; ++l) {
+      sx += xl[l];
+      sy += yl[l];
+    }
+    out[r][0] = Diff ? 0.0 : sx;
+    out[r][1] = Diff ? 0.0 : sy;
+    out[r][2] = Diff ? sx : 0.0;
+  }
+}
+
+// dst[j] = src[j * stride] converted, j < n.
+template <typename T, bool Contiguous, typename D>
+PFK_ALWAYS_INLINE void load_chunk(D* dst, const T* src, int64_t stride, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<D>(to_acc(src[j * (Contiguous ? 1 : stride)]));
+}
+
+// Writes partial[0] = Σq² and partial[1 + 3k + (0, 1, 2)] = (Σq·b_k, Σb_k², 0), or (0, 0, Σ(q − b_k)²) with Diff,
+// over one chunk. Products and sums are in double (16-bit and float values convert exactly), so the cosine of
+// nearly parallel segments keeps its last digits. The query slice is loaded once per chunk and reused K times;
+// float/double rows are read in place four at a time, others are converted (or gathered) one at a time.
+template <typename T, bool Contiguous, bool Diff>
+PFK_ALWAYS_INLINE void chunk_stats_body(const WorkItem& item, const T* query, int64_t query_stride,
+                                        const std::vector<Row>& bank, double* partial) {
+  using Buf = typename AccOf<T>::type;  // float holds 32/16-bit values exactly
+  constexpr bool kReadInPlace = Contiguous && std::is_same_v<T, Buf>;
+  const int64_t n = item.end - item.begin;
+  alignas(64) Buf q[kChunk];
+  alignas(64) Buf row[kReadInPlace ? 1 : kChunk];  // a converted or gathered bank row
+  load_chunk<T, Contiguous>(q, query + item.begin * (Contiguous ? 1 : query_stride), query_stride, n);
+  double st[4][3];
+  const Buf* qp = q;
+  lane_stats<false, 1>(q, &qp, n, st);
+  partial[0] = st[0][0];
+  auto store = [&](size_t k, const double* v) {
+    for (int i = 0; i < 3; ++i) partial[1 + 3 * k + i] = v[i];
+  };
+  const size_t K = bank.size();
+  size_t k = 0;
+  if constexpr (kReadInPlace) {
+    for (; k + 4 <= K; k += 4) {
+      const Buf* rows[4];
+      for (int r = 0; r < 4; ++r) rows[r] = static_cast<const Buf*>(bank[k + r].ptr) + item.begin;
+      lane_stats<Diff, 4>(q, rows, n, st);
+      for (int r = 0; r < 4; ++r) store(k + r, st[r]);
+    }
+  }
+  for (; k < K; ++k) {
+    const int64_t s = Contiguous ? 1 : bank[k].stride;
+    const T* r = static_cast<const T*>(bank[k].ptr) + item.begin * s;
+    const Buf* b;
+    if constexpr (kReadInPlace) {
+      b = r;
+    } else {
+      load_chunk<T, Contiguous>(row, r, s, n);
+      b = row;
+    }
+    lane_stats<Diff, 1>(q, &b, n, st);
+    store(k, st[0]);
+  }
+}
+
+PFK_ISA_DISPATCH(template <typename T PFK_COMMA bool Contiguous PFK_COMMA bool Diff>,
+                 <T PFK_COMMA Contiguous PFK_COMMA Diff>, void, chunk_stats,
+                 (const WorkItem& item, const T* query, int64_t query_stride, const std::vector<Row>& bank,
+                  double* partial),
+                 (item, query, query_stride, bank, partial), chunk_stats_body)
+
+// Segment statistics [L][1 + 3K] (similarity.h layout) of the included segments [seg_begin[l], seg_end[l]).
+// With diff the rows' statistic is Σ(q − b)² (the l2 metric), otherwise Σq·b and Σb².
+template <typename T>
+std::vector<double> segment_stats_cpu(const void* query, int64_t query_stride, const std::vector<Row>& bank,
+                                      const std::vector<int64_t>& seg_begin, const std::vector<int64_t>& seg_end,
+                                      bool diff) {
+  const int64_t L = static_cast<int64_t>(seg_begin.size());
+  const int64_t pitch = similarity_pitch(static_cast<int64_t>(bank.size()));
+  std::vector<WorkItem> items;
+  for (int64_t l = 0; l < L; ++l)
+    for (int64_t b = seg_begin[l]; b < seg_end[l]; b += kChunk)
+      items.push_back({l, b, std::min(seg_end[l], b + kChunk)});
+  bool contiguous = query_stride == 1;
+  for (const auto& r : bank) contiguous = contiguous && r.stride == 1;
+  const T* q = static_cast<const T*>(query);
+  std::vector<double> partials(items.size() * pitch);
+  parallel_chunks(static_cast<int64_t>(items.size()), 1, [&](int64_t c, int64_t, int64_t) {
+    double* out = partials.data() + c * pitch;
+    if (contiguous) {
+      diff ? chunk_stats<T, true, true>(items[c], q, 1, bank, out)
+           : chunk_stats<T, true, false>(items[c], q, 1, bank, out);
+    } else {
+      diff ? chunk_stats<T, false, true>(items[c], q, query_stride, bank, out)
+           : chunk_stats<T, false, false>(items[c], q, query_stride, bank, out);
+    }
+  });
+  std::vector<double> stats(L * pitch, 0.0);
+  for (size_t c = 0; c < items.size(); ++c) {  // chunk order: independent of the thread count
+    double* dst = stats.data() + items[c].segment * pitch;
+    const double* src = partials.data() + c * pitch;
+    for (int64_t j = 0; j < pitch; ++j) dst[j] += src[j];
+  }
+  return stats;
+}
+
+std::vector<double> segment_stats(DType dtype, const void* query, int64_t query_stride, const std::vector<Row>& bank,
+                                  const std::vector<int64_t>& seg_begin, const std::vector<int64_t>& seg_end,
+                                  bool diff) {
+  switch (dtype) {
+    case DType::F32:
+      return segment_stats_cpu<float>(query, query_stride, bank, seg_begin, seg_end, diff);
+    case DType::F64:
+      return segment_stats_cpu<double>(query, query_stride, bank, seg_begin, seg_end, diff);
+    case DType::F16:
+      return segment_stats_cpu<f16_t>(query, query_stride, bank, seg_begin, seg_end, diff);
+    case DType::BF16:
+      return segment_stats_cpu<bf16_t>(query, query_stride, bank, seg_begin, seg_end, diff);
+  }
+  return {};
+}
+
+void store_values(DType out_dtype, const std::vector<double>& values, uintptr_t out) {
+  if (out == 0) return;
+  if (out_dtype == DType::F64) {
+    std::copy(values.begin(), values.end(), reinterpret_cast<double*>(out));
+  } else {
+    std::transform(values.begin(), values.end(), reinterpret_cast<float*>(out),
+                   [](double v) { return static_cast<float>(v); });
+  }
+}
+
+// Checked arguments of one similarity call, with the included segments resolved to [begin, end) ranges.
+struct SimilarityCall {
+  int device;
+  uintptr_t stream;
+  DType dtype;
+  DType out_dtype;
+  const void* query;
+  int64_t query_stride;
+  std::vector<uintptr_t> bank_ptrs;
+  std::vector<int64_t> bank_strides;
+  std::vector<int64_t> seg_begin, seg_end;
+  int metric;
+  double scale, eps;
+  uintptr_t weights, scores;
+};
+
+SimilarityCall check_call(int device, uintptr_t stream, const std::string& dtype_name, int64_t d, uintptr_t query,
+                          int64_t query_stride, const std::vector<uintptr_t>& bank_ptrs,
+                          const std::vector<int64_t>& bank_strides, const std::vector<int64_t>& offsets,
+                          const std::vector<bool>& include, int metric, double scale, double eps,
+                          const std::string& out_dtype_name, uintptr_t weights, uintptr_t scores) {
+  SimilarityCall call{device,
+                      stream,
+                      dtype_from_name(dtype_name),
+                      dtype_from_name(out_dtype_name),
+                      reinterpret_cast<const void*>(query),
+                      query_stride,
+                      bank_ptrs,
+                      bank_strides,
+                      {},
+                      {},
+                      metric,
+                      scale,
+                      eps,
+                      weights,
+                      scores};
+  if (d < 1) throw ArgumentError("similarity: d must be >= 1");
+  if (bank_ptrs.empty()) throw ArgumentError("similarity: the bank is empty (K = 0)");
+  if (bank_ptrs.size() != bank_strides.size()) throw ArgumentError("similarity: bank ptrs/strides lengths differ");
+  if (query == 0 || weights == 0) throw ArgumentError("similarity: null query or weights pointer");
+  for (uintptr_t p : bank_ptrs)
+    if (p == 0) throw ArgumentError("similarity: null bank row pointer");
+  if (call.out_dtype != DType::F32 && call.out_dtype != DType::F64)
+    throw ArgumentError("similarity: weights must be float32 or float64");
+  if (metric != kMetricL2 && metric != kMetricLayerL2 && metric != kMetricLayerCos)
+    throw ArgumentError("similarity: unknown metric code " + std::to_string(metric));
+  if (!std::isfinite(scale)) throw ArgumentError("similarity: scale must be finite");
+  if (!std::isfinite(eps) || eps < 0) throw ArgumentError("similarity: eps must be finite and >= 0");
+  if (offsets.size() < 2 || include.size() + 1 != offsets.size())
+    throw ArgumentError("similarity: need L + 1 >= 2 offsets and L include flags");
+  for (size_t l = 0; l + 1 < offsets.size(); ++l) {
+    if (offsets[l] < 0 || offsets[l] > offsets[l + 1] || offsets[l + 1] > d)
+      throw ArgumentError("similarity: offsets must be non-decreasing within [0, d]");
+    if (include[l]) {
+      call.seg_begin.push_back(offsets[l]);
+      call.seg_end.push_back(offsets[l + 1]);
+    }
+  }
+  if (call.seg_begin.empty()) throw ArgumentError("similarity: no segment is included");
+  return call;
+}
+
+// The weights (and scores) of a checked call; returns the weights in double on the host.
+std::vector<double> run_weights(const SimilarityCall& c) {
+  const int64_t K = static_cast<int64_t>(c.bank_ptrs.size());
+  std::vector<double> alpha(K);
+  if (c.device >= 0) {
+    PFK_CUDA_CALL(cuda::similarity_weights(c.device, c.stream, c.dtype, c.query, c.query_stride, c.bank_ptrs,
+                                           c.bank_strides, c.seg_begin, c.seg_end, c.metric, c.scale, c.eps,
+                                           c.out_dtype, reinterpret_cast<void*>(c.weights),
+                                           reinterpret_cast<void*>(c.scores), alpha.data()));
+    for (double a : alpha)
+      if (!std::isfinite(a)) throw ArgumentError("similarity: the query or the bank holds non-finite values");
+    return alpha;
+  }
+  std::vector<Row> bank(K);
+  for (int64_t k = 0; k < K; ++k) bank[k] = {reinterpret_cast<const void*>(c.bank_ptrs[k]), c.bank_strides[k]};
+  const std::vector<double> stats =
+      segment_stats(c.dtype, c.query, c.query_stride, bank, c.seg_begin, c.seg_end, c.metric == kMetricL2);
+  const int64_t L = static_cast<int64_t>(c.seg_begin.size());
+  const int64_t pitch = similarity_pitch(K);
+  for (int64_t l = 0; l < L; ++l) {
+    const double* s = stats.data() + l * pitch;
+    if (!std::isfinite(s[0])) throw ArgumentError("similarity: the query holds non-finite values (inf or nan)");
+    for (int64_t k = 0; k < K; ++k)
+      if (!std::isfinite(s[1 + 3 * k]) || !std::isfinite(s[2 + 3 * k]) || !std::isfinite(s[3 + 3 * k]))
+        throw ArgumentError("similarity: bank row " + std::to_string(k) + " holds non-finite values (inf or nan)");
+  }
+  std::vector<double> scores(K);
+  for (int64_t k = 0; k < K; ++k) scores[k] = similarity_score(c.metric, stats.data(), L, K, k, c.eps);
+  similarity_softmax(c.metric, scores.data(), K, c.scale, alpha.data());
+  store_values(c.out_dtype, alpha, c.weights);
+  store_values(c.out_dtype, scores, c.scores);
+  return alpha;
+}
+
+void similarity_weights(int device, uintptr_t stream, const std::string& dtype, int64_t d, uintptr_t query,
+                        int64_t query_stride, const std::vector<uintptr_t>& bank_ptrs,
+                        const std::vector<int64_t>& bank_strides, const std::vector<int64_t>& offsets,
+                        const std::vector<bool>& include, int metric, double scale, double eps,
+                        const std::string& out_dtype, uintptr_t weights, uintptr_t scores) {
+  const SimilarityCall call = check_call(device, stream, dtype, d, query, query_stride, bank_ptrs, bank_strides,
+                                         offsets, include, metric, scale, eps, out_dtype, weights, scores);
+  if (device >= 0) {
+    // Weights stay on the device: no host copy, no wait.
+    PFK_CUDA_CALL(cuda::similarity_weights(device, stream, call.dtype, call.query, query_stride, bank_ptrs,
+                                           bank_strides, call.seg_begin, call.seg_end, metric, scale, eps,
+                                           call.out_dtype, reinterpret_cast<void*>(weights),
+                                           reinterpret_cast<void*>(scores), nullptr));
+    return;
+  }
+  run_weights(call);
+}
+
+void similarity_combine(int device, uintptr_t stream, const std::string& dtype, int64_t d, uintptr_t query,
+                        int64_t query_stride, const std::vector<uintptr_t>& bank_ptrs,
+                        const std::vector<int64_t>& bank_strides, const std::vector<int64_t>& offsets,
+                        const std::vector<bool>& include, int metric, double scale, double eps,
+                        const std::string& out_dtype, uintptr_t weights, uintptr_t scores,
+                        const std::string& models_dtype, int64_t model_dim, uintptr_t out, int64_t out_stride,
+                        const std::vector<uintptr_t>& model_ptrs, const std::vector<int64_t>& model_strides) {
+  const SimilarityCall call = check_call(device, stream, dtype, d, query, query_stride, bank_ptrs, bank_strides,
+                                         offsets, include, metric, scale, eps, out_dtype, weights, scores);
+  if (model_dim < 1) throw ArgumentError("similarity_combine: model_dim must be >= 1");
+  if (model_ptrs.size() != bank_ptrs.size() || model_strides.size() != model_ptrs.size())
+    throw ArgumentError("similarity_combine: need one model row per bank row");
+  if (out == 0) throw ArgumentError("similarity_combine: out is a null pointer");
+  const std::vector<double> alpha = run_weights(call);
+  std::vector<WeightedRow> rows;
+  for (size_t k = 0; k < model_ptrs.size(); ++k) {
+    if (alpha[k] == 0.0) continue;  // an underflowed weight: that model is not read
+    if (model_ptrs[k] == 0) throw ArgumentError("similarity_combine: null model row pointer");
+    rows.push_back({reinterpret_cast<const void*>(model_ptrs[k]), model_strides[k], alpha[k]});
+  }
+  const DType mdt = dtype_from_name(models_dtype);
+  void* o = reinterpret_cast<void*>(out);
+  if (device < 0) {
+    weighted_sum_cpu(mdt, model_dim, o, out_stride, rows, false);
+  } else {
+    PFK_CUDA_CALL(cuda::weighted_sum(device, stream, mdt, model_dim, o, out_stride, rows, false));
+  }
+}
+
+}  // namespace
+
+void bind_similarity(py::module_& m) {
+  m.def("similarity_weights", &similarity_weights, py::arg("device"), py::arg("stream"), py::arg("dtype"), py::arg("d"),
+        py::arg("query"), py::arg("query_stride"), py::arg("bank_ptrs"), py::arg("bank_strides"), py::arg("offsets"),
+        py::arg("include"), py::arg("metric"), py::arg("scale"), py::arg("eps"), py::arg("out_dtype"),
+        py::arg("weights"), py::arg("scores"), py::call_guard<py::gil_scoped_release>(),
+        "Softmax weights over the bank rows of -scale*distance (+scale*cosine) to the query; see similarity.h.");
+  m.def("similarity_combine", &similarity_combine, py::arg("device"), py::arg("stream"), py::arg("dtype"), py::arg("d"),
+        py::arg("query"), py::arg("query_stride"), py::arg("bank_ptrs"), py::arg("bank_strides"), py::arg("offsets"),
+        py::arg("include"), py::arg("metric"), py::arg("scale"), py::arg("eps"), py::arg("out_dtype"),
+        py::arg("weights"), py::arg("scores"), py::arg("models_dtype"), py::arg("model_dim"), py::arg("out"),
+        py::arg("out_stride"), py::arg("model_ptrs"), py::arg("model_strides"),
+        py::call_guard<py::gil_scoped_release>(),
+        "similarity_weights, then out = sum_k weights[k] * model_k with the aggregation kernel.");
+}
+
+}  // namespace pfk

@@ -1,0 +1,418 @@
+"""Dynamic client arrival and departure: initial-model construction from gradient similarity (Chang et al.),
+wrapped around any host FL algorithm, with the baselines Previous, Average and Continuous.
+
+Training is cut into ``sessions`` of T rounds; the clients (and the labels they hold) change only at session
+boundaries, which the server knows. With a ``groups:o,α`` partition, session s uses group s mod 2 (A, B, A, ...),
+sets the engine's active clients to it and restricts evaluation to its labels.
+
+Proposed (``method="proposed"``), with P pilot sessions, V footprint rounds and scale R:
+
+- Pilot (s < P): train normally; w_pilot = mean of the pilot sessions' last global models.
+- Footprint (every s >= P, before its first round): from w_pilot, V extra rounds of the host algorithm with the
+  current clients (fresh host state, constant LR = ``footprint_lr``·η0); G_s = w_fp − w_pilot. Not counted in T.
+- Initial model (s >= P + 1): α = softmax(−R·distance(G_s, G_z)) over the retained post-pilot sessions z, and
+  w_s^init = Σ_z α_z·w_z^last (:func:`pyfedkern.ops.similarity_combine`, metric ``layer_l2`` by default: mean over
+  the non-bias parameter tensors of the distance between unit-normalised tensors). At s = P the model restarts
+  from ``first_init`` (the random initial model by default, as the authors' code does).
+- Each session restarts the host's state (SCAFFOLD control variates, ...) and the LR schedule.
+
+Baselines skip the pilot (their rounds in sessions < P do nothing) and restart from the random model at s = P:
+Previous continues from the last global model; Average starts from the uniform mean of the retained post-pilot
+sessions' last models; Continuous is Previous plus a distillation term κ·KL(softmax(teacher) ‖ softmax(student))
+in the local objective, with the previous session's last model as the teacher.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from pyfedkern import ops
+from pyfedkern.algorithms.base import Algorithm, FLContext, RoundStats
+from pyfedkern.algorithms.history import STORAGE_DTYPES, SessionHistory
+from pyfedkern.flat import FlatParameters
+from pyfedkern.ops.similarity import METRICS
+
+METHODS = ("proposed", "previous", "average", "continuous")
+FIRST_INITS = ("random", "previous", "pilot")
+# Footprint rounds draw their minibatches and clients from round keys far above any real round.
+_FOOTPRINT_ROUND_KEY = 10**9
+
+
+def parse_host_params(host: str, text: str) -> dict[str, Any]:
+    """``"mu=1,server_lr=0.5"`` → keyword arguments of the host algorithm, typed like its fields' defaults."""
+    from pyfedkern.algorithms import algorithm_class
+
+    fields = algorithm_class(host).hyperparameters()
+    params: dict[str, Any] = {}
+    for pair in (p.strip() for p in text.split(",") if p.strip()):
+        key, sep, value = pair.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not key:
+            raise ValueError(f"host_params expects key=value pairs separated by commas, got {pair!r}")
+        if key not in fields:
+            raise ValueError(f"host {host!r} has no parameter {key!r}; its parameters: {', '.join(fields) or 'none'}")
+        default = fields[key].default
+        kind = type(default) if isinstance(default, (bool, int, float)) else str
+        if kind is bool:
+            params[key] = value.strip().lower() in ("1", "true", "yes", "on")
+        else:
+            params[key] = kind(value.strip())
+    return params
+
+
+class SessionContext:
+    """The engine's context seen from inside one session (or one footprint round).
+
+    ``lr(t)`` restarts at the session's first round ``start``: η0·((1 − r)·(1 − τ/T)^0.9 + r)·base.lr(τ)/η0 with
+    τ = t − start (the engine's schedule restarted, times the paper's polynomial decay when r < 1), or a constant
+    when ``constant_lr`` is given. Minibatch and client-sampling streams are keyed by ``t + round_key`` so footprint
+    rounds never reuse a training round's draws. ``local`` may be replaced (distillation). Everything else is the
+    engine's.
+    """
+
+    def __init__(
+        self,
+        base: FLContext,
+        start: int,
+        rounds: int,
+        lr_floor: float = 1.0,
+        *,
+        constant_lr: float | None = None,
+        round_key: int = 0,
+        local: Any = None,
+    ) -> None:
+        self._base = base
+        self._start = start
+        self._rounds = rounds
+        self._lr_floor = lr_floor
+        self._constant_lr = constant_lr
+        self._round_key = round_key
+        if local is not None:
+            self.local = local
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._base, name)
+
+    def lr(self, t: int) -> float:
+        if self._constant_lr is not None:
+            return self._constant_lr
+        tau = t - self._start
+        decay = (1.0 - self._lr_floor) * max(0.0, 1.0 - tau / self._rounds) ** 0.9 + self._lr_floor
+        return self._base.lr(tau) * decay
+
+    def batches(self, cid: int, t: int, **kwargs: Any):
+        return self._base.batches(cid, t + self._round_key, **kwargs)
+
+    def sample_clients(self, t: int) -> np.ndarray:
+        return self._base.sample_clients(t + self._round_key)
+
+
+class DistillationLocal:
+    """A LocalModel whose objective adds κ·KL(softmax(teacher(x)) ‖ softmax(student(x))) (Continuous baseline)."""
+
+    def __init__(self, local: Any, teacher: torch.Tensor, kd_weight: float) -> None:
+        self._local = local
+        self.kd_weight = kd_weight
+        module = copy.deepcopy(local.module)
+        self.teacher_flat = FlatParameters(module)  # its own flat buffers, detached from the student's
+        self.teacher_flat.load_(teacher)
+        self.teacher = module.eval()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._local, name)
+
+    def loss_and_grad(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        local = self._local
+        local.module.train()
+        local.flat.zero_grad()
+        out = local.module(x)
+        loss = local.objective(out, y)
+        with torch.no_grad():
+            target = F.log_softmax(self.teacher(x), dim=1)
+        kd = F.kl_div(F.log_softmax(out, dim=1), target, log_target=True, reduction="batchmean")
+        total = loss + self.kd_weight * kd
+        total.backward()
+        return float(total.detach())
+
+
+def session_groups(ctx: FLContext) -> tuple[list[np.ndarray], list[np.ndarray | None]]:
+    """(client ids, labels) of each client group: the partition's groups, or one group of every client."""
+    partition = getattr(ctx, "partition", None)
+    groups = getattr(partition, "groups", None)
+    if groups is None:
+        return [np.arange(ctx.num_clients, dtype=np.int64)], [None]
+    groups = np.asarray(groups, dtype=np.int64)
+    ids = sorted(set(groups.tolist()))
+    labels = getattr(partition, "group_labels", None)
+    return (
+        [np.flatnonzero(groups == g).astype(np.int64) for g in ids],
+        [None if labels is None else np.asarray(labels[g], dtype=np.int64) for g in ids],
+    )
+
+
+def transition_accuracy(metrics: list[dict[str, Any]], session_rounds: int, window: int = 10) -> dict[int, float]:
+    """Mean test accuracy over the first ``window`` rounds of each session s >= 1 (the paper's metric), from an
+    engine run's per-round records (record r is the model after round r)."""
+    acc = {int(m["round"]): m["test_acc"] for m in metrics if "test_acc" in m and m["round"] > 0}
+    out: dict[int, float] = {}
+    for s in range(1, (max(acc, default=0)) // session_rounds + 1):
+        values = [acc[r] for r in range(s * session_rounds + 1, s * session_rounds + window + 1) if r in acc]
+        if values:
+            out[s] = float(np.mean(values))
+    return out
+
+
+@dataclass
+class DynamicInit(Algorithm):
+    """Session-based training with initial models built from gradient similarity, or a baseline.
+
+    Args:
+        host: the FL algorithm run inside each session (any ALGORITHMS name except "dynamic").
+        host_params: the host's hyper-parameters as "key=value,..." (e.g. "mu=1" for fedprox).
+        method: "proposed", "previous", "average" or "continuous".
+        sessions: number of sessions S, pilot included.
+        session_rounds: rounds per session T (0: the engine's rounds / sessions).
+        pilot_sessions: P (baselines skip these sessions).
+        grad_rounds: footprint rounds V per session.
+        scale: softmax scale R.
+        metric: "layer_l2" (default), "l2" or "layer_cos".
+        history: sessions kept as candidates (0: all post-pilot sessions).
+        storage: "float32" or "bfloat16" storage of the history.
+        first_init: initial model of session P: "random" (the authors' code), "previous" or "pilot".
+        footprint_lr: footprint LR as a multiple of η0 (held constant).
+        kd_weight: κ of the Continuous baseline's distillation term.
+        lr_floor: r of the per-session polynomial decay ((1 − r)(1 − τ/T)^0.9 + r); 1 keeps the engine's schedule,
+            restarted each session.
+    """
+
+    name = "dynamic"
+    host: str = "fedavg"
+    host_params: str = ""
+    method: str = "proposed"
+    sessions: int = 6
+    session_rounds: int = 0
+    pilot_sessions: int = 1
+    grad_rounds: int = 1
+    scale: float = 10.0
+    metric: str = "layer_l2"
+    history: int = 0
+    storage: str = "float32"
+    first_init: str = "random"
+    footprint_lr: float = 0.5
+    kd_weight: float = 1.0
+    lr_floor: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.host == "dynamic":
+            raise ValueError("host must be another algorithm than 'dynamic'")
+        self._host_kwargs = parse_host_params(self.host, self.host_params)
+        _choice("method", self.method, METHODS)
+        _choice("metric", self.metric, tuple(METRICS))
+        _choice("storage", self.storage, tuple(STORAGE_DTYPES))
+        _choice("first_init", self.first_init, FIRST_INITS)
+        for name, low in (("sessions", 1), ("session_rounds", 0), ("pilot_sessions", 0), ("grad_rounds", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        if isinstance(self.history, bool) or not isinstance(self.history, int) or self.history < 0:
+            raise ValueError(f"history must be an integer >= 0 (0: keep every session), got {self.history!r}")
+        if self.method == "proposed" and not 1 <= self.pilot_sessions < self.sessions:
+            raise ValueError(
+                f"pilot_sessions must be in [1, sessions - 1] = [1, {self.sessions - 1}], got {self.pilot_sessions}"
+            )
+        if self.pilot_sessions >= self.sessions:
+            raise ValueError(f"pilot_sessions ({self.pilot_sessions}) must be < sessions ({self.sessions})")
+        if not math.isfinite(self.scale):
+            raise ValueError(f"scale must be finite, got {self.scale}")
+        if not (math.isfinite(self.footprint_lr) and self.footprint_lr > 0):
+            raise ValueError(f"footprint_lr must be finite and > 0, got {self.footprint_lr}")
+        if not (math.isfinite(self.kd_weight) and self.kd_weight >= 0):
+            raise ValueError(f"kd_weight must be finite and >= 0, got {self.kd_weight}")
+        if not 0 <= self.lr_floor <= 1:
+            raise ValueError(f"lr_floor must be in [0, 1], got {self.lr_floor}")
+
+    # setup and state -------------------------------------------------------------------------------------
+
+    def setup(self, ctx: FLContext, x0: torch.Tensor) -> None:
+        from pyfedkern.algorithms import make_algorithm
+
+        self.T = self.session_rounds or _rounds_per_session(ctx, self.sessions)
+        self.x0 = x0.clone()
+        self.host_algo = make_algorithm(self.host, **self._host_kwargs)
+        self.host_algo.setup(self._view(ctx, 0), x0)
+        self.x = self.host_algo.x
+        d = x0.numel()
+        capacity = self.history or max(1, self.sessions - self.pilot_sessions - 1)
+        layout = ctx.local.flat.layout
+        self.segments, self.include = layout.segments(), layout.include_mask()
+        if not self.include.any():  # a model of biases only: use every tensor
+            self.include = np.ones_like(self.include)
+        self.store: SessionHistory | None = None
+        if self.method == "proposed":
+            self.store = SessionHistory(capacity, d, d, dtype=self.storage, device=x0.device)
+            self.pilot = torch.zeros_like(x0)
+            self.query = torch.zeros(d, dtype=STORAGE_DTYPES[self.storage], device=x0.device)
+        elif self.method == "average":
+            self.store = SessionHistory(capacity, d, dtype=self.storage, device=x0.device)
+        self.teacher = torch.zeros_like(x0) if self.method == "continuous" else None
+        self.has_teacher = False
+        self.last_alpha = np.zeros(0)
+
+    def global_model(self) -> torch.Tensor:
+        return self.host_algo.global_model()
+
+    def broadcast_floats(self) -> int:
+        return self.host_algo.broadcast_floats()
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"host": self.host_algo.state_dict(), "has_teacher": self.has_teacher}
+        if self.store is not None:
+            state["history"] = self.store.state_dict()
+        if self.method == "proposed":
+            state["pilot"] = self.pilot
+            state["query"] = self.query
+        if self.teacher is not None:
+            state["teacher"] = self.teacher
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.host_algo.load_state_dict(state["host"])
+        self.has_teacher = bool(state["has_teacher"])
+        if self.store is not None:
+            self.store.load_state_dict(state["history"])
+        if self.method == "proposed":
+            self.pilot.copy_(state["pilot"])
+            self.query.copy_(state["query"])
+        if self.teacher is not None:
+            self.teacher.copy_(state["teacher"])
+
+    # rounds ----------------------------------------------------------------------------------------------
+
+    def _view(self, ctx: FLContext, session: int, local: Any = None) -> SessionContext:
+        return SessionContext(ctx, session * self.T, self.T, self.lr_floor, local=local)
+
+    def _skipped(self, session: int) -> bool:
+        """Baselines do not run the pilot sessions."""
+        return self.method != "proposed" and session < self.pilot_sessions
+
+    def round(self, t: int, ctx: FLContext) -> RoundStats:
+        s, r = divmod(t, self.T)
+        if s >= self.sessions:
+            raise ValueError(f"round {t} is past the last session ({self.sessions} sessions of {self.T} rounds)")
+        extras: dict[str, float] = {"session": float(s), "session_round": float(r)}
+        if r == 0:
+            extras.update(self._start_session(s, t, ctx))
+        if self._skipped(s):
+            return RoundStats(np.zeros(0, dtype=np.int64), float("nan"), 0, 0, extras)
+        local = None
+        if self.method == "continuous" and self.has_teacher and self.kd_weight > 0:
+            local = DistillationLocal(ctx.local, self.teacher, self.kd_weight)
+        stats = self.host_algo.round(t, self._view(ctx, s, local))
+        if r == self.T - 1:
+            self._end_session(s)
+        stats.extras.update(extras)
+        return stats
+
+    def _start_session(self, s: int, t: int, ctx: FLContext) -> dict[str, float]:
+        groups, labels = session_groups(ctx)
+        g = s % len(groups)
+        if hasattr(ctx, "active_clients"):
+            ctx.active_clients = groups[g]
+        if hasattr(ctx, "eval_labels"):
+            ctx.eval_labels = labels[g]
+        extras: dict[str, float] = {"group": float(g)}
+        if self._skipped(s):
+            return extras
+        P = self.pilot_sessions
+        if self.method == "proposed":
+            if s < P:
+                init = self.x0 if s == 0 else self.host_algo.x
+            else:
+                self._footprint(s, ctx)
+                if s == P:
+                    init = {"random": self.x0, "previous": self.host_algo.x, "pilot": self.pilot}[self.first_init]
+                else:
+                    init, info = self._construct(ctx)
+                    extras.update(info)
+        elif s == P:
+            init = self.x0
+        elif self.method == "average":
+            rows = self.store.model_rows()
+            init = ops.weighted_sum(rows, np.full(len(rows), 1.0 / len(rows)))
+        else:  # previous, continuous
+            init = self.host_algo.x
+        self.host_algo.setup(self._view(ctx, s), init.to(self.x0.dtype))
+        self.x = self.host_algo.x
+        return extras
+
+    def _footprint(self, s: int, ctx: FLContext) -> None:
+        """G_s = w_fp − w_pilot after V host rounds from w_pilot with fresh host state; written to self.query."""
+        from pyfedkern.algorithms import make_algorithm
+
+        eta0 = ctx.lr(0)
+        key = _FOOTPRINT_ROUND_KEY + s * self.grad_rounds
+        view = SessionContext(ctx, 0, self.T, constant_lr=self.footprint_lr * eta0, round_key=key)
+        runner = make_algorithm(self.host, **self._host_kwargs)
+        runner.setup(view, self.pilot)
+        for v in range(self.grad_rounds):
+            runner.round(v, view)
+        g = ops.weighted_sum([runner.global_model(), self.pilot], [1.0, -1.0])
+        self.query.copy_(g)
+
+    def _construct(self, ctx: FLContext) -> tuple[torch.Tensor, dict[str, float]]:
+        """w_init = Σ_z α_z·w_z over the retained sessions, α from the footprint gradients."""
+        with ctx.timer("aggregation"):
+            init, alpha = ops.similarity_combine(
+                self.query,
+                self.store.grad_rows(),
+                self.store.model_rows(),
+                self.scale,
+                self.metric,
+                self.segments,
+                self.include,
+                return_weights=True,
+            )
+        alpha = alpha.detach().cpu().double().numpy()
+        self.last_alpha = alpha
+        sessions = self.store.session_ids()
+        return init, {
+            "candidates": float(len(alpha)),
+            "alpha_max": float(alpha.max()),
+            "init_session": float(sessions[int(np.argmax(alpha))]),
+        }
+
+    def _end_session(self, s: int) -> None:
+        x = self.host_algo.global_model()
+        P = self.pilot_sessions
+        if self.method == "proposed":
+            if s < P:
+                self.pilot.add_(x, alpha=1.0 / P)
+            else:
+                self.store.push(s, x, self.query)
+        elif self.method == "average":
+            self.store.push(s, x)
+        elif self.method == "continuous":
+            self.teacher.copy_(x)
+            self.has_teacher = True
+
+
+def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+
+
+def _rounds_per_session(ctx: FLContext, sessions: int) -> int:
+    config = getattr(ctx, "config", None)
+    rounds = getattr(config, "rounds", None)
+    if rounds is None:
+        raise ValueError("session_rounds must be set when the context has no config.rounds")
+    if rounds % sessions:
+        raise ValueError(f"rounds ({rounds}) must be a multiple of sessions ({sessions}), or set session_rounds")
+    return rounds // sessions

@@ -1,0 +1,240 @@
+"""Similarity ops of the dynamic initial-model method: softmax weights of a query against K stored vectors, and
+the blend Σ_k α_k·models_k.
+
+``similarity_weights`` reads the query and the K bank rows once (one streaming pass computing, per included
+segment, Σq², and per row Σq·b, Σb², Σ(q − b)²), turns the statistics into one score per row in double precision
+and returns the max-subtracted softmax. ``similarity_combine`` then blends the K models with the aggregation
+kernel of :func:`pyfedkern.ops.weighted_sum`, in the same native call. Metrics (score s_k, weight α_k):
+
+- ``"l2"``: s_k = ‖q − b_k‖₂ over the included entries (the paper's eq. 5); α = softmax(−scale·s).
+- ``"layer_l2"`` (default): s_k = (1/L)·Σ_l ‖q_l/‖q_l‖ − b_kl/‖b_kl‖‖₂ over the L included segments, each in
+  [0, 2] (the authors' code); α = softmax(−scale·s).
+- ``"layer_cos"``: s_k = (1/L)·Σ_l cos(q_l, b_kl); α = softmax(+scale·s).
+
+A segment whose norm is ≤ ``eps`` is the zero vector after normalisation (distance 1 to a non-zero segment,
+0 to another zero segment, cosine 0): no NaN. ``scale = 0`` gives the uniform mean; a huge scale gives one-hot
+on the best row (ties share equally). The ops read strided inputs in place, run on the caller's current CUDA
+stream, release the GIL and give the same bits for any number of CPU threads. float16/bfloat16 storage is
+accumulated in float32 and double. They are not differentiable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from pyfedkern import _arrays
+from pyfedkern._arrays import ArrayRef
+from pyfedkern._runtime import native
+
+METRICS = {"l2": 0, "layer_l2": 1, "layer_cos": 2}
+
+
+def _rows(x: Any, name: str) -> list[ArrayRef]:
+    """One 1-D ref per row of a [K, n] array or a list of K 1-D arrays, checked for common library/device/dtype."""
+    if _arrays.is_array(x):
+        stack = _arrays.describe(x, name)
+        if len(stack.shape) != 2:
+            raise ValueError(f"{name} must be a 2-D [K, n] array or a list of K 1-D vectors, got shape {stack.shape}")
+        _arrays.check_float_dtype(stack, name)
+        rows = [stack.row(k) for k in range(stack.shape[0])]
+    elif isinstance(x, Sequence) and not isinstance(x, (str, bytes)):
+        rows = [_arrays.describe(r, f"{name}[{k}]") for k, r in enumerate(x)]
+        for k, r in enumerate(rows):
+            if len(r.shape) != 1:
+                raise ValueError(f"{name}[{k}] must be a 1-D vector, got shape {r.shape}")
+        if rows:
+            _arrays.check_float_dtype(rows[0], f"{name}[0]")
+        for k, r in enumerate(rows[1:], start=1):
+            _arrays.check_same(r, rows[0], f"{name}[{k}]", f"{name}[0]")
+            if r.shape != rows[0].shape:
+                raise ValueError(f"{name}[{k}] has length {r.shape[0]}, expected {rows[0].shape[0]} ({name}[0])")
+    else:
+        raise TypeError(f"{name} must be a 2-D array or a list of 1-D arrays, got {type(x).__qualname__}")
+    if not rows:
+        raise ValueError(f"{name} is empty: need at least one stored vector (K >= 1)")
+    return rows
+
+
+def _segments(segments: Any, include: Any, d: int) -> tuple[list[int], list[bool]]:
+    """(offsets [L + 1], include flags [L]) checked against the query length d."""
+    if segments is None:
+        offsets = np.array([0, d], dtype=np.int64)
+    else:
+        if hasattr(segments, "segments") and hasattr(segments, "include_mask"):  # a pyfedkern.flat.FlatLayout
+            if include is None:
+                include = segments.include_mask()
+            segments = segments.segments()
+        raw = np.asarray(segments.cpu() if hasattr(segments, "cpu") else segments)
+        if raw.ndim != 1 or raw.shape[0] < 2:
+            raise ValueError(f"segments must be 1-D offsets [L + 1] with L >= 1, got shape {raw.shape}")
+        if raw.dtype.kind not in "iu":
+            raise TypeError(f"segments must hold integers, got dtype {raw.dtype}")
+        offsets = raw.astype(np.int64)
+        if offsets[0] < 0 or offsets[-1] > d:
+            raise ValueError(
+                f"segments must lie within [0, {d}] (the query length), got offsets from {offsets[0]} to {offsets[-1]}"
+            )
+        steps = np.diff(offsets)
+        if np.any(steps < 0):
+            bad = int(np.flatnonzero(steps < 0)[0])
+            raise ValueError(
+                f"segments must be non-decreasing, but segments[{bad + 1}] = {offsets[bad + 1]} < "
+                f"segments[{bad}] = {offsets[bad]}"
+            )
+    L = offsets.shape[0] - 1
+    if include is None:
+        mask = np.ones(L, dtype=bool)
+    else:
+        mask = np.asarray(include.cpu() if hasattr(include, "cpu") else include)
+        if mask.ndim != 1 or mask.shape[0] != L:
+            raise ValueError(f"include must be a 1-D mask of length {L} (one flag per segment), got shape {mask.shape}")
+        if mask.dtype != bool:
+            raise TypeError(f"include must be a boolean mask, got dtype {mask.dtype}")
+    if not mask.any():
+        raise ValueError("include selects no segment: at least one segment must be included")
+    return offsets.tolist(), mask.tolist()
+
+
+def _prepare(query: Any, bank: Any, scale: Any, metric: str, segments: Any, include: Any, eps: float):
+    q = _arrays.describe(query, "query")
+    if len(q.shape) != 1:
+        raise ValueError(f"query must be a 1-D vector, got shape {q.shape}")
+    _arrays.check_float_dtype(q, "query")
+    d = q.shape[0]
+    if d == 0:
+        raise ValueError("query is empty (d = 0)")
+    rows = _rows(bank, "bank")
+    _arrays.check_same(rows[0], q, "bank", "query")
+    if rows[0].shape[0] != d:
+        raise ValueError(f"bank rows have length {rows[0].shape[0]}, expected {d} (the length of query)")
+    s = _arrays.host_scalar(scale, "scale")
+    if metric not in METRICS:
+        raise ValueError(f"metric must be one of {', '.join(METRICS)}, got {metric!r}")
+    e = _arrays.host_scalar(eps, "eps")
+    if e < 0:
+        raise ValueError(f"eps must be >= 0, got {e}")
+    offsets, mask = _segments(segments, include, d)
+    out_dtype = "float64" if q.dtype == "float64" else "float32"
+    weights = _arrays.empty_like_lib(q, (len(rows),), out_dtype)
+    scores = _arrays.empty_like_lib(q, (len(rows),), out_dtype)
+    args = [
+        q.device,
+        _arrays.stream_handle(q),
+        q.dtype,
+        d,
+        q.ptr,
+        q.strides[0],
+        [r.ptr for r in rows],
+        [r.strides[0] for r in rows],
+        offsets,
+        mask,
+        METRICS[metric],
+        s,
+        e,
+        out_dtype,
+        _arrays.describe(weights, "weights").ptr,
+        _arrays.describe(scores, "scores").ptr,
+    ]
+    return q, rows, args, weights, scores
+
+
+def similarity_weights(
+    query: Any,
+    bank: Any,
+    scale: Any,
+    metric: str = "layer_l2",
+    segments: Any = None,
+    include: Any = None,
+    *,
+    eps: float = 1e-12,
+    return_scores: bool = False,
+) -> Any:
+    """Softmax weights α [K] of the K bank rows by their similarity to ``query``.
+
+    Args:
+        query: [d_s] float vector (numpy, torch CPU/CUDA or cupy; float32, float64, float16 or bfloat16).
+        bank: [K, d_s] array or list of K [d_s] vectors of query's library, device and dtype (K >= 1).
+        scale: finite real R (0 → uniform; large → one-hot on the nearest row).
+        metric: "l2", "layer_l2" (default) or "layer_cos" (see the module docstring).
+        segments: None (one segment: the whole vector), int offsets [L + 1] (segment l is
+            ``[segments[l], segments[l + 1])``, non-decreasing, within [0, d_s]), or a
+            :class:`pyfedkern.flat.FlatLayout` (its ``segments()``, and ``include_mask()`` unless include is given).
+        include: bool [L] mask of the segments used (default all); excluded entries are never read.
+        eps: a segment whose norm is <= eps counts as zero.
+        return_scores: also return the scores s [K] (distances, or mean cosines for "layer_cos").
+
+    Returns:
+        α [K] (float64 for float64 input, float32 otherwise) of the caller's library and device, summing to 1;
+        ``(α, s)`` with ``return_scores``.
+    """
+    _, _, args, weights, scores = _prepare(query, bank, scale, metric, segments, include, eps)
+    native().similarity_weights(*args)
+    return (weights, scores) if return_scores else weights
+
+
+def similarity_combine(
+    query: Any,
+    bank: Any,
+    models: Any,
+    scale: Any,
+    metric: str = "layer_l2",
+    segments: Any = None,
+    include: Any = None,
+    *,
+    eps: float = 1e-12,
+    out: Any = None,
+    return_weights: bool = False,
+) -> Any:
+    """Σ_k α_k·models_k with α = :func:`similarity_weights` (query, bank, ...), in one native call.
+
+    The weights pass and the blend pass (the aggregation kernel of :func:`pyfedkern.ops.weighted_sum`) run back
+    to back without returning to Python; models whose weight underflows to 0 are not read. On a GPU the weights
+    are brought to the host between the passes (one wait on the current stream).
+
+    Args:
+        query, bank, scale, metric, segments, include, eps: as in :func:`similarity_weights`.
+        models: [K, d] array or list of K [d] vectors (one per bank row) of query's library and device, in any
+            float dtype (e.g. bfloat16 storage of a float32 query's history is fine).
+        out: optional [d] output of the models' library, device and dtype, not overlapping any model.
+        return_weights: also return α.
+
+    Returns:
+        ``out`` or a new [d] array of the models' dtype; ``(blend, α)`` with ``return_weights``.
+    """
+    q, rows, args, weights, _ = _prepare(query, bank, scale, metric, segments, include, eps)
+    mrows = _rows(models, "models")
+    if mrows[0].lib != q.lib or mrows[0].device != q.device:
+        raise ValueError(f"models is a {mrows[0].where} array but query is a {q.where} array; mixing is not allowed")
+    if len(mrows) != len(rows):
+        raise ValueError(f"models has {len(mrows)} rows, expected {len(rows)} (one per bank row)")
+    dim = mrows[0].shape[0]
+    if dim == 0:
+        raise ValueError("models are empty vectors (d = 0)")
+    if out is None:
+        out = _arrays.empty_like_lib(mrows[0], (dim,))
+        out_ref = _arrays.describe(out, "out")
+    else:
+        out_ref = _arrays.describe(out, "out")
+        _arrays.check_same(out_ref, mrows[0], "out", "models")
+        if out_ref.shape != (dim,):
+            raise ValueError(f"out must have shape ({dim},), got {out_ref.shape}")
+        if not out_ref.writeable:
+            raise ValueError("out is read-only")
+        if dim > 1 and out_ref.strides[0] == 0:
+            raise ValueError("out has stride 0 (a broadcast view); it must be writeable element by element")
+        for k, r in enumerate(mrows):
+            if out_ref.overlaps(r):
+                raise ValueError(f"out overlaps models[{k}]; pass a separate output array")
+    native().similarity_combine(
+        *args,
+        mrows[0].dtype,
+        dim,
+        out_ref.ptr,
+        out_ref.strides[0],
+        [r.ptr for r in mrows],
+        [r.strides[0] for r in mrows],
+    )
+    return (out, weights) if return_weights else out
