@@ -24,7 +24,6 @@ import numpy as np
 import torch
 
 from pyfedkern.reproduce import update_docs_section
-from pyfedkern.sim import datasets
 from pyfedkern.sim.compare import compare
 from pyfedkern.sim.engine import ExperimentConfig
 from pyfedkern.sim.plots import plot_curves
@@ -108,27 +107,31 @@ def _setups(args: argparse.Namespace, quick: bool) -> tuple[list[Setup], list[st
     skipped = []
     if args.data_root is None:
         skipped.append("CIFAR-10 / ResNet-18-GN: skipped (no `--data-root` given)")
+    elif missing := _missing_cifar(Path(args.data_root)):
+        skipped.append(f"CIFAR-10 / ResNet-18-GN: skipped ({missing} not found under `{args.data_root}`)")
     else:
-        try:
-            datasets.load_dataset("cifar10", args.data_root)
-        except FileNotFoundError as exc:
-            skipped.append(f"CIFAR-10 / ResNet-18-GN: skipped ({exc})")
-        else:
-            setups.append(
-                Setup(
-                    "cifar10",
-                    "resnet18",
-                    args.rounds or (1 if quick else PAPER_ROUNDS),
-                    list(range(args.cifar_seeds)),
-                    clients=args.clients,
-                    public_size=100,
-                    local_epochs=1.0 if quick else 10.0,
-                    device=args.device,
-                    data_root=args.data_root,
-                    model_params={"groups": 2},
-                )
+        setups.append(
+            Setup(
+                "cifar10",
+                "resnet18",
+                args.rounds or (1 if quick else PAPER_ROUNDS),
+                list(range(args.cifar_seeds)),
+                clients=args.clients,
+                public_size=100,
+                local_epochs=1.0 if quick else 10.0,
+                device=args.device,
+                data_root=args.data_root,
+                model_params={"groups": 2},
             )
+        )
     return setups, skipped
+
+
+def _missing_cifar(root: Path) -> str | None:
+    """The first CIFAR-10 python-version file absent from ``root`` (or its cifar-10-batches-py/), else None."""
+    folder = root / "cifar-10-batches-py" if (root / "cifar-10-batches-py").is_dir() else root
+    names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+    return next((name for name in names if not (folder / name).is_file()), None)
 
 
 def _run_seed(setup: Setup, partition: str, seed: int, root: Path, progress: bool) -> dict[str, list[dict]]:
@@ -272,7 +275,7 @@ def _markdown(rows: list[dict], setups: list[Setup], skipped: list[str], images:
         "and quantity-skewed splits. Settings per `specs/fnrfl.md` (the paper leaves λ, p, the public set, seeds and "
         "baseline parameters unstated):",
         "",
-        f"- {digits.clients} clients, all sampled every round; {digits.local_epochs:g} local epochs of plain SGD "
+        f"- {digits.clients} clients, all sampled every round; local training is plain SGD "
         "(lr 0.1, batch 64, no momentum); pixels scaled to [0, 1], no other normalization; clean test set.",
         f"- Feature skew `noise:{SIGMA:g}`: iid split, client i adds fresh N(0, σ_i²) noise to every pixel of every "
         f"batch, σ_i = {SIGMA:g}·i/(n−1) (client 0 clean). Label skew `dirichlet:{ALPHA:g}`: each class split over "
@@ -287,8 +290,8 @@ def _markdown(rows: list[dict], setups: list[Setup], skipped: list[str], images:
     ]
     for s in setups:
         lines.append(
-            f"- {s.dataset}: model `{s.model}`, {s.rounds} rounds, seeds {', '.join(map(str, s.seeds))}, public set "
-            f"{s.public_size} per class, device {s.device}."
+            f"- {s.dataset}: model `{s.model}`, {s.rounds} rounds of {s.local_epochs:g} local epochs, seeds "
+            f"{', '.join(map(str, s.seeds))}, public set {s.public_size} per class, device {s.device}."
         )
     lines += [f"- {note}" for note in skipped]
     lines += [

@@ -57,3 +57,23 @@ def test_registered_with_the_cli(tmp_path, monkeypatch):
     monkeypatch.setattr(repro, "main", lambda argv, **kw: seen.update(argv=argv, **kw) or 0)
     assert cli_main(["reproduce", "fnrfl", "--quick", "--out", str(tmp_path), "--seeds", "1"]) == 0
     assert seen == {"argv": ["--seeds", "1"], "out": tmp_path, "quick": True, "docs": None}
+
+
+def test_cifar_runs_only_when_its_files_are_present(tmp_path):
+    folder = tmp_path / "cifar-10-batches-py"
+    folder.mkdir()
+    for name in [f"data_batch_{i}" for i in range(1, 6)]:
+        (folder / name).touch()
+    argv = ["--data-root", str(tmp_path)]
+    setups, skipped = repro._setups(repro._parse(argv, quick=False), quick=False)
+    assert [s.dataset for s in setups] == ["digits"] and "test_batch not found" in skipped[0]
+    (folder / "test_batch").touch()
+    setups, skipped = repro._setups(repro._parse(argv, quick=False), quick=False)
+    cifar = setups[1]
+    assert not skipped and (cifar.dataset, cifar.model, cifar.rounds, cifar.public_size) == (
+        "cifar10",
+        "resnet18",
+        10,
+        100,
+    )
+    assert [s.seeds for s in setups] == [[0, 1, 2, 3, 4], [0]]
