@@ -4,7 +4,8 @@ Settings follow specs/fnrfl.md: 10 clients, full participation, 10 local epochs,
 λ = 0.01, p = 0.3, 5 refinement epochs and the differentiable ``abs`` regularizer; pixels scaled to [0, 1]. Feature
 skew is ``noise:0.5`` (iid split, client i adds Gaussian noise of std 0.5·i/(n−1)), label skew ``dirichlet:0.5``,
 quantity skew ``quantity:0.5``. An ablation runs FNR-FL with the paper's printed (constant) J, which leaves only
-cross-entropy fine-tuning on the public set. Digits always runs (MLP); CIFAR-10 with ResNet-18-GN runs when
+cross-entropy fine-tuning on the public set. Digits always runs (MLP, 20 rounds, 5 seeds, public set 10 per class;
+quick: 5 rounds, 1 seed); CIFAR-10 with ResNet-18-GN (10 rounds, 1 seed, public set 100 per class) runs when
 ``--data-root`` holds the CIFAR-10 files.
 """
 
