@@ -10,7 +10,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-REPRODUCTIONS: dict[str, str] = {}
+REPRODUCTIONS: dict[str, str] = {
+    "fnrfl": "pyfedkern.reproduce.fnrfl",
+}
 
 
 def update_docs_section(path: str | Path, name: str, markdown: str) -> None:
