@@ -2,7 +2,9 @@
 
 import pytest
 
-from pyfedkern.benchmarks import similarity as FAMILY  # noqa: N812  (conftest parametrizes `case` from it)
+from pyfedkern.benchmarks import similarity
+
+FAMILY = similarity  # bench/conftest.py parametrizes `case` over FAMILY.cases()
 
 
 @pytest.mark.benchmark(disable_gc=True)

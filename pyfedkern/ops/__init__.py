@@ -11,29 +11,29 @@ from pyfedkern.ops.pbc import mifa_update_, pbc_agg_bcast_, weighted_delta_
 from pyfedkern.ops.similarity import similarity_combine, similarity_weights
 
 __all__ = [
+    # norms
+    "FeatureNorms",
+    # herding
+    "GrabBalancer",
     # aggregate
     "accumulate_",
-    "weighted_sum",
+    "centred_gram",
+    "class_feature_norms",
     # fedspeed
     "fedspeed_round_end_",
     "fedspeed_update_",
-    "sam_perturb",
-    # herding
-    "GrabBalancer",
-    "centred_gram",
     "grab_select",
     "herding_order",
     "herding_select",
-    # norms
-    "FeatureNorms",
-    "class_feature_norms",
-    "per_sample_grad_norms",
-    "row_norms",
     # pbc
     "mifa_update_",
     "pbc_agg_bcast_",
-    "weighted_delta_",
+    "per_sample_grad_norms",
+    "row_norms",
+    "sam_perturb",
     # similarity
     "similarity_combine",
     "similarity_weights",
+    "weighted_delta_",
+    "weighted_sum",
 ]
