@@ -15,8 +15,9 @@ How :func:`herding_order` / :func:`herding_select` compute (the Gram form of spe
    per client on the GPU): ‖s + z_m‖² = ‖s‖² + 2c_m + G_mm with c_m = ⟨s, z_m⟩, so each step is an argmin over the
    remaining m of 2c_m + G_mm followed by c += G[j, :]. O(k·τ) per client, no τ³ term. Ties go to the lowest
    index; a score ties with the minimum when it is within the rounding scale of the Gram form,
-   ρ·(G_mm + 2·sqrt(G_mm·Σ_{j picked} G_jj)) with ρ = 8 ulps of the GEMM dtype (:func:`tie_rel_tol`), so exact
-   duplicate rows tie however the library's GEMM rounded their entries (for float64 data ρ ≈ 1.8e-15).
+   ρ·(G_mm + 2·sqrt(G_mm·Σ_{j picked} G_jj)) with ρ = max(8, √d) ulps of the GEMM dtype (:func:`tie_rel_tol`), so
+   exact duplicate rows tie however the library's GEMM rounded their entries (a multithreaded GEMM's blocked sums
+   differ between duplicate rows by tens of ulps at d = 5000; for float64 data and d = 5000, ρ ≈ 1.6e-14).
 3. **Masked row sum** in native code (``pyfedkern._C.herding_masked_sum``): the sum of the selected *raw* rows, in
    ascending row order (so with k = τ it does not depend on the order), float32 accumulation for 16-bit storage.
 
@@ -44,9 +45,10 @@ from pyfedkern._runtime import native
 GRAM_CHUNK_ELEMENTS = {"cpu": 1 << 18, "gpu": 1 << 24}
 
 
-def tie_rel_tol(dtype: str) -> float:
-    """Relative rounding scale of the Gram entries (8 ulps of the GEMM dtype): float64 for float64 gradients."""
-    return 8 * float(np.finfo(np.float64 if dtype == "float64" else np.float32).eps)
+def tie_rel_tol(dtype: str, d: int) -> float:
+    """Relative rounding scale of Gram entries that are length-d dot products: max(8, √d) ulps of the GEMM dtype
+    (float64 for float64 gradients, float32 otherwise)."""
+    return max(8.0, math.sqrt(d)) * float(np.finfo(np.float64 if dtype == "float64" else np.float32).eps)
 
 
 @dataclass
@@ -292,7 +294,7 @@ def _herd(cl: _Clients, ks: list[int]) -> _Herd:
         big,
         cl.taus,
         ks,
-        tie_rel_tol(like.dtype),
+        tie_rel_tol(like.dtype, cl.d),
         _arrays.describe(order, "order").ptr,
         kmax,
         _arrays.describe(mask, "mask").ptr,
