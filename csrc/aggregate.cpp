@@ -34,7 +34,28 @@ PFK_ALWAYS_INLINE void weighted_sum_tile_body(int64_t begin, int64_t end, T* out
   auto stride = [&](size_t k) -> int64_t { return Contiguous ? 1 : rows[k].stride; };
   const size_t K = rows.size();
   size_t k = 0;
-  // Four rows per sweep of the tile; the sum order (row 0, 1, 2, ...) is the same for every element.
+  // Eight, then four rows per sweep of the tile (fewer passes over the accumulator); the sum order (row 0, 1, 2, ...)
+  // is the same for every element.
+  for (; k + 8 <= K; k += 8) {
+    const T* __restrict__ r0 = row(k);
+    const T* __restrict__ r1 = row(k + 1);
+    const T* __restrict__ r2 = row(k + 2);
+    const T* __restrict__ r3 = row(k + 3);
+    const T* __restrict__ r4 = row(k + 4);
+    const T* __restrict__ r5 = row(k + 5);
+    const T* __restrict__ r6 = row(k + 6);
+    const T* __restrict__ r7 = row(k + 7);
+    const int64_t s0 = stride(k), s1 = stride(k + 1), s2 = stride(k + 2), s3 = stride(k + 3);
+    const int64_t s4 = stride(k + 4), s5 = stride(k + 5), s6 = stride(k + 6), s7 = stride(k + 7);
+    const Acc w0 = Acc(rows[k].weight), w1 = Acc(rows[k + 1].weight), w2 = Acc(rows[k + 2].weight),
+              w3 = Acc(rows[k + 3].weight), w4 = Acc(rows[k + 4].weight), w5 = Acc(rows[k + 5].weight),
+              w6 = Acc(rows[k + 6].weight), w7 = Acc(rows[k + 7].weight);
+    for (int64_t j = 0; j < n; ++j) {
+      acc[j] = acc[j] + w0 * to_acc(r0[j * s0]) + w1 * to_acc(r1[j * s1]) + w2 * to_acc(r2[j * s2]) +
+               w3 * to_acc(r3[j * s3]) + w4 * to_acc(r4[j * s4]) + w5 * to_acc(r5[j * s5]) +
+               w6 * to_acc(r6[j * s6]) + w7 * to_acc(r7[j * s7]);
+    }
+  }
   for (; k + 4 <= K; k += 4) {
     const T* __restrict__ r0 = row(k);
     const T* __restrict__ r1 = row(k + 1);

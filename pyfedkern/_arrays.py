@@ -20,7 +20,7 @@ import numpy as np
 FLOAT_DTYPES = ("float32", "float64", "float16", "bfloat16")
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ArrayRef:
     """Raw view of an array: ``element[i0, i1, ...]`` lives at ``ptr + itemsize * Σ i_k * strides[k]``."""
 

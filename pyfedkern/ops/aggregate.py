@@ -17,8 +17,10 @@ from pyfedkern._runtime import native
 A = TypeVar("A")
 
 
-def _update_rows(updates: Any) -> list[ArrayRef]:
-    """One 1-D ref per update, checked for a common library, device, dtype and length."""
+def _update_rows(updates: Any) -> tuple[list[ArrayRef], ArrayRef | None]:
+    """One 1-D ref per update, checked for a common library, device, dtype and length, and the [K, d] stack's own
+    ref (None for a list)."""
+    stack = None
     if _arrays.is_array(updates):
         stack = _arrays.describe(updates, "updates")
         if len(stack.shape) != 2:
@@ -42,7 +44,7 @@ def _update_rows(updates: Any) -> list[ArrayRef]:
         raise ValueError("updates is empty: need at least one update (K >= 1)")
     if rows[0].shape[0] == 0:
         raise ValueError("updates are empty vectors (d = 0)")
-    return rows
+    return rows, stack
 
 
 def _check_output(out: Any, name: str, like: ArrayRef, d: int) -> ArrayRef:
@@ -91,7 +93,7 @@ def weighted_sum(updates: Any, weights: Any, out: A | None = None) -> A:
     Returns:
         ``out``, or a new [d] array of the caller's library, device and dtype.
     """
-    rows = _update_rows(updates)
+    rows, stack = _update_rows(updates)
     w = _arrays.host_float64(weights, "weights", length=len(rows))
     d = rows[0].shape[0]
     if out is None:
@@ -99,7 +101,8 @@ def weighted_sum(updates: Any, weights: Any, out: A | None = None) -> A:
         out_ref = _arrays.describe(out, "out")
     else:
         out_ref = _check_output(out, "out", rows[0], d)
-        for k, r in enumerate(rows):
+        may_overlap = rows if stack is None or out_ref.overlaps(stack) else []
+        for k, r in enumerate(may_overlap):
             if w[k] != 0 and out_ref.overlaps(r) and not _same_view(out_ref, r):
                 raise ValueError(f"out partially overlaps updates[{k}]; pass a separate output array")
     _run(out_ref, rows, w, accumulate=False)
