@@ -52,8 +52,8 @@ PFK_ALWAYS_INLINE void weighted_sum_tile_body(int64_t begin, int64_t end, T* out
               w6 = Acc(rows[k + 6].weight), w7 = Acc(rows[k + 7].weight);
     for (int64_t j = 0; j < n; ++j) {
       acc[j] = acc[j] + w0 * to_acc(r0[j * s0]) + w1 * to_acc(r1[j * s1]) + w2 * to_acc(r2[j * s2]) +
-               w3 * to_acc(r3[j * s3]) + w4 * to_acc(r4[j * s4]) + w5 * to_acc(r5[j * s5]) +
-               w6 * to_acc(r6[j * s6]) + w7 * to_acc(r7[j * s7]);
+               w3 * to_acc(r3[j * s3]) + w4 * to_acc(r4[j * s4]) + w5 * to_acc(r5[j * s5]) + w6 * to_acc(r6[j * s6]) +
+               w7 * to_acc(r7[j * s7]);
     }
   }
   for (; k + 4 <= K; k += 4) {
