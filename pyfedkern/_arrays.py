@@ -96,6 +96,8 @@ def describe(x: Any, name: str) -> ArrayRef:
         import torch
 
         if isinstance(x, torch.Tensor):
+            if not _TORCH_DTYPE_NAMES:
+                _TORCH_DTYPE_NAMES.update({getattr(torch, n): n for n in (*FLOAT_DTYPES, "int32", "int64", "uint8")})
             return _describe_torch(x, name)
     if lib == "cupy" and hasattr(x, "__cuda_array_interface__"):
         return _describe_cupy(x, name)
@@ -130,25 +132,19 @@ def _describe_torch(x: Any, name: str) -> ArrayRef:
 
     if x.layout != torch.strided:
         raise TypeError(f"{name} must be a dense (strided) torch tensor, got layout {x.layout}")
-    if x.device.type == "cpu":
+    if x.is_cpu:
         device = -1
-    elif x.device.type == "cuda":
-        device = x.device.index if x.device.index is not None else 0
+    elif x.is_cuda:
+        device = x.get_device()
     else:
         raise TypeError(f"{name} is on torch device {x.device}; pyfedkern supports cpu and cuda")
     if x.is_conj() or x.is_neg():
         raise TypeError(f"{name} is a lazily conjugated/negated view; call .resolve_conj()/.resolve_neg() first")
-    return ArrayRef(
-        x,
-        "torch",
-        device,
-        str(x.dtype).removeprefix("torch."),
-        tuple(x.shape),
-        tuple(x.stride()),
-        int(x.data_ptr()),
-        x.element_size(),
-        True,
-    )
+    dtype = _TORCH_DTYPE_NAMES.get(x.dtype) or str(x.dtype).removeprefix("torch.")
+    return ArrayRef(x, "torch", device, dtype, tuple(x.shape), tuple(x.stride()), x.data_ptr(), x.element_size(), True)
+
+
+_TORCH_DTYPE_NAMES: dict[Any, str] = {}  # torch.dtype -> canonical name, filled on first use by describe()
 
 
 def _describe_cupy(x: Any, name: str) -> ArrayRef:
