@@ -26,8 +26,9 @@
 namespace pfk {
 namespace {
 
-constexpr int64_t kChunk = 4096;  // elements per work item: the query slice stays in L1 while K rows stream by
-constexpr int kLanes8 = 8;        // doubles per vector; two vectors give 16 independent partial sums
+constexpr int64_t kChunk =
+    2048;  // elements per work item: the double query slice (16 KiB) stays in L1 while K rows stream by
+constexpr int kLanes4 = 4;  // doubles per vector; four vectors give 16 independent partial sums
 
 struct Row {
   const void* ptr;
@@ -41,74 +42,65 @@ struct WorkItem {
   int64_t end;
 };
 
-// Eight doubles as one value (GCC/Clang vector extension): the lane loops below are explicit SIMD on every ISA
-// (AVX-512: one register; narrower ISAs split it), with exactly the same rounding per lane.
-typedef double Vd8 __attribute__((vector_size(64)));
-typedef float Vf8 __attribute__((vector_size(32)));
+// Four doubles as one value (GCC/Clang vector extension, one AVX register): the lane loops below are explicit
+// SIMD on every ISA with exactly the same rounding per lane.
+typedef double Vd4 __attribute__((vector_size(32)));
+typedef float Vf4 __attribute__((vector_size(16)));
 
-PFK_ALWAYS_INLINE void load8(Vd8& v, const double* p) {
+PFK_ALWAYS_INLINE Vd4 load4(const double* p) {
+  Vd4 v;
   std::memcpy(&v, p, sizeof v);
+  return v;
 }
 
-PFK_ALWAYS_INLINE void load8(Vd8& v, const float* p) {
-  Vf8 f;
+PFK_ALWAYS_INLINE Vd4 load4(const float* p) {
+  Vf4 f;
   std::memcpy(&f, p, sizeof f);
-  v = __builtin_convertvector(f, Vd8);
+  return __builtin_convertvector(f, Vd4);
 }
 
-// Sums over n contiguous elements of the query q and R rows, in double, each in 16 lanes (element j of the full
-// 16-blocks goes to lane j mod 16, the tail to lanes 0, 1, ...), then the lanes in order: a row's result does not
-// depend on R. Diff: out[r][2] = Σ (q − b_r)² (the l2 metric, no cancellation); otherwise out[r][0] = Σ q·b_r and
-// out[r][1] = Σ b_r². R rows per sweep keep R + 1 memory streams in flight.
-template <bool Diff, int R, typename Q, typename B>
-PFK_ALWAYS_INLINE void lane_stats(const Q* q, const B* const* rows, int64_t n, double out[][3]) {
-  constexpr int W = 2 * kLanes8;
-  Vd8 x[R][2] = {}, y[R][2] = {};
+// Sums over n contiguous elements of the query q and one row b, in double, each in 16 lanes (element j of the full
+// 16-blocks goes to lane j mod 16, the tail to lanes 0, 1, ...), then the lanes in order. Diff: out[2] = Σ (q − b)²
+// (the l2 metric, no cancellation); otherwise out[0] = Σ q·b and out[1] = Σ b².
+template <bool Diff, typename Q, typename B>
+PFK_ALWAYS_INLINE void lane_stats(const Q* q, const B* b, int64_t n, double out[3]) {
+  constexpr int W = 4 * kLanes4;
+  Vd4 x[4] = {}, y[4] = {};
   int64_t j = 0;
   for (; j + W <= n; j += W) {
-    Vd8 a[2];
-    load8(a[0], q + j);
-    load8(a[1], q + j + kLanes8);
 #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 2
-      for (int h = 0; h < 2; ++h) {
-        Vd8 b;
-        load8(b, rows[r] + j + h * kLanes8);
-        if constexpr (Diff) {
-          const Vd8 e = a[h] - b;
-          x[r][h] += e * e;
-        } else {
-          x[r][h] += a[h] * b;
-          y[r][h] += b * b;
-        }
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    double xl[W], yl[W];
-    std::memcpy(xl, &x[r][0], sizeof(Vd8));
-    std::memcpy(xl + kLanes8, &x[r][1], sizeof(Vd8));
-    std::memcpy(yl, &y[r][0], sizeof(Vd8));
-    std::memcpy(yl + kLanes8, &y[r][1], sizeof(Vd8));
-    for (int64_t t = j, l = 0; t < n; ++t, ++l) {
-      const double a = static_cast<double>(q[t]), v = static_cast<double>(rows[r][t]);
+    for (int h = 0; h < 4; ++h) {
+      const Vd4 a = load4(q + j + h * kLanes4);
+      const Vd4 v = load4(b + j + h * kLanes4);
       if constexpr (Diff) {
-        xl[l] += (a - v) * (a - v);
+        const Vd4 e = a - v;
+        x[h] += e * e;
       } else {
-        xl[l] += a * v;
-        yl[l] += v * v;
+        x[h] += a * v;
+        y[h] += v * v;
       }
     }
-    double sx = 0.0, sy = 0.0;
-    for (int l = 0; l < W; ++l) {
-      sx += xl[l];
-      sy += yl[l];
-    }
-    out[r][0] = Diff ? 0.0 : sx;
-    out[r][1] = Diff ? 0.0 : sy;
-    out[r][2] = Diff ? sx : 0.0;
   }
+  double xl[W], yl[W];
+  std::memcpy(xl, x, sizeof x);
+  std::memcpy(yl, y, sizeof y);
+  for (int64_t t = j, l = 0; t < n; ++t, ++l) {
+    const double a = static_cast<double>(q[t]), v = static_cast<double>(b[t]);
+    if constexpr (Diff) {
+      xl[l] += (a - v) * (a - v);
+    } else {
+      xl[l] += a * v;
+      yl[l] += v * v;
+    }
+  }
+  double sx = 0.0, sy = 0.0;
+  for (int l = 0; l < W; ++l) {
+    sx += xl[l];
+    sy += yl[l];
+  }
+  out[0] = Diff ? 0.0 : sx;
+  out[1] = Diff ? 0.0 : sy;
+  out[2] = Diff ? sx : 0.0;
 }
 
 // dst[j] = src[j * stride] converted, j < n.
@@ -120,34 +112,20 @@ PFK_ALWAYS_INLINE void load_chunk(D* dst, const T* src, int64_t stride, int64_t 
 // Writes partial[0] = Σq² and partial[1 + 3k + (0, 1, 2)] = (Σq·b_k, Σb_k², 0), or (0, 0, Σ(q − b_k)²) with Diff,
 // over one chunk. Products and sums are in double (16-bit and float values convert exactly), so the cosine of
 // nearly parallel segments keeps its last digits. The query slice is loaded once per chunk and reused K times;
-// float/double rows are read in place four at a time, others are converted (or gathered) one at a time.
+// contiguous float/double rows are read in place, others are converted (or gathered) into a buffer first.
 template <typename T, bool Contiguous, bool Diff>
 PFK_ALWAYS_INLINE void chunk_stats_body(const WorkItem& item, const T* query, int64_t query_stride,
                                         const std::vector<Row>& bank, double* partial) {
   using Buf = typename AccOf<T>::type;  // float holds 32/16-bit values exactly
   constexpr bool kReadInPlace = Contiguous && std::is_same_v<T, Buf>;
   const int64_t n = item.end - item.begin;
-  alignas(64) Buf q[kChunk];
+  alignas(64) double q[kChunk];                    // the query slice, converted once per chunk
   alignas(64) Buf row[kReadInPlace ? 1 : kChunk];  // a converted or gathered bank row
   load_chunk<T, Contiguous>(q, query + item.begin * (Contiguous ? 1 : query_stride), query_stride, n);
-  double st[4][3];
-  const Buf* qp = q;
-  lane_stats<false, 1>(q, &qp, n, st);
-  partial[0] = st[0][0];
-  auto store = [&](size_t k, const double* v) {
-    for (int i = 0; i < 3; ++i) partial[1 + 3 * k + i] = v[i];
-  };
-  const size_t K = bank.size();
-  size_t k = 0;
-  if constexpr (kReadInPlace) {
-    for (; k + 4 <= K; k += 4) {
-      const Buf* rows[4];
-      for (int r = 0; r < 4; ++r) rows[r] = static_cast<const Buf*>(bank[k + r].ptr) + item.begin;
-      lane_stats<Diff, 4>(q, rows, n, st);
-      for (int r = 0; r < 4; ++r) store(k + r, st[r]);
-    }
-  }
-  for (; k < K; ++k) {
+  double st[3];
+  lane_stats<false>(q, q, n, st);
+  partial[0] = st[0];
+  for (size_t k = 0; k < bank.size(); ++k) {
     const int64_t s = Contiguous ? 1 : bank[k].stride;
     const T* r = static_cast<const T*>(bank[k].ptr) + item.begin * s;
     const Buf* b;
@@ -157,8 +135,8 @@ PFK_ALWAYS_INLINE void chunk_stats_body(const WorkItem& item, const T* query, in
       load_chunk<T, Contiguous>(row, r, s, n);
       b = row;
     }
-    lane_stats<Diff, 1>(q, &b, n, st);
-    store(k, st[0]);
+    lane_stats<Diff>(q, b, n, st);
+    for (int i = 0; i < 3; ++i) partial[1 + 3 * k + i] = st[i];
   }
 }
 
