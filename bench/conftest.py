@@ -4,8 +4,13 @@ Each suite sets ``FAMILY`` to one family module in :mod:`pyfedkern.benchmarks` (
 machine limit on the same inputs). ``--quick`` runs the small sizes only.
 """
 
+import math
+import time
+
 import pytest
 import torch
+
+MIN_SECONDS, MIN_ROUNDS, MAX_ROUNDS = 0.5, 5, 30
 
 
 def pytest_addoption(parser):
@@ -27,8 +32,11 @@ def run_case(benchmark, case):
     benchmark.name = case.name
     benchmark.extra_info.update({"bytes_moved": case.bytes_moved, "flops": case.flops, "case": case.name})
     fn = case.timed()
-    fn()  # warm-up outside the timing
-    benchmark.pedantic(fn, rounds=5, iterations=1, warmup_rounds=1)
+    start = time.perf_counter()
+    fn()  # warm-up outside the timing, also sizes the number of rounds
+    once = time.perf_counter() - start
+    rounds = min(MAX_ROUNDS, max(MIN_ROUNDS, math.ceil(MIN_SECONDS / max(once, 1e-9))))
+    benchmark.pedantic(fn, rounds=rounds, iterations=1, warmup_rounds=1)
 
 
 @pytest.fixture

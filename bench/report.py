@@ -40,7 +40,8 @@ def main() -> None:
         f"- machine: {info.get('cpu', {}).get('brand_raw', platform.processor())}, "
         f"{info.get('cpu', {}).get('count', '?')} logical CPUs, {platform.system()} {platform.release()}"
     )
-    print(f"- python {info.get('python_version', platform.python_version())}; times are medians of 5 rounds\n")
+    python = info.get("python_version", platform.python_version())
+    print(f"- python {python}; times are medians of 5–30 rounds (at least 0.5 s per case)\n")
     print(report(rows))
 
 
