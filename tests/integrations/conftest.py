@@ -105,8 +105,9 @@ class Deployment:
                 wait_port(node_port, proc, log)
             home = Path(self.env["FLWR_HOME"])
             home.mkdir(parents=True, exist_ok=True)
+            address = f"127.0.0.1:{self.port}"
             (home / "config.toml").write_text(
-                f'[superlink]\ndefault = "local"\n\n[superlink.local]\naddress = "127.0.0.1:{self.port}"\ninsecure = true\n'
+                f'[superlink]\ndefault = "local"\n\n[superlink.local]\naddress = "{address}"\ninsecure = true\n'
             )
         except BaseException:
             self.close()
@@ -138,9 +139,10 @@ class Deployment:
         pause = self.workdir / "pause"
         pause.mkdir(exist_ok=True)
         cfg = {**run_config, "out-file": str(out), "pause-dir": str(pause)}
-        overrides = " ".join(f"{k}={json.dumps(v)}" for k, v in cfg.items())
-        proc, log = self._spawn(
-            [str(BIN / "flwr"), "run", str(app), "local", "--run-config", overrides, "--stream"], "flwr-run.log"
+        overrides = self.workdir / "run-config.toml"  # a file: JSON-valued strings break the inline syntax
+        overrides.write_text("".join(f'"{k}" = {json.dumps(v)}\n' for k, v in cfg.items()))
+        proc, _ = self._spawn(
+            [str(BIN / "flwr"), "run", str(app), "local", "--run-config", str(overrides), "--stream"], "flwr-run.log"
         )
         try:
             end = time.monotonic() + timeout
