@@ -54,18 +54,34 @@ MODEL_KEY = "model"
 # Zero-copy views of serialized arrays ---------------------------------------------------------------------
 
 
+_HEADERS: dict[bytes, tuple[tuple[int, ...], bool, np.dtype]] = {}
+
+
+def _npy_header(data: bytes) -> tuple[tuple[int, ...], bool, np.dtype, int]:
+    """(shape, fortran order, dtype, data offset) of an ``np.save`` buffer; parsed headers are cached."""
+    major = data[6] if len(data) > 8 and data[:6] == b"\x93NUMPY" else 0
+    if major not in (1, 2, 3):
+        raise ValueError("not an np.save buffer (bad magic string)")
+    size = 2 if major == 1 else 4
+    end = 8 + size + int.from_bytes(data[8 : 8 + size], "little")
+    header = data[:end]
+    if header not in _HEADERS:
+        stream = io.BytesIO(header)
+        version = np.lib.format.read_magic(stream)
+        if len(_HEADERS) > 4096:
+            _HEADERS.clear()
+        read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        _HEADERS[header] = read(stream)
+    shape, fortran, dtype = _HEADERS[header]
+    return shape, fortran, dtype, end
+
+
 def _npy_view(data: bytes) -> np.ndarray:
     """The array stored in ``data`` (``np.save`` format) as a read-only view of those bytes when possible."""
-    stream = io.BytesIO(data)
-    version = np.lib.format.read_magic(stream)
-    if version == (1, 0):
-        shape, fortran, dtype = np.lib.format.read_array_header_1_0(stream)
-    else:
-        shape, fortran, dtype = np.lib.format.read_array_header_2_0(stream)
+    shape, fortran, dtype, offset = _npy_header(data)
     if dtype.hasobject or fortran:
         return np.load(io.BytesIO(data), allow_pickle=False)
-    count = math.prod(shape)
-    return np.frombuffer(data, dtype=dtype, count=count, offset=stream.tell()).reshape(shape)
+    return np.frombuffer(data, dtype=dtype, count=math.prod(shape), offset=offset).reshape(shape)
 
 
 def array_view(array: Array) -> np.ndarray:
@@ -129,10 +145,19 @@ def aggregate(results: list[tuple[list[np.ndarray], int]]) -> list[np.ndarray]:
 
 
 class _RunningSum:
-    """Σ_k w_k·arrays_k per name, added one client at a time (O(1) models of memory: one accumulator per name)."""
+    """Σ_k w_k·arrays_k / Σ_k w_k per name, one client at a time, with O(1) models of extra memory.
 
-    def __init__(self) -> None:
+    Streaming (default): each client's arrays are added into one accumulator per name as they come
+    (:func:`pyfedkern.ops.accumulate_`). ``deferred=True``, for clients that are all in memory already (a list of
+    replies): only views are kept, and :meth:`mean` makes one :func:`pyfedkern.ops.weighted_sum` pass per name over
+    all clients (fewer native calls, each input read once).
+    """
+
+    def __init__(self, deferred: bool = False) -> None:
+        self.deferred = deferred
         self.acc: dict[str, np.ndarray] = {}
+        self.views: dict[str, list[np.ndarray]] = {}
+        self.weights: list[float] = []
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.total = 0.0
         self.count = 0
@@ -143,19 +168,25 @@ class _RunningSum:
         seen = []
         for name, value in arrays:
             seen.append(name)
-            flat = value.reshape(-1)
-            if name not in self.acc:
+            if name not in self.shapes:
                 if self.count:
                     raise ValueError(f"{who} has an array {name!r} that earlier results did not have")
-                self.acc[name] = np.zeros(flat.size, dtype=flat.dtype if flat.dtype in _FLOATS else np.float64)
                 self.shapes[name] = value.shape
-            acc = self.acc[name]
+                self.views[name] = []
             if value.shape != self.shapes[name]:
                 raise ValueError(f"{who}: array {name!r} has shape {value.shape}, expected {self.shapes[name]}")
+            if self.deferred:
+                self.views[name].append(value)
+                continue
+            flat = value.reshape(-1)
+            if name not in self.acc:
+                self.acc[name] = np.zeros(flat.size, dtype=flat.dtype if flat.dtype in _FLOATS else np.float64)
+            acc = self.acc[name]
             if flat.size:
                 ops.accumulate_(acc, flat if flat.dtype == acc.dtype else flat.astype(acc.dtype), weight)
-        if self.count and len(seen) != len(self.acc):
-            raise ValueError(f"{who} has arrays {seen}, expected {list(self.acc)}")
+        if self.count and len(seen) != len(self.shapes):
+            raise ValueError(f"{who} has arrays {seen}, expected {list(self.shapes)}")
+        self.weights.append(weight)
         self.total += weight
         self.count += 1
 
@@ -163,6 +194,9 @@ class _RunningSum:
         """The weighted mean of every name (ValueError when nothing or only zero weight was added)."""
         if self.count == 0 or self.total <= 0:
             raise ValueError("no results with a positive weight to average")
+        if self.deferred:
+            p = np.asarray(self.weights, dtype=np.float64) / self.total
+            return {name: _layer_mean(views, p) for name, views in self.views.items()}
         for acc in self.acc.values():
             acc *= 1.0 / self.total
         return {name: acc.reshape(self.shapes[name]) for name, acc in self.acc.items()}
@@ -182,7 +216,7 @@ def aggregate_inplace(results: list[tuple[Any, Any]]) -> list[np.ndarray]:
     if not isinstance(results, (list, tuple)):
         raise TypeError(f"results must be a list of (ClientProxy, FitRes) pairs, got {type(results).__name__}")
     p = _check_weights([fit_res.num_examples for _, fit_res in results], "results")
-    running = _RunningSum()
+    running = _RunningSum(deferred=True)
     for k, (_, fit_res) in enumerate(results):
         tensors = fit_res.parameters.tensors
         running.add(((str(i), _npy_view(t)) for i, t in enumerate(tensors)), float(p[k]), f"results[{k}]")
@@ -284,8 +318,9 @@ class FedAvg(_FlowerFedAvg):
 
     def stream_train(self, server_round: int, replies: Iterable[Message]) -> tuple[_RunningSum, list[RecordDict]]:
         """Add every valid reply's arrays into a running sum (weighted per ``uniform``/``weighted_by_key``) as
-        it arrives; record the round in ``history``. Returns (sum, the replies' metric records)."""
-        running = _RunningSum()
+        it arrives (when ``replies`` is a list, all arrived already: one weighted-sum pass per array at the end);
+        record the round in ``history``. Returns (sum, the replies' metric records)."""
+        running = _RunningSum(deferred=isinstance(replies, (list, tuple)))
         metrics: list[RecordDict] = []
         received: list[int] = []
         failed: list[int] = []
