@@ -93,7 +93,7 @@ def cases(quick: bool = False, device: str = "cpu", size: str | None = None) -> 
             Case(
                 group,
                 "flower FedAvg.aggregate_train",
-                make("messages", lambda r: flower_strategy.aggregate_train(1, r)),
+                make("messages", lambda r, s=flower_strategy: s.aggregate_train(1, r)),
                 nbytes,
             ),
             Case(group, "pyfedkern aggregate", make("ndarrays", pf.aggregate), nbytes),
@@ -140,9 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n### {group}\n\n| case | time (ms) | peak memory (MiB) | pyfedkern faster | pyfedkern less memory |")
         print("|---|---:|---:|---:|---:|")
         for _, name, sec, peak in members:
-            print(
-                f"| {name} | {sec * 1e3:.1f} | {peak / 2**20:.1f} | {sec / ours[2]:.2f}× | {peak / max(ours[3], 1):.1f}× |"
-            )
+            faster, less = sec / ours[2], peak / max(ours[3], 1)
+            print(f"| {name} | {sec * 1e3:.1f} | {peak / 2**20:.1f} | {faster:.2f}× | {less:.1f}× |")
     return 0
 
 
