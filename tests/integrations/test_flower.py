@@ -422,3 +422,21 @@ def test_real_superlink_fedpbc_with_killed_node_equals_sim(flower_deployment):
     # The killed client did not take part: the run differs from one where all three stayed connected.
     everyone = _run_sim(config)
     assert np.abs(everyone - model).max() > 1e-4
+
+
+def test_benchmark_cases_agree_and_pyfedkern_allocates_less():
+    from pyfedkern.benchmarks import flower as bench
+
+    cases = bench.cases(quick=True)
+    assert len({c.group for c in cases}) == 1 and len(cases) == 6
+    results = {}
+    for case in cases:
+        out = case.make()()
+        if isinstance(out, tuple):  # (ArrayRecord, MetricRecord) of the strategies
+            out = [out[0][k].numpy() for k in out[0]]
+        results[case.name] = np.concatenate([np.asarray(x).reshape(-1) for x in out])
+    ours = results.pop("pyfedkern")
+    for name, value in results.items():
+        np.testing.assert_allclose(value, ours, rtol=1e-5, atol=1e-6, err_msg=name)
+    peaks = {c.name: bench.peak_memory(c) for c in cases if c.name in ("pyfedkern", "flower aggregate")}
+    assert peaks["flower aggregate"] > 5 * peaks["pyfedkern"]  # K weighted copies vs one output model
