@@ -7,7 +7,7 @@ of a group computes the same weighted average. Besides time, :func:`peak_memory`
 newly allocated memory with :mod:`tracemalloc` (NumPy reports its buffers to it; pyfedkern's kernels allocate
 nothing), the inputs excluded. Without flwr installed there are no cases.
 
-``python -m pyfedkern.benchmarks.flower [quick|medium|resnet|full]`` prints time and peak memory per case.
+``python -m pyfedkern.benchmarks.flower [quick|medium|resnet|full] [threads]`` prints time and peak memory per case.
 """
 
 from __future__ import annotations
@@ -121,11 +121,16 @@ def peak_memory(case: Case) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Print time and peak memory of every case of one size ("quick", "medium", "resnet" or "full")."""
+    """Print time and peak memory of every case of one size ("quick", "medium", "resnet" or "full"), optionally
+    with pyfedkern limited to a number of CPU threads (second argument; NumPy and Flower use one)."""
     args = sys.argv[1:] if argv is None else argv
     size = args[0] if args else "quick"
     if size not in SIZES:
         raise ValueError(f"size must be one of {', '.join(SIZES)}, got {size!r}")
+    if len(args) > 1:
+        import pyfedkern
+
+        pyfedkern.set_num_threads(int(args[1]))
     if not _flower_available():
         print("flwr is not installed: pip install pyfedkern[flower]")
         return 1
