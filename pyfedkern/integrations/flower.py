@@ -644,8 +644,9 @@ def _legacy_class() -> type:
 
 # Configs, initial model and the ClientApp ---------------------------------------------------------------
 
-#: Algorithms :func:`make_client_app` can run: generic ``client_update`` ones, FedPBC and FedSpeed.
-CLIENT_ALGORITHMS = ("fedavg", "fedprox", "bherd", "fednova", "bherd-fednova", "fedpbc", "fedspeed")
+#: Algorithms :func:`make_client_app` can run (each has a server strategy here): FedAvg/FedProx (:class:`FedAvg`),
+#: BHerd, FedPBC and FedSpeed.
+CLIENT_ALGORITHMS = ("fedavg", "fedprox", "bherd", "fedpbc", "fedspeed")
 
 
 def config_from_run_config(run_config: dict[str, Any]) -> Any:
