@@ -1,0 +1,77 @@
+"""ServerApp: a pyfedkern strategy chosen by the run config's ``algorithm``; saves the final model if asked."""
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+from flwr.app import ArrayRecord, Context
+from flwr.serverapp import Grid, ServerApp
+
+from pyfedkern.integrations import flower as pf
+
+app = ServerApp()
+
+
+def make_strategy(config):
+    # Every round trains all connected nodes; a node that drops out later is a failure, not a reason to wait.
+    common = {"min_available_nodes": 1, "min_train_nodes": 1, "fraction_evaluate": 0.0}
+    if config.algorithm == "fedpbc":
+        return pf.FedPBC(**common)
+    if config.algorithm == "bherd":
+        return pf.BHerd(config, **common)
+    if config.algorithm == "fedspeed":
+        return pf.FedSpeed(**common)
+    return pf.FedAvg(**common)
+
+
+def pause_hook(pause_dir: str):
+    """After each round, write ``round-N.json`` (who replied, who failed) and wait for ``go-N`` (scripted runs)."""
+    if not pause_dir:
+        return None
+    folder = Path(pause_dir)
+
+    def after_round(server_round: int, arrays: ArrayRecord):
+        if server_round == 0:
+            return None
+        record = strategy.history[-1]
+        (folder / f"round-{server_round}.json").write_text(
+            json.dumps({"received": record.received, "failed": record.failed})
+        )
+        while not (folder / f"go-{server_round}").exists():
+            time.sleep(0.1)
+        return None
+
+    return after_round
+
+
+def wait_for_nodes(grid: Grid, count: int, timeout: float = 120.0) -> None:
+    """Block until ``count`` SuperNodes are connected (one per client of the config)."""
+    end = time.monotonic() + timeout
+    while len(list(grid.get_node_ids())) < count:
+        if time.monotonic() > end:
+            raise TimeoutError(f"only {len(list(grid.get_node_ids()))} of {count} SuperNodes connected")
+        time.sleep(0.2)
+
+
+strategy = None
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    global strategy
+    run_config = dict(context.run_config)
+    config = pf.config_from_run_config(run_config)
+    wait_for_nodes(grid, config.clients)
+    strategy = make_strategy(config)
+    result = strategy.start(
+        grid=grid,
+        initial_arrays=pf.initial_arrays(config),
+        num_rounds=config.rounds,
+        timeout=float(run_config.get("train-timeout", 60.0)),
+        evaluate_fn=pause_hook(str(run_config.get("pause-dir", ""))),
+    )
+    if run_config.get("out-file"):
+        model = result.arrays[pf.MODEL_KEY].numpy() if result.arrays is not None else np.zeros(0)
+        np.save(run_config["out-file"], model)
+        Path(run_config["out-file"] + ".history.json").write_text(json.dumps([vars(r) for r in strategy.history]))

@@ -1,0 +1,832 @@
+"""pyfedkern inside Flower (flwr): drop-in aggregation, streaming strategies, and ClientApp helpers.
+
+Server side (Flower's Message API, ``flwr.serverapp``):
+
+- :func:`aggregate` / :func:`aggregate_inplace`: drop-in replacements of ``flwr.server.strategy.aggregate.aggregate``
+  and ``aggregate_inplace`` (same signatures and results) computed with :func:`pyfedkern.ops.weighted_sum` /
+  :func:`pyfedkern.ops.accumulate_`: one pass over the inputs, one output model of memory, inputs untouched.
+- :class:`FedAvg`: ``flwr.serverapp.strategy.FedAvg`` that adds each reply into one running sum per array as the
+  reply arrives (:func:`pyfedkern.ops.accumulate_` on a zero-copy view of the reply's bytes), so aggregation needs
+  one model of memory instead of one per client. Its ``start`` pulls replies from the SuperLink as they come
+  instead of waiting for the slowest node.
+- :class:`FedPBC`, :class:`BHerd`, :class:`FedSpeed`, :class:`DynamicInit`: the papers' server steps on top of it.
+- :class:`LegacyFedAvg`: the same for the legacy ``flwr.server.strategy.FedAvg.aggregate_fit``.
+
+Client side: :func:`make_client_app` returns a ``ClientApp`` that runs a pyfedkern algorithm's local update on
+the node's partition of an :class:`~pyfedkern.sim.engine.ExperimentConfig` (the data, model and random streams
+of :mod:`pyfedkern.sim`, so a Flower run reproduces the simulation). Messages carry flat parameter vectors
+(one array per named vector, e.g. ``"model"``); :func:`initial_arrays` builds the first global model.
+"""
+
+from __future__ import annotations
+
+try:
+    import flwr  # noqa: F401
+    from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+    from flwr.clientapp import ClientApp
+    from flwr.serverapp import Grid
+    from flwr.serverapp.strategy import FedAvg as _FlowerFedAvg
+    from flwr.serverapp.strategy import Result
+except ImportError as exc:  # pragma: no cover - exercised only without flwr
+    raise ImportError(
+        "pyfedkern.integrations.flower needs Flower (flwr >= 1.20): pip install pyfedkern[flower]"
+    ) from exc
+
+import dataclasses
+import io
+import json
+import math
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+
+from pyfedkern import ops
+
+_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+MODEL_KEY = "model"
+
+
+# Zero-copy views of serialized arrays ---------------------------------------------------------------------
+
+
+_HEADERS: dict[bytes, tuple[tuple[int, ...], bool, np.dtype]] = {}
+
+
+def _npy_header(data: bytes) -> tuple[tuple[int, ...], bool, np.dtype, int]:
+    """(shape, fortran order, dtype, data offset) of an ``np.save`` buffer; parsed headers are cached."""
+    major = data[6] if len(data) > 8 and data[:6] == b"\x93NUMPY" else 0
+    if major not in (1, 2, 3):
+        raise ValueError("not an np.save buffer (bad magic string)")
+    size = 2 if major == 1 else 4
+    end = 8 + size + int.from_bytes(data[8 : 8 + size], "little")
+    header = data[:end]
+    if header not in _HEADERS:
+        stream = io.BytesIO(header)
+        version = np.lib.format.read_magic(stream)
+        if len(_HEADERS) > 4096:
+            _HEADERS.clear()
+        read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        _HEADERS[header] = read(stream)
+    shape, fortran, dtype = _HEADERS[header]
+    return shape, fortran, dtype, end
+
+
+def _npy_view(data: bytes) -> np.ndarray:
+    """The array stored in ``data`` (``np.save`` format) as a read-only view of those bytes when possible."""
+    shape, fortran, dtype, offset = _npy_header(data)
+    if dtype.hasobject or fortran:
+        return np.load(io.BytesIO(data), allow_pickle=False)
+    return np.frombuffer(data, dtype=dtype, count=math.prod(shape), offset=offset).reshape(shape)
+
+
+def array_view(array: Array) -> np.ndarray:
+    """A Flower ``Array`` as a NumPy array, without copying its bytes when they hold a plain ``np.save`` array."""
+    if array.stype == "numpy.ndarray" and isinstance(array.data, bytes):
+        return _npy_view(array.data)
+    return array.numpy()
+
+
+# Drop-in aggregation functions --------------------------------------------------------------------------
+
+
+def _check_weights(counts: list[Any], name: str) -> np.ndarray:
+    w = np.asarray(counts, dtype=np.float64)
+    if w.size == 0:
+        raise ValueError(f"{name} is empty: nothing to aggregate")
+    if not np.all(np.isfinite(w)) or np.any(w < 0) or w.sum() <= 0:
+        raise ValueError(f"{name}: num_examples must be finite, >= 0 and sum to > 0, got {w.tolist()}")
+    return w / w.sum()
+
+
+def _layer_mean(layers: list[np.ndarray], p: np.ndarray) -> np.ndarray:
+    """Σ_k p_k·layers[k] for one layer: float32/float64 through ops.weighted_sum, other dtypes in float64."""
+    first = layers[0]
+    for k, layer in enumerate(layers):
+        if layer.shape != first.shape:
+            raise ValueError(f"results[{k}] has a layer of shape {layer.shape}, expected {first.shape}")
+    dtype = first.dtype if first.dtype in _FLOATS and all(x.dtype == first.dtype for x in layers) else np.float64
+    out = np.empty(first.shape, dtype=dtype)
+    if first.size == 0:
+        return out
+    if dtype == first.dtype:
+        ops.weighted_sum([x.reshape(-1) for x in layers], p, out=out.reshape(-1))
+    else:
+        flat = out.reshape(-1)
+        flat[:] = 0
+        for layer, w in zip(layers, p, strict=True):
+            flat += w * layer.reshape(-1).astype(np.float64)
+    return out
+
+
+def aggregate(results: list[tuple[list[np.ndarray], int]]) -> list[np.ndarray]:
+    """Weighted average of K clients' layers: drop-in for ``flwr.server.strategy.aggregate.aggregate``.
+
+    Args:
+        results: K pairs (list of L NumPy layers, num_examples); every client has the same layer shapes.
+
+    Returns:
+        L layers Σ_k n_k·layer_k / Σ_k n_k, float32/float64 layers in their dtype, others in float64 (as Flower).
+        One pass over the inputs per layer and no copies of them (Flower's makes K weighted copies of the model).
+    """
+    if not isinstance(results, (list, tuple)):
+        raise TypeError(f"results must be a list of (NDArrays, num_examples) pairs, got {type(results).__name__}")
+    p = _check_weights([n for _, n in results], "results")
+    models = [list(layers) for layers, _ in results]
+    num_layers = len(models[0])
+    for k, layers in enumerate(models):
+        if len(layers) != num_layers:
+            raise ValueError(f"results[{k}] has {len(layers)} layers, expected {num_layers} (as results[0])")
+    return [_layer_mean([np.asarray(m[i]) for m in models], p) for i in range(num_layers)]
+
+
+class _RunningSum:
+    """Σ_k w_k·arrays_k / Σ_k w_k per name, one client at a time, with O(1) models of extra memory.
+
+    Streaming (default): each client's arrays are added into one accumulator per name as they come
+    (:func:`pyfedkern.ops.accumulate_`). ``deferred=True``, for clients that are all in memory already (a list of
+    replies): only views are kept, and :meth:`mean` makes one :func:`pyfedkern.ops.weighted_sum` pass per name over
+    all clients (fewer native calls, each input read once).
+    """
+
+    def __init__(self, deferred: bool = False) -> None:
+        self.deferred = deferred
+        self.acc: dict[str, np.ndarray] = {}
+        self.views: dict[str, list[np.ndarray]] = {}
+        self.weights: list[float] = []
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.total = 0.0
+        self.count = 0
+
+    def add(self, arrays: Iterable[tuple[str, np.ndarray]], weight: float, who: str) -> None:
+        if not (math.isfinite(weight) and weight >= 0):
+            raise ValueError(f"{who}: the weight must be finite and >= 0, got {weight}")
+        seen = []
+        for name, value in arrays:
+            seen.append(name)
+            if name not in self.shapes:
+                if self.count:
+                    raise ValueError(f"{who} has an array {name!r} that earlier results did not have")
+                self.shapes[name] = value.shape
+                self.views[name] = []
+            if value.shape != self.shapes[name]:
+                raise ValueError(f"{who}: array {name!r} has shape {value.shape}, expected {self.shapes[name]}")
+            if self.deferred:
+                self.views[name].append(value)
+                continue
+            flat = value.reshape(-1)
+            if name not in self.acc:
+                self.acc[name] = np.zeros(flat.size, dtype=flat.dtype if flat.dtype in _FLOATS else np.float64)
+            acc = self.acc[name]
+            if flat.size:
+                ops.accumulate_(acc, flat if flat.dtype == acc.dtype else flat.astype(acc.dtype), weight)
+        if self.count and len(seen) != len(self.shapes):
+            raise ValueError(f"{who} has arrays {seen}, expected {list(self.shapes)}")
+        self.weights.append(weight)
+        self.total += weight
+        self.count += 1
+
+    def mean(self) -> dict[str, np.ndarray]:
+        """The weighted mean of every name (ValueError when nothing or only zero weight was added)."""
+        if self.count == 0 or self.total <= 0:
+            raise ValueError("no results with a positive weight to average")
+        if self.deferred:
+            p = np.asarray(self.weights, dtype=np.float64) / self.total
+            return {name: _layer_mean(views, p) for name, views in self.views.items()}
+        for acc in self.acc.values():
+            acc *= 1.0 / self.total
+        return {name: acc.reshape(self.shapes[name]) for name, acc in self.acc.items()}
+
+
+def aggregate_inplace(results: list[tuple[Any, Any]]) -> list[np.ndarray]:
+    """Weighted average of ``FitRes`` parameters: drop-in for ``flwr.server.strategy.aggregate.aggregate_inplace``.
+
+    Args:
+        results: K pairs (ClientProxy, FitRes) as ``Strategy.aggregate_fit`` receives them.
+
+    Returns:
+        The L averaged layers. Each result's serialized tensors are read in place (no deserialized copy) and added
+        into one running sum per layer; unlike Flower's, the results are not modified and integer layers are
+        averaged in float64 (Flower's in-place cast truncates them).
+    """
+    if not isinstance(results, (list, tuple)):
+        raise TypeError(f"results must be a list of (ClientProxy, FitRes) pairs, got {type(results).__name__}")
+    p = _check_weights([fit_res.num_examples for _, fit_res in results], "results")
+    running = _RunningSum(deferred=True)
+    for k, (_, fit_res) in enumerate(results):
+        tensors = fit_res.parameters.tensors
+        running.add(((str(i), _npy_view(t)) for i, t in enumerate(tensors)), float(p[k]), f"results[{k}]")
+    layers = running.mean()
+    return [layers[str(i)] for i in range(len(layers))]
+
+
+# Streaming replies ---------------------------------------------------------------------------------------
+
+
+class ArrivalGrid:
+    """Wraps a Flower ``Grid`` so ``send_and_receive`` yields each reply as soon as the SuperLink has it.
+
+    Flower's own ``send_and_receive`` returns once every reply arrived (or the timeout passed); a strategy consuming
+    this generator aggregates while slower nodes are still training and never holds all replies at once.
+    After the generator is exhausted, ``unanswered`` lists the nodes that did not reply before the timeout.
+    """
+
+    def __init__(self, grid: Grid, poll_interval: float = 0.1) -> None:
+        if not (math.isfinite(poll_interval) and poll_interval > 0):
+            raise ValueError(f"poll_interval must be finite and > 0, got {poll_interval}")
+        self._grid = grid
+        self.poll_interval = poll_interval
+        self.destinations: dict[str, int] = {}
+        self.unanswered: list[int] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._grid, name)
+
+    def node_of(self, reply: Message) -> int:
+        """The node a reply answers for (error replies made by the SuperLink name no source node)."""
+        return self.destinations.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id)
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterator[Message]:
+        messages = list(messages)
+        ids = list(self._grid.push_messages(messages))
+        pending = {mid: msg.metadata.dst_node_id for mid, msg in zip(ids, messages, strict=True)}
+        self.destinations.update(pending)
+        del messages
+        return self._replies(pending, timeout)
+
+    def _replies(self, pending: dict[str, int], timeout: float | None) -> Iterator[Message]:
+        end = None if timeout is None else time.monotonic() + timeout
+        while pending and (end is None or time.monotonic() < end):
+            replies = list(self._grid.pull_messages(list(pending)))
+            for reply in replies:
+                pending.pop(reply.metadata.reply_to_message_id, None)
+                yield reply
+            if pending and not replies:
+                time.sleep(self.poll_interval)
+        self.unanswered = sorted(pending.values())
+
+
+@dataclass
+class RoundRecord:
+    """What a strategy saw in one training round: nodes whose results arrived, and failed nodes (error replies
+    and nodes that did not answer before the timeout)."""
+
+    server_round: int
+    received: list[int]
+    failed: list[int]
+
+
+class FedAvg(_FlowerFedAvg):
+    """Flower's message-API FedAvg aggregating each reply into a running sum as it arrives.
+
+    Same arguments as ``flwr.serverapp.strategy.FedAvg`` plus:
+
+    Args:
+        uniform: average with equal weights instead of ``weighted_by_key`` (FedPBC, FedSpeed).
+        poll_interval: seconds between polls of the SuperLink while waiting for replies (Flower's default waits 3).
+
+    ``history`` keeps a :class:`RoundRecord` per training round. Replies must carry one ArrayRecord and a
+    MetricRecord with ``weighted_by_key`` (unless ``uniform``); a malformed reply is a ValueError naming its node.
+    """
+
+    def __init__(self, *args: Any, uniform: bool = False, poll_interval: float = 0.1, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.uniform = uniform
+        self.poll_interval = poll_interval
+        self.history: list[RoundRecord] = []
+        self._grid: ArrivalGrid | None = None
+
+    def start(self, grid: Grid, initial_arrays: ArrayRecord, *args: Any, **kwargs: Any) -> Result:
+        """Flower's ``Strategy.start`` with replies streamed through an :class:`ArrivalGrid`."""
+        self._grid = grid if isinstance(grid, ArrivalGrid) else ArrivalGrid(grid, self.poll_interval)
+        return super().start(self._grid, initial_arrays, *args, **kwargs)
+
+    def _node_of(self, reply: Message) -> int:
+        return self._grid.node_of(reply) if self._grid is not None else reply.metadata.src_node_id
+
+    def _reply_weight(self, content: RecordDict, node: int) -> float:
+        if self.uniform:
+            return 1.0
+        for record in content.metric_records.values():
+            if self.weighted_by_key in record:
+                return float(record[self.weighted_by_key])
+        raise ValueError(f"reply of node {node} has no metric {self.weighted_by_key!r} to weight it by")
+
+    def stream_train(self, server_round: int, replies: Iterable[Message]) -> tuple[_RunningSum, list[RecordDict]]:
+        """Add every valid reply's arrays into a running sum (weighted per ``uniform``/``weighted_by_key``) as
+        it arrives (when ``replies`` is a list, all arrived already: one weighted-sum pass per array at the end);
+        record the round in ``history``. Returns (sum, the replies' metric records)."""
+        running = _RunningSum(deferred=isinstance(replies, (list, tuple)))
+        metrics: list[RecordDict] = []
+        received: list[int] = []
+        failed: list[int] = []
+        for reply in replies:
+            node = self._node_of(reply)
+            if reply.has_error():
+                failed.append(node)
+                continue
+            content = reply.content
+            if len(content.array_records) != 1:
+                raise ValueError(f"reply of node {node} has {len(content.array_records)} ArrayRecords, expected 1")
+            weight = self._reply_weight(content, node)
+            record = next(iter(content.array_records.values()))
+            running.add(((k, array_view(a)) for k, a in record.items()), weight, f"reply of node {node}")
+            metrics.append(RecordDict(dict(content.metric_records)))
+            received.append(node)
+            del reply, content, record
+        if self._grid is not None:
+            failed.extend(self._grid.unanswered)
+            self._grid.unanswered = []
+        self.history.append(RoundRecord(server_round, sorted(received), sorted(failed)))
+        return running, metrics
+
+    def _metrics(self, metrics: list[RecordDict]) -> MetricRecord | None:
+        return self.train_metrics_aggr_fn(metrics, self.weighted_by_key) if metrics and not self.uniform else None
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        running, metrics = self.stream_train(server_round, replies)
+        if running.count == 0 or running.total <= 0:
+            return None, None
+        return _record(running.mean()), self._metrics(metrics)
+
+
+def _record(arrays: dict[str, np.ndarray]) -> ArrayRecord:
+    return ArrayRecord({name: Array(np.ascontiguousarray(value)) for name, value in arrays.items()})
+
+
+def _flat(record: ArrayRecord, key: str = MODEL_KEY) -> np.ndarray:
+    if key not in record:
+        raise ValueError(f"the ArrayRecord has no array {key!r} (has {sorted(record)})")
+    return np.array(array_view(record[key]), copy=True).reshape(-1)
+
+
+class FedPBC(FedAvg):
+    """FedPBC (postponed broadcast) on Flower: every connected node trains from its own model each round.
+
+    The server model is the uniform mean of the models whose results arrived this round, and only those nodes
+    receive it (with the next round's message, which tells them to adopt it); the others keep training their own
+    model. A node whose reply is a Flower error or misses the timeout is a failed link: it neither counts in the
+    mean nor receives the model. A node seen for the first time receives the current model.
+    Pair with :func:`make_client_app` for ``algorithm="fedpbc"``.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("fraction_train", 1.0)
+        kwargs["uniform"] = True
+        super().__init__(*args, **kwargs)
+        self.receivers: set[int] = set()
+        self.seen: set[int] = set()
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        messages = list(super().configure_train(server_round, arrays, config, grid))
+        out = []
+        for msg in messages:
+            node = msg.metadata.dst_node_id
+            adopt = node in self.receivers or node not in self.seen
+            self.seen.add(node)
+            cfg = ConfigRecord({**dict(msg.content[self.configrecord_key]), "pbc-adopt": adopt})
+            payload = arrays if adopt else ArrayRecord()
+            content = RecordDict({self.arrayrecord_key: payload, self.configrecord_key: cfg})
+            out.append(Message(content=content, message_type=msg.metadata.message_type, dst_node_id=node))
+        return out
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        running, _ = self.stream_train(server_round, replies)
+        self.receivers = set(self.history[-1].received)
+        if running.count == 0:
+            return None, None
+        return _record(running.mean()), None
+
+
+@dataclass
+class _ServerContext:
+    """The parts of :class:`~pyfedkern.algorithms.FLContext` a server step reads (LR schedule, local work)."""
+
+    config: Any
+    local_epochs: float = field(init=False)
+    local_steps: int | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.config.validate()
+        self.local_epochs = self.config.local_epochs
+        self.local_steps = self.config.local_steps
+
+    def lr(self, t: int) -> float:
+        from pyfedkern.sim.engine import Simulation, parse_lr_schedule
+
+        view = SimpleNamespace(config=self.config, _lr_schedule=parse_lr_schedule(self.config.lr_schedule))
+        return Simulation.lr(view, t)  # the engine's schedule, without loading any data
+
+
+class BHerd(FedAvg):
+    """BHerd-FedAvg on Flower: clients send the sum of their herding-selected gradients ``"g"``; the server applies
+    w ← w − η_t·(E/α)·Σ p_i g_i (:meth:`pyfedkern.algorithms.bherd.BHerd.server_scale`), p_i ∝ num-examples,
+    with Σ p_i g_i accumulated as replies arrive.
+
+    Args:
+        config: the :class:`~pyfedkern.sim.engine.ExperimentConfig` the clients use (algorithm "bherd").
+    """
+
+    def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+        from pyfedkern.algorithms import make_algorithm
+        from pyfedkern.algorithms.bherd import BHerd as BHerdAlgorithm
+
+        super().__init__(*args, **kwargs)
+        self.ctx = _ServerContext(config)
+        self.algorithm = make_algorithm(config.algorithm, **config.algorithm_params)
+        if not isinstance(self.algorithm, BHerdAlgorithm):
+            raise ValueError(f"config.algorithm must be 'bherd', got {config.algorithm!r}")
+        self._current: np.ndarray | None = None
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        self._current = _flat(arrays)
+        return super().configure_train(server_round, arrays, config, grid)
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        running, metrics = self.stream_train(server_round, replies)
+        if running.count == 0 or running.total <= 0:
+            return None, None
+        g = running.mean()["g"].reshape(-1)
+        step = self.ctx.lr(server_round - 1) * self.algorithm.server_scale(self.ctx)
+        x = self._current.astype(g.dtype, copy=False)
+        new = ops.weighted_sum([x, g], [1.0, -step])
+        return _record({MODEL_KEY: new}), self._metrics(metrics)
+
+
+class FedSpeed(FedAvg):
+    """FedSpeed on Flower: each client keeps its correction h_i in its node state and uploads x̂_i = x_K + h_i;
+    the server model is the uniform mean of the x̂_i that arrived (Algorithm 1, ``corr_avg="active"``).
+    Pair with :func:`make_client_app` for ``algorithm="fedspeed"``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["uniform"] = True
+        super().__init__(*args, **kwargs)
+
+
+class DynamicInit(FedAvg):
+    """FedAvg whose server builds a new initial model whenever the set of connected nodes changes (Chang et al.).
+
+    Rounds before the first change form the pilot session; w_pilot is its last model. At every change the last
+    model of the ending session is stored with that session's footprint; the new session's footprint G =
+    w_fp − w_pilot comes from ``grad_rounds`` FedAvg rounds from w_pilot with the new nodes, and its initial model
+    is Σ_z α_z·w_z with α = softmax(−scale·distance(G, G_z)) over the stored sessions
+    (:func:`pyfedkern.ops.similarity_combine` with :class:`~pyfedkern.algorithms.history.SessionHistory`), or
+    ``initial_arrays`` while none is stored. Segments for the ``"layer_l2"`` metric are the ArrayRecord's arrays
+    (only arrays of rank ≥ 2 count, as biases are dropped) unless ``segments`` is given.
+
+    Args:
+        scale: softmax scale R.
+        metric: "layer_l2", "l2" or "layer_cos".
+        grad_rounds: footprint rounds V.
+        history: sessions kept (capacity of the history).
+        segments: optional [L + 1] offsets into the flattened model.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        scale: float = 10.0,
+        metric: str = "layer_l2",
+        grad_rounds: int = 1,
+        history: int = 8,
+        segments: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        from pyfedkern.ops.similarity import METRICS
+
+        super().__init__(*args, **kwargs)
+        if metric not in METRICS:
+            raise ValueError(f"metric must be one of {', '.join(METRICS)}, got {metric!r}")
+        for name, value in (("grad_rounds", grad_rounds), ("history", history)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not math.isfinite(scale):
+            raise ValueError(f"scale must be finite, got {scale}")
+        self.scale, self.metric, self.grad_rounds, self.capacity = scale, metric, grad_rounds, history
+        self.segments = segments
+        self.sessions: list[dict[str, Any]] = []  # per session: first round, nodes, alpha
+
+    def _train_round(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, timeout: float):
+        replies = self._grid.send_and_receive(
+            self.configure_train(server_round, arrays, ConfigRecord(dict(config)), self._grid), timeout=timeout
+        )
+        return self.aggregate_train(server_round, replies)
+
+    def _layout(self, arrays: ArrayRecord) -> tuple[np.ndarray, np.ndarray | None]:
+        if self.segments is not None:
+            return np.asarray(self.segments), None
+        sizes, include = [], []
+        for value in arrays.values():
+            view = array_view(value)
+            sizes.append(view.size)
+            include.append(view.ndim >= 2)
+        if not any(include):
+            include = [True] * len(include)
+        return np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64), np.asarray(include)
+
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+    ) -> Result:
+        """Run ``num_rounds`` rounds (footprint rounds not counted), rebuilding the model at every change of the
+        connected nodes; returns Flower's ``Result`` (train metrics and server-side evaluations)."""
+        from pyfedkern.algorithms.history import SessionHistory
+
+        self._grid = grid if isinstance(grid, ArrivalGrid) else ArrivalGrid(grid, self.poll_interval)
+        train_config = ConfigRecord() if train_config is None else train_config
+        keys = list(initial_arrays.keys())
+        x0 = np.concatenate([array_view(initial_arrays[k]).reshape(-1) for k in keys]).astype(np.float32)
+        shapes = [array_view(initial_arrays[k]).shape for k in keys]
+        segments, include = self._layout(initial_arrays)
+        store = SessionHistory(self.capacity, x0.size, x0.size)
+        result = Result()
+        arrays, nodes, pilot, footprint = initial_arrays, None, None, None
+        for rnd in range(1, num_rounds + 1):
+            current = frozenset(self._grid.get_node_ids())
+            if nodes is not None and current != nodes:
+                last = self._flatten(arrays, keys)
+                if pilot is None:
+                    pilot = last
+                else:
+                    store.push(len(self.sessions) - 1, torch.from_numpy(last), torch.from_numpy(footprint))
+                w = self._unflatten(pilot, keys, shapes)
+                for _ in range(self.grad_rounds):
+                    w = self._train_round(rnd, w, train_config, timeout)[0] or w
+                footprint = self._flatten(w, keys) - pilot
+                alpha = np.zeros(0)
+                if len(store):
+                    init, alpha = ops.similarity_combine(
+                        torch.from_numpy(footprint),
+                        torch.stack(store.grad_rows()),
+                        torch.stack(store.model_rows()),
+                        self.scale,
+                        self.metric,
+                        segments,
+                        include,
+                        return_weights=True,
+                    )
+                    arrays = self._unflatten(init.numpy(), keys, shapes)
+                else:
+                    arrays = initial_arrays
+                self.sessions.append({"round": rnd, "nodes": sorted(current), "alpha": np.asarray(alpha).tolist()})
+            elif nodes is None:
+                self.sessions.append({"round": rnd, "nodes": sorted(current), "alpha": []})
+            nodes = current
+            new, metrics = self._train_round(rnd, arrays, train_config, timeout)
+            if new is not None:
+                arrays = result.arrays = new
+            if metrics is not None:
+                result.train_metrics_clientapp[rnd] = metrics
+            if evaluate_fn is not None and (res := evaluate_fn(rnd, arrays)) is not None:
+                result.evaluate_metrics_serverapp[rnd] = res
+        result.arrays = arrays
+        return result
+
+    @staticmethod
+    def _flatten(arrays: ArrayRecord, keys: list[str]) -> np.ndarray:
+        return np.concatenate([array_view(arrays[k]).reshape(-1) for k in keys]).astype(np.float32)
+
+    @staticmethod
+    def _unflatten(flat: np.ndarray, keys: list[str], shapes: list[tuple[int, ...]]) -> ArrayRecord:
+        out, start = {}, 0
+        for key, shape in zip(keys, shapes, strict=True):
+            n = math.prod(shape)
+            out[key] = flat[start : start + n].reshape(shape)
+            start += n
+        return _record(out)
+
+
+class LegacyFedAvg:
+    """Factory of a legacy ``flwr.server.strategy.FedAvg`` whose ``aggregate_fit`` uses :func:`aggregate_inplace`
+    (streaming, inputs untouched). ``LegacyFedAvg(**kwargs)`` takes FedAvg's arguments."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        return _legacy_class()(*args, **kwargs)
+
+
+def _legacy_class() -> type:
+    from flwr.common import ndarrays_to_parameters
+    from flwr.server.strategy import FedAvg as LegacyBase
+
+    class _LegacyFedAvg(LegacyBase):
+        def aggregate_fit(self, server_round: int, results: list, failures: list) -> tuple[Any, dict]:
+            if not results or (failures and not self.accept_failures):
+                return None, {}
+            parameters = ndarrays_to_parameters(aggregate_inplace(results))
+            metrics: dict = {}
+            if self.fit_metrics_aggregation_fn:
+                metrics = self.fit_metrics_aggregation_fn([(r.num_examples, r.metrics) for _, r in results])
+            return parameters, metrics
+
+    _LegacyFedAvg.__name__ = _LegacyFedAvg.__qualname__ = "LegacyFedAvg"
+    return _LegacyFedAvg
+
+
+# Configs, initial model and the ClientApp ---------------------------------------------------------------
+
+#: Algorithms :func:`make_client_app` can run (each has a server strategy here): FedAvg/FedProx (:class:`FedAvg`),
+#: BHerd, FedPBC and FedSpeed.
+CLIENT_ALGORITHMS = ("fedavg", "fedprox", "bherd", "fedpbc", "fedspeed")
+
+
+def config_from_run_config(run_config: dict[str, Any]) -> Any:
+    """An :class:`~pyfedkern.sim.engine.ExperimentConfig` from a Flower run config.
+
+    Keys are ExperimentConfig fields with ``-`` for ``_`` (``local-steps``, ``lr-schedule``, ...);
+    ``algorithm-params`` and ``model-params`` are JSON objects; ``local-steps = 0`` means unset; other keys are
+    ignored (they belong to the app).
+    """
+    from pyfedkern.sim.engine import ExperimentConfig
+
+    names = {f.name for f in dataclasses.fields(ExperimentConfig)}
+    values: dict[str, Any] = {}
+    for key, value in run_config.items():
+        name = key.replace("-", "_")
+        if name not in names:
+            continue
+        if name in ("algorithm_params", "model_params") and isinstance(value, str):
+            value = json.loads(value) if value.strip() else {}
+        if name in ("local_steps", "threads", "data_root") and value in (0, ""):
+            value = None
+        values[name] = value
+    config = ExperimentConfig(**values)
+    config.validate()
+    return config
+
+
+def initial_arrays(config: Any) -> ArrayRecord:
+    """The initial global model of ``config`` as ``ArrayRecord({"model": [d] float32})`` (as the simulation's)."""
+    from pyfedkern.sim.engine import Simulation
+
+    return _record({MODEL_KEY: Simulation(config).initial_vector.cpu().numpy()})
+
+
+_SIMULATIONS: dict[str, Any] = {}
+
+
+def _simulation(config: Any) -> Any:
+    """The (cached) simulation of ``config`` used as the client's FLContext (data, model, random streams)."""
+    from pyfedkern.sim.engine import Simulation
+
+    key = json.dumps(config.to_dict(), sort_keys=True)
+    if key not in _SIMULATIONS:
+        _SIMULATIONS.clear()
+        _SIMULATIONS[key] = Simulation(config)
+    return _SIMULATIONS[key]
+
+
+class _OneClient:
+    """An FLContext for one client's state: num_clients = 1 so per-client stores hold one row."""
+
+    def __init__(self, ctx: Any) -> None:
+        self._ctx = ctx
+        self.num_clients = 1
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ctx, name)
+
+
+def client_train(config: Any, cid: int, server_round: int, content: RecordDict, state: RecordDict) -> RecordDict:
+    """One local update of client ``cid`` for Flower round ``server_round`` (round t = server_round − 1 of the
+    simulation); returns the reply content (ArrayRecord "arrays" of flat vectors, MetricRecord "metrics").
+
+    ``state`` is the node's persistent ``Context.state``: FedPBC keeps the client's model there, FedSpeed its h_i.
+    """
+    from pyfedkern.algorithms import make_algorithm
+    from pyfedkern.algorithms.base import local_sgd
+    from pyfedkern.sim.engine import _cpu_threads
+
+    if config.algorithm not in CLIENT_ALGORITHMS:
+        raise ValueError(f"algorithm {config.algorithm!r} has no Flower client; choose one of {CLIENT_ALGORITHMS}")
+    sim = _simulation(config)
+    if not 0 <= cid < sim.num_clients:
+        raise ValueError(f"partition-id must be in [0, {sim.num_clients}), got {cid}")
+    t = server_round - 1
+    algo = make_algorithm(config.algorithm, **config.algorithm_params)
+    received = content.array_records.get("arrays", ArrayRecord())
+    threads = config.threads or (1 if sim.local.dim < 1_000_000 else torch.get_num_threads())
+    with _cpu_threads(threads):
+        if config.algorithm == "fedpbc":
+            adopt = bool(content.config_records["config"].get("pbc-adopt", True))
+            start = received if adopt or "pbc" not in state.array_records else state.array_records["pbc"]
+            x = torch.from_numpy(_flat(start))
+            result = local_sgd(sim, cid, t, x)
+            state.array_records["pbc"] = _record({MODEL_KEY: result.x.numpy()})
+            vectors, loss, steps = {MODEL_KEY: result.x}, result.loss, result.steps
+        elif config.algorithm == "fedspeed":
+            x = torch.from_numpy(_flat(received))
+            one = _OneClient(sim)
+            algo.setup(one, x)
+            if algo.h_store is not None and "fedspeed" in state.array_records:
+                algo.h_store[0].copy_(torch.from_numpy(_flat(state.array_records["fedspeed"], "h")))
+            opt = algo.optimizer
+            opt.param_groups[0]["lr"] = sim.lr(t)
+            opt.param_groups[0]["weight_decay"] = sim.weight_decay
+            sim.local.load_(algo.x)
+            opt.begin_round(algo.h_store[0] if algo.h_store is not None else None)
+            loss = algo._local_steps(t, cid, sim)
+            upload = opt.end_round(None, include_h=True)
+            if algo.h_store is not None:
+                state.array_records["fedspeed"] = _record({"h": algo.h_store[0].numpy()})
+            vectors, steps = {MODEL_KEY: upload}, 0
+        else:
+            algo.setup(sim, torch.from_numpy(_flat(received)))
+            message = algo.client_update(t, cid, sim)
+            vectors, loss, steps = message.vectors, message.loss, message.steps
+    metrics = MetricRecord(
+        {
+            "num-examples": int(sim.client_sizes[cid]),
+            "train-loss": float(loss) if math.isfinite(loss) else 0.0,
+            "steps": int(steps),
+            "cid": int(cid),
+        }
+    )
+    arrays = _record({name: v.detach().cpu().numpy() for name, v in vectors.items()})
+    return RecordDict({"arrays": arrays, "metrics": metrics})
+
+
+def client_evaluate(config: Any, cid: int, content: RecordDict) -> RecordDict:
+    """Loss and accuracy of the received model on client ``cid``'s training partition."""
+    sim = _simulation(config)
+    x = torch.from_numpy(_flat(content.array_records["arrays"]))
+    loss, acc = sim.local.evaluate(x, sim.client_x[cid], sim.client_y[cid])
+    n = int(sim.client_sizes[cid])
+    return RecordDict({"metrics": MetricRecord({"num-examples": n, "eval-loss": float(loss), "eval-acc": float(acc)})})
+
+
+def make_client_app(
+    config: Any | Callable[[Context], Any] | None = None, *, partition_key: str = "partition-id"
+) -> ClientApp:
+    """A Flower ``ClientApp`` running a pyfedkern algorithm's local update on this node's partition.
+
+    Args:
+        config: an ExperimentConfig, a callable ``context -> ExperimentConfig``, or None to read it from the run
+            config (:func:`config_from_run_config`). Every node must use the same config as the server.
+        partition_key: the ``--node-config`` key holding this node's client id (partition).
+    """
+
+    def resolve(context: Context) -> Any:
+        if config is None:
+            return config_from_run_config(dict(context.run_config))
+        return config(context) if callable(config) else config
+
+    def cid_of(context: Context) -> int:
+        if partition_key not in context.node_config:
+            raise ValueError(f"node config has no {partition_key!r} (start the SuperNode with --node-config)")
+        return int(context.node_config[partition_key])
+
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        server_round = int(msg.content.config_records["config"]["server-round"])
+        content = client_train(resolve(context), cid_of(context), server_round, msg.content, context.state)
+        return Message(content=content, reply_to=msg)
+
+    @app.evaluate()
+    def evaluate(msg: Message, context: Context) -> Message:
+        return Message(content=client_evaluate(resolve(context), cid_of(context), msg.content), reply_to=msg)
+
+    return app
+
+
+__all__ = [
+    "CLIENT_ALGORITHMS",
+    "MODEL_KEY",
+    "ArrivalGrid",
+    "BHerd",
+    "DynamicInit",
+    "FedAvg",
+    "FedPBC",
+    "FedSpeed",
+    "LegacyFedAvg",
+    "RoundRecord",
+    "aggregate",
+    "aggregate_inplace",
+    "array_view",
+    "client_evaluate",
+    "client_train",
+    "config_from_run_config",
+    "initial_arrays",
+    "make_client_app",
+]
