@@ -392,7 +392,7 @@ def test_real_superlink_fedpbc_with_killed_node_equals_sim(flower_deployment):
         "local-steps": 4,
         "lr": 0.1,
         "seed": 4,
-        "train-timeout": 15.0,
+        "train-timeout": 40.0,  # ClientApp start-up (torch import) on a loaded 2-core machine
     }
     dep = flower_deployment(3)
 
