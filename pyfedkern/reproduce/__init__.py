@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 REPRODUCTIONS: dict[str, str] = {
+    "bherd": "pyfedkern.reproduce.bherd",
     "fedpbc": "pyfedkern.reproduce.fedpbc",
     "fedspeed": "pyfedkern.reproduce.fedspeed",
     "fnrfl": "pyfedkern.reproduce.fnrfl",

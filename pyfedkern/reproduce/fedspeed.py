@@ -258,7 +258,7 @@ def verdict(rows: list[dict]) -> str:
                 if ours is None or avg is None:
                     speedup = "no ratio to FedAvg (one of the two never reached it)"
                 else:
-                    speedup = f"{avg / ours:.2f}× fewer rounds than FedAvg ({avg})"
+                    speedup = f"FedAvg took {avg} rounds, {avg / ours:.2f}× FedSpeed's"
                 best = f"fastest baseline {LABELS[fastest]} {reached[fastest]}" if fastest else "no baseline reached it"
                 out.append(
                     f"- {dataset}, Dir({a:g}), target {100 * target:g}%: FedSpeed "
