@@ -12,6 +12,7 @@ from pathlib import Path
 
 REPRODUCTIONS: dict[str, str] = {
     "bherd": "pyfedkern.reproduce.bherd",
+    "dynamic": "pyfedkern.reproduce.dynamic",
     "fedpbc": "pyfedkern.reproduce.fedpbc",
     "fedspeed": "pyfedkern.reproduce.fedspeed",
     "fnrfl": "pyfedkern.reproduce.fnrfl",
