@@ -114,6 +114,95 @@ class SessionContext:
         return self._base.sample_clients(t + self._round_key)
 
 
+class InitialModelBuilder:
+    """The proposed method's server state across sessions and the initial model it builds for each session.
+
+    Shared by :class:`DynamicInit` (simulation) and the Flower strategy
+    (:class:`pyfedkern.integrations.flower.DynamicInit`); the driver runs the footprint rounds and reports models.
+    Every vector is flat [d] like ``x0``.
+
+    - :meth:`end_session` (s, w_s^last): a pilot session (s < P) adds w_s^last/P into ``pilot``; a later one stores
+      (w_s^last, G_s) in ``store`` (a :class:`SessionHistory` of ``capacity`` sessions).
+    - :meth:`set_footprint` (w_fp): G_s = w_fp − w_pilot into ``query``.
+    - :meth:`initial_model` (s, previous): x0 at s = 0, ``previous`` for the other pilot sessions, ``first_init`` at
+      s = P, and Σ_z α_z·w_z^last with α = softmax(−scale·distance(G_s, G_z)) over the stored sessions after.
+    """
+
+    def __init__(
+        self,
+        x0: torch.Tensor,
+        *,
+        pilot_sessions: int,
+        capacity: int,
+        scale: float,
+        metric: str,
+        segments: np.ndarray,
+        include: np.ndarray,
+        storage: str = "float32",
+        first_init: str = "random",
+    ) -> None:
+        _choice("first_init", first_init, FIRST_INITS)
+        self.x0 = x0.clone()
+        self.pilot_sessions = pilot_sessions
+        self.scale, self.metric = scale, metric
+        self.segments, self.include = segments, include
+        if not self.include.any():  # a model of biases only: use every tensor
+            self.include = np.ones_like(self.include)
+        self.first_init = first_init
+        d = x0.numel()
+        self.store = SessionHistory(capacity, d, d, dtype=storage, device=x0.device)
+        self.pilot = torch.zeros_like(x0)
+        self.query = torch.zeros(d, dtype=STORAGE_DTYPES[storage], device=x0.device)
+        self.last_alpha = np.zeros(0)
+
+    def set_footprint(self, w_fp: torch.Tensor) -> None:
+        """G_s = w_fp − w_pilot, the current session's footprint gradient."""
+        self.query.copy_(ops.weighted_sum([w_fp.to(self.pilot.dtype), self.pilot], [1.0, -1.0]))
+
+    def end_session(self, s: int, last: torch.Tensor) -> None:
+        """Record session s's last global model: into the pilot mean (s < P) or the history with G_s."""
+        if s < self.pilot_sessions:
+            self.pilot.add_(last.to(self.pilot.dtype), alpha=1.0 / self.pilot_sessions)
+        else:
+            self.store.push(s, last, self.query)
+
+    def initial_model(self, s: int, previous: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        """Session s's initial model (in x0's dtype) and what was decided ({} or candidates/alpha_max/init_session);
+        ``previous`` is the last global model. For s > P, :meth:`set_footprint` must have been called first."""
+        P = self.pilot_sessions
+        if s < P:
+            return (self.x0 if s == 0 else previous).clone(), {}
+        if s == P:
+            return {"random": self.x0, "previous": previous, "pilot": self.pilot}[self.first_init].clone(), {}
+        init, alpha = ops.similarity_combine(
+            self.query,
+            self.store.grad_rows(),
+            self.store.model_rows(),
+            self.scale,
+            self.metric,
+            self.segments,
+            self.include,
+            return_weights=True,
+        )
+        alpha = alpha.detach().cpu().double().numpy()
+        self.last_alpha = alpha
+        sessions = self.store.session_ids()
+        info = {
+            "candidates": float(len(alpha)),
+            "alpha_max": float(alpha.max()),
+            "init_session": float(sessions[int(np.argmax(alpha))]),
+        }
+        return init.to(self.x0.dtype), info
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": self.store.state_dict(), "pilot": self.pilot, "query": self.query}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.store.load_state_dict(state["history"])
+        self.pilot.copy_(state["pilot"])
+        self.query.copy_(state["query"])
+
+
 class DistillationLocal:
     """A LocalModel whose objective adds κ·KL(softmax(teacher(x)) ‖ softmax(student(x))) (Continuous baseline)."""
 
@@ -241,29 +330,41 @@ class DynamicInit(Algorithm):
     # setup and state -------------------------------------------------------------------------------------
 
     def setup(self, ctx: FLContext, x0: torch.Tensor) -> None:
-        from pyfedkern.algorithms import make_algorithm
-
         self.T = self.session_rounds or _rounds_per_session(ctx, self.sessions)
         self.x0 = x0.clone()
-        self.host_algo = make_algorithm(self.host, **self._host_kwargs)
-        self.host_algo.setup(self._view(ctx, 0), x0)
+        self.host_algo = self.make_host()
+        self.host_algo.setup(self.session_view(ctx, 0), x0)
         self.x = self.host_algo.x
-        d = x0.numel()
-        capacity = self.history or max(1, self.sessions - self.pilot_sessions - 1)
         layout = ctx.local.flat.layout
-        self.segments, self.include = layout.segments(), layout.include_mask()
-        if not self.include.any():  # a model of biases only: use every tensor
-            self.include = np.ones_like(self.include)
+        self.builder: InitialModelBuilder | None = None
         self.store: SessionHistory | None = None
         if self.method == "proposed":
-            self.store = SessionHistory(capacity, d, d, dtype=self.storage, device=x0.device)
-            self.pilot = torch.zeros_like(x0)
-            self.query = torch.zeros(d, dtype=STORAGE_DTYPES[self.storage], device=x0.device)
+            self.builder = InitialModelBuilder(
+                x0,
+                pilot_sessions=self.pilot_sessions,
+                capacity=self.history_capacity(),
+                scale=self.scale,
+                metric=self.metric,
+                segments=layout.segments(),
+                include=layout.include_mask(),
+                storage=self.storage,
+                first_init=self.first_init,
+            )
+            self.store = self.builder.store
         elif self.method == "average":
-            self.store = SessionHistory(capacity, d, dtype=self.storage, device=x0.device)
+            self.store = SessionHistory(self.history_capacity(), x0.numel(), dtype=self.storage, device=x0.device)
         self.teacher = torch.zeros_like(x0) if self.method == "continuous" else None
         self.has_teacher = False
-        self.last_alpha = np.zeros(0)
+
+    def make_host(self) -> Algorithm:
+        """A fresh host algorithm with ``host_params``."""
+        from pyfedkern.algorithms import make_algorithm
+
+        return make_algorithm(self.host, **self._host_kwargs)
+
+    def history_capacity(self) -> int:
+        """Sessions kept as candidates: ``history``, or every post-pilot session but the last when 0."""
+        return self.history or max(1, self.sessions - self.pilot_sessions - 1)
 
     def global_model(self) -> torch.Tensor:
         return self.host_algo.global_model()
@@ -273,11 +374,10 @@ class DynamicInit(Algorithm):
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"host": self.host_algo.state_dict(), "has_teacher": self.has_teacher}
-        if self.store is not None:
+        if self.builder is not None:
+            state.update(self.builder.state_dict())
+        elif self.store is not None:
             state["history"] = self.store.state_dict()
-        if self.method == "proposed":
-            state["pilot"] = self.pilot
-            state["query"] = self.query
         if self.teacher is not None:
             state["teacher"] = self.teacher
         return state
@@ -285,18 +385,26 @@ class DynamicInit(Algorithm):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.host_algo.load_state_dict(state["host"])
         self.has_teacher = bool(state["has_teacher"])
-        if self.store is not None:
+        if self.builder is not None:
+            self.builder.load_state_dict(state)
+        elif self.store is not None:
             self.store.load_state_dict(state["history"])
-        if self.method == "proposed":
-            self.pilot.copy_(state["pilot"])
-            self.query.copy_(state["query"])
         if self.teacher is not None:
             self.teacher.copy_(state["teacher"])
 
     # rounds ----------------------------------------------------------------------------------------------
 
-    def _view(self, ctx: FLContext, session: int, local: Any = None) -> SessionContext:
-        return SessionContext(ctx, session * self.T, self.T, self.lr_floor, local=local)
+    def session_view(self, ctx: FLContext, start: int, local: Any = None) -> SessionContext:
+        """The context of a session whose first round is ``start``: LR schedule restarted there (with the
+        ``lr_floor`` decay over the session's rounds), the engine's minibatch streams."""
+        rounds = self.session_rounds or _rounds_per_session(ctx, self.sessions)
+        return SessionContext(ctx, start, rounds, self.lr_floor, local=local)
+
+    def footprint_view(self, ctx: FLContext, session: int) -> SessionContext:
+        """The context of session ``session``'s footprint rounds 0..V-1: constant LR ``footprint_lr``·η0 and
+        minibatch/client streams keyed far above any training round (never a training round's draws)."""
+        key = _FOOTPRINT_ROUND_KEY + session * self.grad_rounds
+        return SessionContext(ctx, 0, 1, constant_lr=self.footprint_lr * ctx.lr(0), round_key=key)
 
     def _skipped(self, session: int) -> bool:
         """Baselines do not run the pilot sessions."""
@@ -314,7 +422,7 @@ class DynamicInit(Algorithm):
         local = None
         if self.method == "continuous" and self.has_teacher and self.kd_weight > 0:
             local = DistillationLocal(ctx.local, self.teacher, self.kd_weight)
-        stats = self.host_algo.round(t, self._view(ctx, s, local))
+        stats = self.host_algo.round(t, self.session_view(ctx, s * self.T, local))
         if r == self.T - 1:
             self._end_session(s)
         stats.extras.update(extras)
@@ -330,72 +438,36 @@ class DynamicInit(Algorithm):
         extras: dict[str, float] = {"group": float(g)}
         if self._skipped(s):
             return extras
-        P = self.pilot_sessions
         if self.method == "proposed":
-            if s < P:
-                init = self.x0 if s == 0 else self.host_algo.x
-            else:
-                self._footprint(s, ctx)
-                if s == P:
-                    init = {"random": self.x0, "previous": self.host_algo.x, "pilot": self.pilot}[self.first_init]
-                else:
-                    init, info = self._construct(ctx)
-                    extras.update(info)
-        elif s == P:
+            if s >= self.pilot_sessions:
+                self.builder.set_footprint(self._footprint(s, ctx))
+            with ctx.timer("aggregation"):
+                init, info = self.builder.initial_model(s, self.host_algo.x)
+            extras.update(info)
+        elif s == self.pilot_sessions:
             init = self.x0
         elif self.method == "average":
             rows = self.store.model_rows()
             init = ops.weighted_sum(rows, np.full(len(rows), 1.0 / len(rows)))
         else:  # previous, continuous
             init = self.host_algo.x
-        self.host_algo.setup(self._view(ctx, s), init.to(self.x0.dtype))
+        self.host_algo.setup(self.session_view(ctx, t), init.to(self.x0.dtype))
         self.x = self.host_algo.x
         return extras
 
-    def _footprint(self, s: int, ctx: FLContext) -> None:
-        """G_s = w_fp − w_pilot after V host rounds from w_pilot with fresh host state; written to self.query."""
-        from pyfedkern.algorithms import make_algorithm
-
-        eta0 = ctx.lr(0)
-        key = _FOOTPRINT_ROUND_KEY + s * self.grad_rounds
-        view = SessionContext(ctx, 0, self.T, constant_lr=self.footprint_lr * eta0, round_key=key)
-        runner = make_algorithm(self.host, **self._host_kwargs)
-        runner.setup(view, self.pilot)
+    def _footprint(self, s: int, ctx: FLContext) -> torch.Tensor:
+        """w_fp: V host rounds with the current clients from w_pilot, with fresh host state."""
+        view = self.footprint_view(ctx, s)
+        runner = self.make_host()
+        runner.setup(view, self.builder.pilot)
         for v in range(self.grad_rounds):
             runner.round(v, view)
-        g = ops.weighted_sum([runner.global_model(), self.pilot], [1.0, -1.0])
-        self.query.copy_(g)
-
-    def _construct(self, ctx: FLContext) -> tuple[torch.Tensor, dict[str, float]]:
-        """w_init = Σ_z α_z·w_z over the retained sessions, α from the footprint gradients."""
-        with ctx.timer("aggregation"):
-            init, alpha = ops.similarity_combine(
-                self.query,
-                self.store.grad_rows(),
-                self.store.model_rows(),
-                self.scale,
-                self.metric,
-                self.segments,
-                self.include,
-                return_weights=True,
-            )
-        alpha = alpha.detach().cpu().double().numpy()
-        self.last_alpha = alpha
-        sessions = self.store.session_ids()
-        return init, {
-            "candidates": float(len(alpha)),
-            "alpha_max": float(alpha.max()),
-            "init_session": float(sessions[int(np.argmax(alpha))]),
-        }
+        return runner.global_model()
 
     def _end_session(self, s: int) -> None:
         x = self.host_algo.global_model()
-        P = self.pilot_sessions
-        if self.method == "proposed":
-            if s < P:
-                self.pilot.add_(x, alpha=1.0 / P)
-            else:
-                self.store.push(s, x, self.query)
+        if self.builder is not None:
+            self.builder.end_session(s, x)
         elif self.method == "average":
             self.store.push(s, x)
         elif self.method == "continuous":

@@ -60,7 +60,7 @@ class Recorder:
             self.before[s] = {
                 "x": algo.host_algo.x.clone(),
                 "models": [m.clone() for m in algo.store.model_rows()] if algo.store is not None else [],
-                "pilot": algo.pilot.clone() if algo.method == "proposed" else None,
+                "pilot": algo.builder.pilot.clone() if algo.method == "proposed" else None,
             }
             extras = start(s, t, ctx)
             self.inits[s] = algo.host_algo.x.clone()
@@ -96,14 +96,14 @@ def test_pilot_footprint_and_similarity_initial_model():
     # session 0 (pilot) and session 1 (= P, the first post-pilot session) start from the random model
     assert torch.equal(rec.inits[0], x0) and torch.equal(rec.inits[1], x0)
     # w_pilot is the pilot session's last global model (P = 1)
-    assert torch.equal(algo.pilot, rec.before[1]["x"])
+    assert torch.equal(algo.builder.pilot, rec.before[1]["x"])
     # the footprint gradient of the last session is V = 1 fresh host round from w_pilot with the current clients
     view = SessionContext(sim, 0, T, constant_lr=0.5 * sim.lr(0), round_key=10**9 + 4)
     host = make_algorithm("fedavg")
     sim.active_clients = rec.active[4]
-    host.setup(view, algo.pilot)
+    host.setup(view, algo.builder.pilot)
     host.round(0, view)
-    assert torch.allclose(algo.query, host.x - algo.pilot, atol=1e-6)
+    assert torch.allclose(algo.builder.query, host.x - algo.builder.pilot, atol=1e-6)
     # sessions >= P + 1 start from Σ α_z w_z with α from the stored footprint gradients
     for s in (2, 3, 4):
         models = rec.before[s]["models"]
@@ -111,7 +111,7 @@ def test_pilot_footprint_and_similarity_initial_model():
         info = next(m for m in metrics if m["round"] == s * T + 1)
         assert info["candidates"] == s - 1 and 0 < info["alpha_max"] <= 1
     init4 = rec.inits[4]
-    expected = sum(a * m for a, m in zip(algo.last_alpha, rec.before[4]["models"], strict=True))
+    expected = sum(a * m for a, m in zip(algo.builder.last_alpha, rec.before[4]["models"], strict=True))
     assert torch.allclose(init4, expected, atol=1e-6)
     # the group returning in session 3 (B, like session 1) and 4 (A, like session 2) has the nearest footprint
     picks = {s: next(m for m in metrics if m["round"] == s * T + 1)["init_session"] for s in (3, 4)}
