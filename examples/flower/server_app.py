@@ -22,6 +22,8 @@ def make_strategy(config):
         return pf.BHerd(config, **common)
     if config.algorithm == "fedspeed":
         return pf.FedSpeed(**common)
+    if config.algorithm == "dynamic":
+        return pf.DynamicInit(config, **common)
     return pf.FedAvg(**common)
 
 
@@ -62,7 +64,7 @@ def main(grid: Grid, context: Context) -> None:
     global strategy
     run_config = dict(context.run_config)
     config = pf.config_from_run_config(run_config)
-    wait_for_nodes(grid, config.clients)
+    wait_for_nodes(grid, int(run_config.get("min-nodes", 0)) or config.clients)
     strategy = make_strategy(config)
     result = strategy.start(
         grid=grid,

@@ -316,10 +316,12 @@ class FedAvg(_FlowerFedAvg):
                 return float(record[self.weighted_by_key])
         raise ValueError(f"reply of node {node} has no metric {self.weighted_by_key!r} to weight it by")
 
-    def stream_train(self, server_round: int, replies: Iterable[Message]) -> tuple[_RunningSum, list[RecordDict]]:
+    def stream_train(
+        self, server_round: int, replies: Iterable[Message], history: list[RoundRecord] | None = None
+    ) -> tuple[_RunningSum, list[RecordDict]]:
         """Add every valid reply's arrays into a running sum (weighted per ``uniform``/``weighted_by_key``) as
         it arrives (when ``replies`` is a list, all arrived already: one weighted-sum pass per array at the end);
-        record the round in ``history``. Returns (sum, the replies' metric records)."""
+        record the round in ``history`` (default: ``self.history``). Returns (sum, the replies' metric records)."""
         running = _RunningSum(deferred=isinstance(replies, (list, tuple)))
         metrics: list[RecordDict] = []
         received: list[int] = []
@@ -341,7 +343,9 @@ class FedAvg(_FlowerFedAvg):
         if self._grid is not None:
             failed.extend(self._grid.unanswered)
             self._grid.unanswered = []
-        self.history.append(RoundRecord(server_round, sorted(received), sorted(failed)))
+        (self.history if history is None else history).append(
+            RoundRecord(server_round, sorted(received), sorted(failed))
+        )
         return running, metrics
 
     def _metrics(self, metrics: list[RecordDict]) -> MetricRecord | None:
@@ -477,66 +481,87 @@ class FedSpeed(FedAvg):
         super().__init__(*args, **kwargs)
 
 
-class DynamicInit(FedAvg):
-    """FedAvg whose server builds a new initial model whenever the set of connected nodes changes (Chang et al.).
+def dynamic_algorithm(config: Any) -> Any:
+    """The :class:`~pyfedkern.algorithms.dynamic.DynamicInit` of ``config`` (algorithm "dynamic"), checked to run on
+    Flower: method "proposed" and a host whose server step is FedAvg's model average (fedavg/fedprox, server_lr 1)."""
+    from pyfedkern.algorithms import make_algorithm
 
-    Rounds before the first change form the pilot session; w_pilot is its last model. At every change the last
-    model of the ending session is stored with that session's footprint; the new session's footprint G =
-    w_fp − w_pilot comes from ``grad_rounds`` FedAvg rounds from w_pilot with the new nodes, and its initial model
-    is Σ_z α_z·w_z with α = softmax(−scale·distance(G, G_z)) over the stored sessions
-    (:func:`pyfedkern.ops.similarity_combine` with :class:`~pyfedkern.algorithms.history.SessionHistory`), or
-    ``initial_arrays`` while none is stored. Segments for the ``"layer_l2"`` metric are the ArrayRecord's arrays
-    (only arrays of rank ≥ 2 count, as biases are dropped) unless ``segments`` is given.
+    if config.algorithm != "dynamic":
+        raise ValueError(f"config.algorithm must be 'dynamic', got {config.algorithm!r}")
+    algo = make_algorithm("dynamic", **config.algorithm_params)
+    if algo.method != "proposed":
+        raise ValueError(f"on Flower the dynamic method must be 'proposed', got {algo.method!r}")
+    host = algo.make_host()
+    if host.name not in ("fedavg", "fedprox") or host.server_lr != 1.0:
+        raise ValueError(
+            f"on Flower the dynamic host must be fedavg or fedprox with server_lr = 1 (the server averages models), "
+            f"got {algo.host!r} with {algo.host_params!r}"
+        )
+    return algo
+
+
+class DynamicInit(FedAvg):
+    """FedAvg in sessions: a session starts whenever the set of connected nodes changes, and the server builds its
+    initial model as the dynamic initial-model method prescribes (Chang et al.), with the bookkeeping of
+    :class:`pyfedkern.algorithms.dynamic.InitialModelBuilder`, as :class:`~pyfedkern.algorithms.dynamic.DynamicInit`
+    does in the simulation.
+
+    The first P = ``pilot_sessions`` sessions are the pilot; w_pilot is the mean of their last models. Each later
+    session s first runs V = ``grad_rounds`` footprint rounds of FedAvg from w_pilot with its nodes (the clients use
+    the constant LR ``footprint_lr``·η0 and minibatches no training round draws; see
+    :meth:`~pyfedkern.algorithms.dynamic.DynamicInit.footprint_view`) and sets G_s = w_fp − w_pilot. Session P starts
+    from ``first_init``, later ones from Σ_z α_z·w_z^last, α = softmax(−scale·distance(G_s, G_z)) over the stored
+    post-pilot sessions. Footprint rounds are not training rounds: they do not count in ``num_rounds`` and are
+    recorded in ``footprint_history``, not ``history``. ``sessions`` lists each session's first round, nodes and α.
 
     Args:
-        scale: softmax scale R.
-        metric: "layer_l2", "l2" or "layer_cos".
-        grad_rounds: footprint rounds V.
-        history: sessions kept (capacity of the history).
-        segments: optional [L + 1] offsets into the flattened model.
+        config: the :class:`~pyfedkern.sim.engine.ExperimentConfig` the clients use (algorithm "dynamic", method
+            "proposed", host fedavg or fedprox): the method's hyper-parameters, the model layout (segments of the
+            per-layer metrics, biases excluded) and the initial model.
+
+    Messages carry flat ``"model"`` vectors; the config of a training round has ``"session"`` and
+    ``"session-start"`` (the session's first server round), that of footprint round v has ``"session"`` and
+    ``"footprint-round"`` = v. Pair with :func:`make_client_app`, which reads them.
     """
 
-    def __init__(
-        self,
-        *args: Any,
-        scale: float = 10.0,
-        metric: str = "layer_l2",
-        grad_rounds: int = 1,
-        history: int = 8,
-        segments: Any = None,
-        **kwargs: Any,
-    ) -> None:
-        from pyfedkern.ops.similarity import METRICS
-
+    def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if metric not in METRICS:
-            raise ValueError(f"metric must be one of {', '.join(METRICS)}, got {metric!r}")
-        for name, value in (("grad_rounds", grad_rounds), ("history", history)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if not math.isfinite(scale):
-            raise ValueError(f"scale must be finite, got {scale}")
-        self.scale, self.metric, self.grad_rounds, self.capacity = scale, metric, grad_rounds, history
-        self.segments = segments
-        self.sessions: list[dict[str, Any]] = []  # per session: first round, nodes, alpha
+        self.algorithm = dynamic_algorithm(config)
+        self.config = config
+        self.footprint_history: list[RoundRecord] = []
+        self.sessions: list[dict[str, Any]] = []
+        self.builder = None  # the run's InitialModelBuilder (pilot, footprint gradient, history), set by start
 
-    def _train_round(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, timeout: float):
-        replies = self._grid.send_and_receive(
-            self.configure_train(server_round, arrays, ConfigRecord(dict(config)), self._grid), timeout=timeout
+    def _builder(self, x0: torch.Tensor) -> Any:
+        from pyfedkern.algorithms.dynamic import InitialModelBuilder
+
+        algo, layout = self.algorithm, _simulation(self.config).local.flat.layout
+        return InitialModelBuilder(
+            x0,
+            pilot_sessions=algo.pilot_sessions,
+            capacity=algo.history_capacity(),
+            scale=algo.scale,
+            metric=algo.metric,
+            segments=layout.segments(),
+            include=layout.include_mask(),
+            storage=algo.storage,
+            first_init=algo.first_init,
         )
-        return self.aggregate_train(server_round, replies)
 
-    def _layout(self, arrays: ArrayRecord) -> tuple[np.ndarray, np.ndarray | None]:
-        if self.segments is not None:
-            return np.asarray(self.segments), None
-        sizes, include = [], []
-        for value in arrays.values():
-            view = array_view(value)
-            sizes.append(view.size)
-            include.append(view.ndim >= 2)
-        if not any(include):
-            include = [True] * len(include)
-        return np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64), np.asarray(include)
+    def _round(
+        self, server_round: int, x: torch.Tensor, config: dict[str, Any], timeout: float, history: list[RoundRecord]
+    ) -> tuple[torch.Tensor, MetricRecord | None]:
+        """One FedAvg round from x with every connected node; (new model or x if nothing arrived, metrics)."""
+        arrays = _record({MODEL_KEY: x.numpy()})
+        messages = self.configure_train(server_round, arrays, ConfigRecord(config), self._grid)
+        replies = self._grid.send_and_receive(messages, timeout=timeout)
+        running, metrics = self.stream_train(server_round, replies, history)
+        if running.count == 0 or running.total <= 0:
+            return x, None
+        mean = running.mean()
+        if MODEL_KEY not in mean:
+            raise ValueError(f"replies must carry a flat {MODEL_KEY!r} vector, got arrays {sorted(mean)}")
+        return torch.from_numpy(mean[MODEL_KEY].reshape(-1)), self._metrics(metrics)
 
     def start(
         self,
@@ -548,72 +573,48 @@ class DynamicInit(FedAvg):
         evaluate_config: ConfigRecord | None = None,
         evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
     ) -> Result:
-        """Run ``num_rounds`` rounds (footprint rounds not counted), rebuilding the model at every change of the
-        connected nodes; returns Flower's ``Result`` (train metrics and server-side evaluations)."""
-        from pyfedkern.algorithms.history import SessionHistory
-
+        """Flower's ``Strategy.start`` (train, client evaluation, ``evaluate_fn`` each round) with a new session,
+        footprint rounds and initial model whenever the connected nodes change."""
         self._grid = grid if isinstance(grid, ArrivalGrid) else ArrivalGrid(grid, self.poll_interval)
-        train_config = ConfigRecord() if train_config is None else train_config
-        keys = list(initial_arrays.keys())
-        x0 = np.concatenate([array_view(initial_arrays[k]).reshape(-1) for k in keys]).astype(np.float32)
-        shapes = [array_view(initial_arrays[k]).shape for k in keys]
-        segments, include = self._layout(initial_arrays)
-        store = SessionHistory(self.capacity, x0.size, x0.size)
+        base = dict(train_config or {})
+        evaluate_config = ConfigRecord() if evaluate_config is None else evaluate_config
         result = Result()
-        arrays, nodes, pilot, footprint = initial_arrays, None, None, None
+        if evaluate_fn is not None and (res := evaluate_fn(0, initial_arrays)) is not None:
+            result.evaluate_metrics_serverapp[0] = res
+        x = torch.from_numpy(_flat(initial_arrays))
+        self.builder = builder = self._builder(x)
+        nodes: frozenset[int] | None = None
+        session, first_round = -1, 1
         for rnd in range(1, num_rounds + 1):
             current = frozenset(self._grid.get_node_ids())
-            if nodes is not None and current != nodes:
-                last = self._flatten(arrays, keys)
-                if pilot is None:
-                    pilot = last
-                else:
-                    store.push(len(self.sessions) - 1, torch.from_numpy(last), torch.from_numpy(footprint))
-                w = self._unflatten(pilot, keys, shapes)
-                for _ in range(self.grad_rounds):
-                    w = self._train_round(rnd, w, train_config, timeout)[0] or w
-                footprint = self._flatten(w, keys) - pilot
-                alpha = np.zeros(0)
-                if len(store):
-                    init, alpha = ops.similarity_combine(
-                        torch.from_numpy(footprint),
-                        torch.stack(store.grad_rows()),
-                        torch.stack(store.model_rows()),
-                        self.scale,
-                        self.metric,
-                        segments,
-                        include,
-                        return_weights=True,
-                    )
-                    arrays = self._unflatten(init.numpy(), keys, shapes)
-                else:
-                    arrays = initial_arrays
-                self.sessions.append({"round": rnd, "nodes": sorted(current), "alpha": np.asarray(alpha).tolist()})
-            elif nodes is None:
-                self.sessions.append({"round": rnd, "nodes": sorted(current), "alpha": []})
-            nodes = current
-            new, metrics = self._train_round(rnd, arrays, train_config, timeout)
-            if new is not None:
-                arrays = result.arrays = new
+            if current != nodes:
+                if session >= 0:
+                    builder.end_session(session, x)
+                session, nodes, first_round = session + 1, current, rnd
+                if session >= builder.pilot_sessions:
+                    w = builder.pilot
+                    for v in range(self.algorithm.grad_rounds):
+                        config = {**base, "session": session, "footprint-round": v}
+                        w, _ = self._round(rnd, w, config, timeout, self.footprint_history)
+                    builder.set_footprint(w)
+                x, info = builder.initial_model(session, x)
+                alpha = builder.last_alpha.tolist() if info else []
+                self.sessions.append({"session": session, "round": rnd, "nodes": sorted(current), "alpha": alpha})
+            config = {**base, "session": session, "session-start": first_round}
+            x, metrics = self._round(rnd, x, config, timeout, self.history)
+            arrays = result.arrays = _record({MODEL_KEY: x.numpy()})
             if metrics is not None:
                 result.train_metrics_clientapp[rnd] = metrics
+            replies = self._grid.send_and_receive(
+                self.configure_evaluate(rnd, arrays, ConfigRecord(dict(evaluate_config)), self._grid), timeout=timeout
+            )
+            if (evaluated := self.aggregate_evaluate(rnd, list(replies))) is not None:
+                result.evaluate_metrics_clientapp[rnd] = evaluated
             if evaluate_fn is not None and (res := evaluate_fn(rnd, arrays)) is not None:
                 result.evaluate_metrics_serverapp[rnd] = res
-        result.arrays = arrays
+        if session >= 0:
+            builder.end_session(session, x)  # the run's end closes the last session, as in the simulation
         return result
-
-    @staticmethod
-    def _flatten(arrays: ArrayRecord, keys: list[str]) -> np.ndarray:
-        return np.concatenate([array_view(arrays[k]).reshape(-1) for k in keys]).astype(np.float32)
-
-    @staticmethod
-    def _unflatten(flat: np.ndarray, keys: list[str], shapes: list[tuple[int, ...]]) -> ArrayRecord:
-        out, start = {}, 0
-        for key, shape in zip(keys, shapes, strict=True):
-            n = math.prod(shape)
-            out[key] = flat[start : start + n].reshape(shape)
-            start += n
-        return _record(out)
 
 
 class LegacyFedAvg:
@@ -645,8 +646,8 @@ def _legacy_class() -> type:
 # Configs, initial model and the ClientApp ---------------------------------------------------------------
 
 #: Algorithms :func:`make_client_app` can run (each has a server strategy here): FedAvg/FedProx (:class:`FedAvg`),
-#: BHerd, FedPBC and FedSpeed.
-CLIENT_ALGORITHMS = ("fedavg", "fedprox", "bherd", "fedpbc", "fedspeed")
+#: BHerd, FedPBC, FedSpeed and the dynamic initial model (:class:`DynamicInit`).
+CLIENT_ALGORITHMS = ("fedavg", "fedprox", "bherd", "fedpbc", "fedspeed", "dynamic")
 
 
 def config_from_run_config(run_config: dict[str, Any]) -> Any:
@@ -676,9 +677,7 @@ def config_from_run_config(run_config: dict[str, Any]) -> Any:
 
 def initial_arrays(config: Any) -> ArrayRecord:
     """The initial global model of ``config`` as ``ArrayRecord({"model": [d] float32})`` (as the simulation's)."""
-    from pyfedkern.sim.engine import Simulation
-
-    return _record({MODEL_KEY: Simulation(config).initial_vector.cpu().numpy()})
+    return _record({MODEL_KEY: _simulation(config).initial_vector.cpu().numpy()})
 
 
 _SIMULATIONS: dict[str, Any] = {}
@@ -711,6 +710,8 @@ def client_train(config: Any, cid: int, server_round: int, content: RecordDict, 
     simulation); returns the reply content (ArrayRecord "arrays" of flat vectors, MetricRecord "metrics").
 
     ``state`` is the node's persistent ``Context.state``: FedPBC keeps the client's model there, FedSpeed its h_i.
+    For "dynamic" the host's update runs in the session's context (LR restarted at ``session-start``), or, in
+    footprint round ``footprint-round`` of ``session``, in the footprint context (constant LR, its own minibatches).
     """
     from pyfedkern.algorithms import make_algorithm
     from pyfedkern.algorithms.base import local_sgd
@@ -722,7 +723,11 @@ def client_train(config: Any, cid: int, server_round: int, content: RecordDict, 
     if not 0 <= cid < sim.num_clients:
         raise ValueError(f"partition-id must be in [0, {sim.num_clients}), got {cid}")
     t = server_round - 1
-    algo = make_algorithm(config.algorithm, **config.algorithm_params)
+    algo = (
+        dynamic_algorithm(config)
+        if config.algorithm == "dynamic"
+        else make_algorithm(config.algorithm, **config.algorithm_params)
+    )
     received = content.array_records.get("arrays", ArrayRecord())
     threads = config.threads or (1 if sim.local.dim < 1_000_000 else torch.get_num_threads())
     with _cpu_threads(threads):
@@ -749,6 +754,16 @@ def client_train(config: Any, cid: int, server_round: int, content: RecordDict, 
             if algo.h_store is not None:
                 state.array_records["fedspeed"] = _record({"h": algo.h_store[0].numpy()})
             vectors, steps = {MODEL_KEY: upload}, 0
+        elif config.algorithm == "dynamic":
+            settings = content.config_records["config"]
+            if "footprint-round" in settings:
+                view, t = algo.footprint_view(sim, int(settings["session"])), int(settings["footprint-round"])
+            else:
+                view = algo.session_view(sim, int(settings.get("session-start", 1)) - 1)
+            host = algo.make_host()
+            host.setup(view, torch.from_numpy(_flat(received)))
+            message = host.client_update(t, cid, view)
+            vectors, loss, steps = message.vectors, message.loss, message.steps
         else:
             algo.setup(sim, torch.from_numpy(_flat(received)))
             message = algo.client_update(t, cid, sim)
@@ -827,6 +842,7 @@ __all__ = [
     "client_evaluate",
     "client_train",
     "config_from_run_config",
+    "dynamic_algorithm",
     "initial_arrays",
     "make_client_app",
 ]

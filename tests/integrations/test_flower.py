@@ -236,32 +236,100 @@ def test_bherd_server_step():
     np.testing.assert_allclose(new["model"].numpy(), x - 0.2 * (1.0 / 0.5) * mean, rtol=1e-6)
 
 
-def test_dynamic_init_rebuilds_when_nodes_change():
-    rng = np.random.default_rng(5)
-    patterns = rng.standard_normal((2, 2, 3)).astype(np.float32)
+def _dynamic_config(**params):
+    return ExperimentConfig(
+        algorithm="dynamic",
+        algorithm_params={"sessions": 5, "pilot_sessions": 2, "scale": 10.0, **params},
+        dataset="digits",
+        partition="groups:0.2,0.3",
+        clients=6,
+        model="mlp",
+        model_params={"hidden": 16},
+        rounds=10,  # 5 sessions of T = 2 rounds
+        local_steps=2,
+        batch_size=32,
+        lr=0.1,
+        seed=2,
+    )
+
+
+def test_dynamic_init_equals_the_simulation():
+    """Nodes of group A, then B, A, B, A (node id = client id + 100) with pyfedkern's clients: the pilot mean
+    (P = 2), the footprint gradients (constant LR η0/2, their own minibatches), the initial models and the final
+    model equal pyfedkern.algorithms.dynamic in the simulation; footprint rounds are not training rounds."""
+    T = 2
+    config = _dynamic_config()
+    sim = Simulation(config)
+    sim.run()
+    groups = sim.partition.groups
+    members = [[int(c) + 100 for c in np.flatnonzero(groups == g)] for g in (0, 1)]
+    sent = []
 
     def handler(node, msg):
-        x = msg.content["arrays"]["w"].numpy()
-        direction = patterns[0] if node in (1, 2) else patterns[1]  # two groups with different updates
-        return _reply({"w": x + direction + rng.standard_normal(x.shape).astype(np.float32) * 0.01}, 1)
+        sent.append(dict(msg.content["config"]))
+        return pf.client_train(
+            config, node - 100, int(msg.content["config"]["server-round"]), msg.content, RecordDict()
+        )
 
-    grid = FakeGrid([1, 2], handler)
-    strategy = pf.DynamicInit(min_available_nodes=1, min_train_nodes=1, fraction_evaluate=0.0, scale=5.0)
-    x0 = ArrayRecord({"w": Array(np.zeros((2, 3), np.float32))})
-    schedule = {3: [3, 4], 5: [1, 2], 7: [3, 4]}
+    grid = FakeGrid(members[0], handler)
 
-    def evaluate(rnd, arrays):
-        if rnd + 1 in schedule:
-            grid.nodes = schedule[rnd + 1]
-        return None
+    def next_session(rnd, arrays):  # after the last round of a session, its nodes leave and the other group joins
+        if rnd % T == 0:
+            grid.nodes = members[(rnd // T) % 2]
 
-    result = strategy.start(grid, x0, num_rounds=8, timeout=1, evaluate_fn=evaluate)
-    assert [s["round"] for s in strategy.sessions] == [1, 3, 5, 7]
-    assert strategy.sessions[1]["alpha"] == []  # nothing stored yet: starts from initial_arrays
-    assert len(strategy.sessions[2]["alpha"]) == 1 and len(strategy.sessions[3]["alpha"]) == 2
-    alpha = np.array(strategy.sessions[3]["alpha"])
-    assert alpha.sum() == pytest.approx(1.0) and alpha[0] > 0.9  # session 3 has session 1's nodes
-    assert result.arrays is not None
+    strategy = pf.DynamicInit(config, min_available_nodes=1, min_train_nodes=1, fraction_evaluate=0.0)
+    result = strategy.start(grid, pf.initial_arrays(config), num_rounds=10, timeout=5, evaluate_fn=next_session)
+
+    ours, theirs = strategy.builder, sim.algorithm.builder
+    torch.testing.assert_close(ours.pilot, theirs.pilot, rtol=1e-5, atol=1e-6)  # mean of both pilot sessions
+    assert ours.store.session_ids().tolist() == theirs.store.session_ids().tolist() == [3, 4]  # history = 2
+    for mine, ref in zip(ours.store.grad_rows(), theirs.store.grad_rows(), strict=True):
+        torch.testing.assert_close(mine, ref, rtol=1e-4, atol=1e-6)  # footprint gradients G_3, G_4
+    for mine, ref in zip(ours.store.model_rows(), theirs.store.model_rows(), strict=True):
+        torch.testing.assert_close(mine, ref, rtol=1e-4, atol=1e-5)  # last models of sessions 3, 4
+    np.testing.assert_allclose(ours.last_alpha, theirs.last_alpha, rtol=1e-4, atol=1e-6)
+    final = result.arrays[pf.MODEL_KEY].numpy()
+    np.testing.assert_allclose(final, sim.algorithm.global_model().numpy(), rtol=1e-4, atol=1e-5)
+
+    assert [s["round"] for s in strategy.sessions] == [1, 3, 5, 7, 9]
+    assert [len(s["alpha"]) for s in strategy.sessions] == [0, 0, 0, 1, 2]
+    assert [r.server_round for r in strategy.history] == list(range(1, 11))  # training rounds only
+    assert [r.server_round for r in strategy.footprint_history] == [5, 7, 9]  # before sessions 2, 3, 4
+    assert [r.received for r in strategy.footprint_history] == [members[0], members[1], members[0]]
+    footprint = [c for c in sent if "footprint-round" in c]
+    assert [(c["session"], c["footprint-round"]) for c in footprint[:: len(members[0])]] == [(2, 0), (3, 0), (4, 0)]
+    training = [c for c in sent if "footprint-round" not in c]
+    assert [c["session-start"] for c in training[:: len(members[0])]] == [1, 1, 3, 3, 5, 5, 7, 7, 9, 9]
+
+
+def test_dynamic_client_uses_the_footprint_lr_and_its_own_minibatches():
+    config = _dynamic_config(footprint_lr=0.25)
+    x0 = pf.initial_arrays(config)["model"].numpy()
+    footprint = pf.client_train(config, 0, 7, _server_content(x0, 7, session=3, **{"footprint-round": 0}), RecordDict())
+    training = pf.client_train(config, 0, 7, _server_content(x0, 7, session=3, **{"session-start": 7}), RecordDict())
+    sim = Simulation(config)
+    algo = make_algorithm("fedavg")
+    view = sim.algorithm.footprint_view(sim, 3)
+    assert view.lr(0) == pytest.approx(0.25 * 0.1)
+    algo.setup(view, torch.from_numpy(x0))
+    expected = algo.client_update(0, 0, view).vectors["model"].numpy()
+    np.testing.assert_allclose(footprint["arrays"]["model"].numpy(), expected, atol=1e-6)
+    assert np.abs(footprint["arrays"]["model"].numpy() - training["arrays"]["model"].numpy()).max() > 1e-4
+
+
+@pytest.mark.parametrize(
+    "params, match",
+    [
+        ({"method": "average"}, "must be 'proposed'"),
+        ({"host": "scaffold"}, "fedavg or fedprox"),
+        ({"host_params": "server_lr=0.5"}, "server_lr = 1"),
+    ],
+)
+def test_dynamic_init_rejects_what_flower_cannot_run(params, match):
+    with pytest.raises(ValueError, match=match):
+        pf.DynamicInit(_dynamic_config(**params))
+    with pytest.raises(ValueError, match="must be 'dynamic'"):
+        pf.DynamicInit(_tiny())
 
 
 # Client updates vs the simulation ----------------------------------------------------------------------
