@@ -1,5 +1,10 @@
 """Fixture ``flower_deployment``: a real Flower deployment on loopback (SuperLink + SuperNodes, free ports chosen
-at run time, every process killed afterwards) that runs examples/flower with ``flwr run``."""
+at run time) that runs examples/flower with ``flwr run``; afterwards no process it started is left.
+
+Every process of a deployment carries ``PYFEDKERN_FLOWER_DEPLOYMENT=<tag>`` in its environment (children inherit
+it), so the deployment finds all of them in /proc, also those that left our process groups: the SuperLink starts
+its SuperExec with ``start_new_session=True``, and processes whose parent died are re-parented to init.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +26,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 APP = ROOT / "examples" / "flower"
 BIN = Path(sys.executable).parent
+TAG_VARIABLE = "PYFEDKERN_FLOWER_DEPLOYMENT"
 
 
 def free_port() -> int:
@@ -38,6 +45,46 @@ def wait_port(port: int, proc: subprocess.Popen, log: Path, timeout: float = 60.
                 return
         time.sleep(0.2)
     raise TimeoutError(f"port {port} did not open in {timeout} s:\n{log.read_text()[-3000:]}")
+
+
+def tagged_processes(tag: str) -> list[int]:
+    """PIDs of the live processes whose environment has ``TAG_VARIABLE=tag`` (zombies have none and are left out)."""
+    needle = f"{TAG_VARIABLE}={tag}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:  # gone meanwhile, or not ours
+            continue
+        if needle in environ.split(b"\0"):
+            found.append(int(entry.name))
+    return sorted(found)
+
+
+def command_of(pid: int) -> str:
+    """The command line of process ``pid`` ("" when it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def end_tagged(tag: str, timeout: float = 10.0) -> None:
+    """SIGTERM every process tagged ``tag``, then SIGKILL those still alive after ``timeout`` seconds; returns
+    once none is left (TimeoutError if some survive SIGKILL). PIDs are re-read before each signal, so only tagged
+    processes are ever signalled."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in tagged_processes(tag):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        end = time.monotonic() + timeout
+        while tagged_processes(tag) and time.monotonic() < end:
+            time.sleep(0.1)
+        if not tagged_processes(tag):
+            return
+    raise TimeoutError(f"processes survived SIGKILL: {[(p, command_of(p)) for p in tagged_processes(tag)]}")
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -60,7 +107,9 @@ class Deployment:
     def __init__(self, workdir: Path, nodes: int) -> None:
         self.workdir = workdir
         self.nodes = nodes
+        self.tag = uuid.uuid4().hex
         self.env = {**os.environ, "FLWR_HOME": str(workdir / "flwr-home"), "PYTHONUNBUFFERED": "1"}
+        self.env[TAG_VARIABLE] = self.tag
         self.env["PATH"] = f"{BIN}{os.pathsep}{self.env.get('PATH', '')}"
         self.link: subprocess.Popen | None = None
         self.supernodes: list[subprocess.Popen] = []
@@ -114,9 +163,15 @@ class Deployment:
             raise
         return self
 
+    def processes(self) -> dict[int, str]:
+        """PID → command line of every live process this deployment started, directly or not."""
+        return {pid: command_of(pid) for pid in tagged_processes(self.tag)}
+
     def close(self) -> None:
+        """Stop our process groups, then every process of the deployment still alive (e.g. the SuperExec)."""
         for proc in [*self.supernodes, *([self.link] if self.link else [])]:
             stop(proc)
+        end_tagged(self.tag)
 
     def __exit__(self, *exc: object) -> None:
         self.close()
@@ -174,6 +229,8 @@ class Deployment:
 @pytest.fixture
 def flower_deployment(tmp_path):
     """``flower_deployment(nodes)`` starts a deployment in tmp_path; all its processes stop after the test."""
+    if not Path("/proc/self/environ").exists():
+        pytest.skip("finding every process of a deployment needs Linux's /proc")
     started: list[Deployment] = []
 
     def start(nodes: int) -> Deployment:
@@ -184,3 +241,4 @@ def flower_deployment(tmp_path):
     yield start
     for dep in started:
         dep.close()
+        assert dep.processes() == {}, "a process of the deployment outlived close()"

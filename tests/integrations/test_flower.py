@@ -1,5 +1,5 @@
 """pyfedkern.integrations.flower: drop-in aggregation vs Flower's own and NumPy, strategies on in-process messages,
-client updates vs pyfedkern.sim, and real SuperLink + SuperNodes on loopback (slow)."""
+client updates vs pyfedkern.sim, and real SuperLink + SuperNodes on loopback with a node killed mid-run (slow)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
 from pyfedkern import ops  # noqa: E402
 from pyfedkern.algorithms import make_algorithm  # noqa: E402
+from pyfedkern.algorithms.fedavg import FedAvg as FedAvgAlgorithm  # noqa: E402
 from pyfedkern.integrations import flower as pf  # noqa: E402
 from pyfedkern.sim.engine import ExperimentConfig, Simulation  # noqa: E402
 
@@ -426,13 +427,67 @@ def _run_sim(config, algorithm=None):
     return sim.algorithm.global_model().numpy()
 
 
+def _close_and_check_processes(dep):
+    """Every process of the deployment is found, also the SuperExec the SuperLink detaches into its own session,
+    and none is left after close()."""
+    alive = dep.processes()
+    assert dep.link.pid in alive and all(p.pid in alive for p in dep.supernodes if p.poll() is None)
+    detached = f"--parent-pid {dep.link.pid}"  # the SuperLink's SuperExec (start_new_session=True)
+    assert any("flower-superexec" in command and detached in command for command in alive.values()), alive
+    dep.close()
+    assert dep.processes() == {}
+
+
+def _check_killed_node_history(history):
+    """Round 1: all three nodes reply. Then the killed node never replies again: in round 2 it is a failed node
+    (sampled while the SuperLink still lists it); later it is failed or, once the SuperLink marked it offline, no
+    longer sampled. Returns the survivors' node ids."""
+    first = set(history[0]["received"])
+    assert len(first) == 3 and not history[0]["failed"]
+    lost = first - set(history[1]["received"])
+    assert len(lost) == 1 and set(history[1]["failed"]) == lost
+    for record in history[1:]:
+        assert set(record["received"]) == first - lost and set(record["failed"]) <= lost
+    return first - lost
+
+
+KILLED = 1  # partition id of the node killed after round 1
+RUN = {"clients": 3, "rounds": 3, "local-steps": 4, "lr": 0.1, "train-timeout": 40.0}  # slow ClientApp start-up
+
+
+def _killed_run(dep, run_config):
+    def after(round_done, record):
+        if round_done == 1:
+            dep.kill_node(KILLED)  # between round 1 and round 2
+
+    return dep.run(run_config, on_round=after)
+
+
+class _Arrived(FedAvgAlgorithm):
+    """FedAvg whose round-t participants are the clients whose replies arrived in round t of the real run."""
+
+    def __init__(self, arrived):
+        super().__init__()
+        self.arrived = arrived
+
+    def participants(self, t, ctx):
+        return np.asarray(self.arrived[t], dtype=np.int64)
+
+
 @pytest.mark.slow
-def test_real_superlink_fedavg_equals_sim(flower_deployment):
-    run_config = {"algorithm": "fedavg", "clients": 2, "rounds": 3, "local-steps": 5, "lr": 0.1, "seed": 3}
-    model, history = flower_deployment(2).run(run_config)
-    assert [len(r["received"]) for r in history] == [2, 2, 2] and all(not r["failed"] for r in history)
+def test_real_superlink_fedavg_with_killed_node_equals_sim(flower_deployment):
+    run_config = {"algorithm": "fedavg", "seed": 3, **RUN}
+    dep = flower_deployment(3)
+    model, history = _killed_run(dep, run_config)
+    _check_killed_node_history(history)
+    _close_and_check_processes(dep)
+    # FedAvg averages the replies that arrived, weighted by the arrived clients' sizes
+    survivors = [c for c in range(3) if c != KILLED]
     config = pf.config_from_run_config(run_config)
-    np.testing.assert_allclose(model, _run_sim(config), rtol=1e-5, atol=1e-6)
+    expected = _run_sim(config, _Arrived([[0, 1, 2], survivors, survivors]))
+    np.testing.assert_allclose(model, expected, rtol=1e-5, atol=1e-6)
+    everyone = _run_sim(config)
+    assert np.abs(everyone - model).max() > 1e-4  # the killed client's absence changed the model
 
 
 class _Schedule:
@@ -451,37 +506,17 @@ def test_real_superlink_fedpbc_with_killed_node_equals_sim(flower_deployment):
 
     from pyfedkern.algorithms.fedpbc import FedPBC as FedPBCAlgorithm
 
-    killed = 1
-    run_config = {
-        "algorithm": "fedpbc",
-        "algorithm-params": '{"batched": false}',
-        "clients": 3,
-        "rounds": 3,
-        "local-steps": 4,
-        "lr": 0.1,
-        "seed": 4,
-        "train-timeout": 40.0,  # ClientApp start-up (torch import) on a loaded 2-core machine
-    }
+    run_config = {"algorithm": "fedpbc", "algorithm-params": '{"batched": false}', "seed": 4, **RUN}
     dep = flower_deployment(3)
-
-    def after(round_done, record):
-        if round_done == 1:
-            dep.kill_node(killed)  # between round 1 and round 2
-
-    model, history = dep.run(run_config, on_round=after)
-    first = set(history[0]["received"])
-    assert len(first) == 3 and not history[0]["failed"]
-    lost = first - set(history[1]["received"])
-    assert len(lost) == 1  # the killed node ...
-    for record in history[1:]:
-        assert set(record["failed"]) == lost  # ... is a failed link in every later round
-        assert set(record["received"]) == first - lost
+    model, history = _killed_run(dep, run_config)
+    _check_killed_node_history(history)
+    _close_and_check_processes(dep)
 
     @dataclass
     class Scheduled(FedPBCAlgorithm):
         def setup(self, ctx, x0):
             super().setup(ctx, x0)
-            survivors = [c for c in range(3) if c != killed]
+            survivors = [c for c in range(3) if c != KILLED]
             self.link_model = _Schedule([[0, 1, 2], survivors, survivors])
 
     config = pf.config_from_run_config(run_config)
