@@ -335,21 +335,10 @@ class DynamicInit(Algorithm):
         self.host_algo = self.make_host()
         self.host_algo.setup(self.session_view(ctx, 0), x0)
         self.x = self.host_algo.x
-        layout = ctx.local.flat.layout
         self.builder: InitialModelBuilder | None = None
         self.store: SessionHistory | None = None
         if self.method == "proposed":
-            self.builder = InitialModelBuilder(
-                x0,
-                pilot_sessions=self.pilot_sessions,
-                capacity=self.history_capacity(),
-                scale=self.scale,
-                metric=self.metric,
-                segments=layout.segments(),
-                include=layout.include_mask(),
-                storage=self.storage,
-                first_init=self.first_init,
-            )
+            self.builder = self.make_builder(x0, ctx.local.flat.layout)
             self.store = self.builder.store
         elif self.method == "average":
             self.store = SessionHistory(self.history_capacity(), x0.numel(), dtype=self.storage, device=x0.device)
@@ -361,6 +350,21 @@ class DynamicInit(Algorithm):
         from pyfedkern.algorithms import make_algorithm
 
         return make_algorithm(self.host, **self._host_kwargs)
+
+    def make_builder(self, x0: torch.Tensor, layout: Any) -> InitialModelBuilder:
+        """The proposed method's state for a run from ``x0`` [d]; ``layout`` (a FlatLayout) gives the per-tensor
+        segments of the similarity metric, biases excluded."""
+        return InitialModelBuilder(
+            x0,
+            pilot_sessions=self.pilot_sessions,
+            capacity=self.history_capacity(),
+            scale=self.scale,
+            metric=self.metric,
+            segments=layout.segments(),
+            include=layout.include_mask(),
+            storage=self.storage,
+            first_init=self.first_init,
+        )
 
     def history_capacity(self) -> int:
         """Sessions kept as candidates: ``history``, or every post-pilot session but the last when 0."""

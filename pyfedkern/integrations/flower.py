@@ -532,22 +532,6 @@ class DynamicInit(FedAvg):
         self.sessions: list[dict[str, Any]] = []
         self.builder = None  # the run's InitialModelBuilder (pilot, footprint gradient, history), set by start
 
-    def _builder(self, x0: torch.Tensor) -> Any:
-        from pyfedkern.algorithms.dynamic import InitialModelBuilder
-
-        algo, layout = self.algorithm, _simulation(self.config).local.flat.layout
-        return InitialModelBuilder(
-            x0,
-            pilot_sessions=algo.pilot_sessions,
-            capacity=algo.history_capacity(),
-            scale=algo.scale,
-            metric=algo.metric,
-            segments=layout.segments(),
-            include=layout.include_mask(),
-            storage=algo.storage,
-            first_init=algo.first_init,
-        )
-
     def _round(
         self, server_round: int, x: torch.Tensor, config: dict[str, Any], timeout: float, history: list[RoundRecord]
     ) -> tuple[torch.Tensor, MetricRecord | None]:
@@ -582,7 +566,7 @@ class DynamicInit(FedAvg):
         if evaluate_fn is not None and (res := evaluate_fn(0, initial_arrays)) is not None:
             result.evaluate_metrics_serverapp[0] = res
         x = torch.from_numpy(_flat(initial_arrays))
-        self.builder = builder = self._builder(x)
+        self.builder = builder = self.algorithm.make_builder(x, _simulation(self.config).local.flat.layout)
         nodes: frozenset[int] | None = None
         session, first_round = -1, 1
         for rnd in range(1, num_rounds + 1):
