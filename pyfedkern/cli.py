@@ -158,6 +158,17 @@ def _base_config(args: argparse.Namespace):
     return cfg_cls(**values, parity=args.parity, model_params=_model_params(args.model_param))
 
 
+def _changed_common_options(args: argparse.Namespace) -> list[str]:
+    """The flags of the options shared by run and compare that were given a non-default value."""
+    defaults = {f.name: f.default for f in dataclasses.fields(_config_class())}
+    changed = [flag for name, flag, *_ in _COMMON if getattr(args, name) != defaults[name]]
+    if args.parity:
+        changed.append("--parity")
+    if args.model_param:
+        changed.append("--model-param")
+    return changed
+
+
 def _help_algorithm(name: str) -> int:
     from pyfedkern.algorithms import algorithm_class
 
@@ -176,6 +187,12 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
     if args.resume:
         if args.out is None:
             raise CliError("--resume needs --out DIR (the run to continue)")
+        ignored = [*_changed_common_options(args), *extra]
+        if ignored:
+            raise CliError(
+                f"--resume continues the run with the config stored in {args.out}; "
+                f"remove the other options ({' '.join(ignored)})"
+            )
         config = load_config(args.out)
     else:
         config = dataclasses.replace(
@@ -212,8 +229,6 @@ def cmd_compare(args: argparse.Namespace, extra: list[str]) -> int:
 def cmd_partition(args: argparse.Namespace, extra: list[str]) -> int:
     from pyfedkern.sim import datasets, partitions
 
-    if extra:
-        raise CliError(f"unexpected arguments: {' '.join(extra)}")
     data = datasets.load_dataset(args.dataset, args.data_root)
     part = partitions.make_partition(
         args.partition,
@@ -276,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", action="store_true", help="continue the interrupted run in --out")
     run.add_argument("--help-algorithm", action="store_true", help="list the algorithm's parameters and exit")
     _add_common(run)
-    run.set_defaults(handler=cmd_run)
+    run.set_defaults(handler=cmd_run, takes_extra=True)
 
     cmp = sub.add_parser(
         "compare", allow_abbrev=False, help="run several algorithms on the same split; plot and tabulate"
@@ -285,7 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--out", required=True, help="output directory (one sub-directory per algorithm)")
     cmp.add_argument("--target", type=float, default=None, help="accuracy target for rounds-to-target, e.g. 0.85")
     _add_common(cmp)
-    cmp.set_defaults(handler=cmd_compare)
+    cmp.set_defaults(handler=cmd_compare, takes_extra=True)
 
     part = sub.add_parser("partition", help="print (and plot) how a partition splits a dataset")
     part.add_argument("--dataset", default="digits")
@@ -301,7 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--out", default=None, help="output directory (default: reproductions/NAME)")
     rep.add_argument("--quick", action="store_true", help="a reduced run (fewer seeds/rounds) for a smoke check")
     rep.add_argument("--docs", default=None, help="update this markdown file's section (docs/reproductions.md)")
-    rep.set_defaults(handler=cmd_reproduce)
+    rep.set_defaults(handler=cmd_reproduce, takes_extra=True)
 
     bench = sub.add_parser("bench", help="quick kernel benchmarks: speedups over the usual PyTorch/NumPy way")
     bench.add_argument("--family", default="aggregate", help="op family or 'all'")
@@ -317,8 +332,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    # Unknown options are algorithm parameters (run, compare) or go to the reproduction (reproduce).
     args, extra = parser.parse_known_args(argv)
     try:
+        if extra and not getattr(args, "takes_extra", False):
+            raise CliError(f"unexpected argument(s): {' '.join(extra)}")
         return args.handler(args, extra)
     except (CliError, ValueError, TypeError, FileNotFoundError, FileExistsError) as exc:
         print(f"pyfedkern {args.command}: error: {exc}", file=sys.stderr)

@@ -1,23 +1,81 @@
-"""The `pyfedkern` command line: a short experiment end to end, compare, partition, info and usage errors."""
+"""The `pyfedkern` command line: a short experiment end to end, resume after a kill, compare, partition, bench,
+info and usage errors."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
+import pyfedkern
 from pyfedkern.cli import main
+from pyfedkern.sim.engine import Simulation, load_config
+from pyfedkern.sim.results import read_metrics
 
 FAST = ["--rounds", "2", "--clients", "4", "--model", "logreg", "--partition", "iid", "--no-progress"]
 
 
-def test_run_writes_results_and_resumes(tmp_path, capsys):
+def _numbers(metrics):
+    """Metrics without wall-clock times (which differ between runs)."""
+    return [{k: v for k, v in m.items() if not k.startswith("time")} for m in metrics]
+
+
+def test_run_writes_results_and_will_not_resume_a_finished_run(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["run", "--algorithm", "fedprox", "--mu", "0.1", *FAST, "--out", str(out)]) == 0
     assert "test accuracy" in capsys.readouterr().out
     config = json.loads((out / "config.json").read_text())
     assert config["algorithm_params"] == {"mu": 0.1} and config["rounds"] == 2
-    lines = (out / "metrics.jsonl").read_text().splitlines()
-    assert len(lines) == 3
-    assert main(["run", "--resume", "--out", str(out), "--no-progress"]) == 0
+    metrics = (out / "metrics.jsonl").read_text()
+    assert [json.loads(line)["round"] for line in metrics.splitlines()] == [0, 1, 2]
+    assert main(["run", "--resume", "--out", str(out), "--no-progress"]) == 2
+    assert "nothing to resume" in capsys.readouterr().err
+    assert (out / "metrics.jsonl").read_text() == metrics
+    assert main(["run", "--resume", "--out", str(out), "--rounds", "5", "--mu", "1", "--no-progress"]) == 2
+    assert "remove the other options (--rounds --mu 1)" in capsys.readouterr().err
+
+
+def test_resume_after_a_kill_gives_the_uninterrupted_metrics(tmp_path):
+    out = tmp_path / "killed"
+    argv = ["run", "--clients", "10", "--partition", "iid", "--rounds", "40", "--checkpoint-every", "1"]
+    root = str(Path(pyfedkern.__file__).parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "pyfedkern.cli", *argv, "--no-progress", "--out", str(out)]
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while len(read_metrics(out)) < 4:
+            assert proc.poll() is None, proc.stderr.read().decode()
+            assert time.monotonic() < deadline, "the run wrote no metrics in 120 s"
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stderr.close()
+    assert proc.returncode == -signal.SIGKILL
+    assert not (out / "summary.json").exists(), "the run finished before it was killed"
+    done = len(read_metrics(out))
+    assert 4 <= done < 41
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"round": 99, "test_')  # what a kill in the middle of a write leaves
+
+    resumed = subprocess.run(
+        [sys.executable, "-m", "pyfedkern.cli", "run", "--resume", "--out", str(out), "--no-progress"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    uninterrupted = Simulation(load_config(out)).run(tmp_path / "uninterrupted")
+    assert [m["round"] for m in read_metrics(out)] == list(range(41))
+    assert _numbers(read_metrics(out)) == _numbers(uninterrupted)
+    assert json.loads((out / "summary.json").read_text())["rounds"] == 40
 
 
 def test_compare_writes_plot_and_table(tmp_path, capsys):
@@ -41,10 +99,53 @@ def test_info_json(capsys):
     assert {"cuda", "openmp", "cuda_available"} <= set(info)
 
 
+def test_run_with_progress_bar_shows_round_and_accuracy(tmp_path, capsys):
+    fast = [a for a in FAST if a != "--no-progress"]
+    assert main(["run", *fast, "--out", str(tmp_path / "run")]) == 0
+    err = capsys.readouterr().err
+    assert "fedavg" in err and "2/2" in err and "acc=" in err and "loss=" in err
+
+
+def test_bench_prints_speedups_over_the_peers(capsys, monkeypatch):
+    from pyfedkern.benchmarks import aggregate
+
+    monkeypatch.setattr(aggregate, "QUICK_SIZES", [(4, 1000)])  # the real cases, tiny, to keep the test quick
+    assert main(["bench", "--family", "aggregate", "--no-progress"]) == 0
+    table = capsys.readouterr().out
+    assert "### weighted_sum K=4 d=1e3 float32 cpu" in table and "| pyfedkern speedup |" in table
+    for peer in ("| pyfedkern |", "torch.tensordot", "torch add_ loop", "numpy w @ X", "flower-style", "limit:copy"):
+        assert peer in table, peer
+    assert "pyfedkern vs fastest peer" in table
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["run", "--algorithm", "nope", *FAST], "nope"),
+        (["run", "--algorithm", "nope", *FAST], "unknown algorithm 'nope'; valid choices: "),
+        (["run", "--dataset", "nope", *FAST], "unknown dataset 'nope'; valid choices: cifar10, digits, mnist"),
+        (["run", *FAST, "--partition", "nope"], "unknown partition 'nope'; valid choices: bherd1,"),
+        (["run", "--model", "nope", "--rounds", "1"], "unknown model 'nope'; valid choices: cnn, logreg, mlp"),
+        (["compare", "--algorithms", "fedavg,nope", *FAST, "--out", "x"], "unknown algorithm 'nope'; valid choices"),
+        (["run", "--partition", "dirichlet:0", "--no-progress"], "dirichlet:α must be > 0, got 0"),
+        (["run", "--partition", "dirichlet:-1", "--dataset", "mnist", "--no-progress"], "dirichlet:α must be > 0"),
+        (["run", "--clients", "5000", "--no-progress"], "clients=5000 is more than the 1347 training samples"),
+        (["run", "--fraction", "1.5", "--no-progress"], "fraction must be in (0, 1], got 1.5"),
+        (["run", "--fraction", "0", "--no-progress"], "fraction must be in (0, 1], got 0"),
+        (["info", "--verbose"], "unexpected argument(s): --verbose"),
+        (["bench", "--famly", "all"], "unexpected argument(s): --famly all"),
+        (["partition", "--clients", "3", "extra"], "unexpected argument(s): extra"),
+        (["bench", "--family", "nope", "--no-progress"], "unknown benchmark family 'nope'; valid choices: all,"),
+    ],
+)
+def test_bad_names_and_values_are_reported_before_any_work(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"pyfedkern {argv[0]}: error: ") and message in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
         (["run", "--algorithm", "fedavg", "--mu", "1", *FAST], "unknown option --mu"),
         (["run", "--algorithm", "fedprox", "--mu", "abc", *FAST], "--mu"),
         (["run", "--algorithm", "fedavg", "--rounds", "0", "--no-progress"], "rounds"),

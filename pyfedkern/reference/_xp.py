@@ -27,3 +27,17 @@ def cast_like(x: Any, like: Any) -> Any:
     if lib == "torch":
         return x.to(like.dtype)
     return x.astype(like.dtype)
+
+
+def zeros_float64_like(x: Any) -> Any:
+    """A float64 array of zeros with x's shape, in x's library and on x's device."""
+    if isinstance(x, np.ndarray):
+        return np.zeros(x.shape, np.float64)
+    lib = type(x).__module__.split(".")[0]
+    if lib == "torch":
+        import torch
+
+        return torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    import cupy
+
+    return cupy.zeros(x.shape, "float64")

@@ -10,7 +10,7 @@ from typing import Any
 
 from pyfedkern.sim.engine import ExperimentConfig, Simulation
 from pyfedkern.sim.plots import plot_curves, summary_table
-from pyfedkern.sim.results import read_metrics, summarize
+from pyfedkern.sim.results import config_differences, is_finished, read_metrics, summarize
 
 
 @dataclasses.dataclass
@@ -35,8 +35,9 @@ def compare(
     """Run each algorithm with ``base``'s data, partition, model and seed into ``out_dir/<algorithm>``.
 
     A finished sub-run (summary.json present) is reused and an interrupted one resumed, so an interrupted
-    comparison picks up where it stopped. Writes ``compare.png`` (accuracy and loss against round) and
-    ``compare.md`` (final/best accuracy and rounds to ``target``).
+    comparison picks up where it stopped; a sub-run made with a different config raises ValueError before anything
+    runs. Writes ``compare.png`` (accuracy and loss against round) and ``compare.md`` (final/best accuracy and
+    rounds to ``target``).
     """
     if not algorithms:
         raise ValueError("algorithms is empty: name at least one algorithm")
@@ -50,10 +51,19 @@ def compare(
     for config in configs.values():
         config.validate()
     out = Path(out_dir)
+    for name, config in configs.items():
+        run_dir = out / name
+        if (run_dir / "metrics.jsonl").exists():
+            changed = config_differences(run_dir, config.to_dict())
+            if changed:
+                raise ValueError(
+                    f"{run_dir} holds a run of {name} with a different config (it differs in {', '.join(changed)}); "
+                    "choose a fresh output directory (--out) or delete that one"
+                )
     metrics: dict[str, list[dict[str, Any]]] = {}
     for name, config in configs.items():
         run_dir = out / name
-        if (run_dir / "summary.json").exists():
+        if is_finished(run_dir):
             metrics[name] = read_metrics(run_dir)
             continue
         resume = (run_dir / "metrics.jsonl").exists()

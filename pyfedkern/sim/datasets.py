@@ -71,13 +71,30 @@ def load_dataset(
         return _synthetic(args, normalize, int(split_seed))
     if name == "quadratic":
         return _quadratic(args, int(split_seed))
-    if args:
-        raise ValueError(f"dataset {name!r} takes no arguments, got {spec!r}")
+    _no_arguments(name, args, spec)
     if name == "digits":
         return _digits(normalize, int(split_seed))
     if name == "mnist":
         return _mnist(root, normalize)
     return _cifar10(root, normalize)
+
+
+def train_size(spec: str, *, split_seed: int = 0) -> int | None:
+    """The number of training samples ``load_dataset(spec, split_seed=split_seed)`` gives, found without loading
+    it (digits, synthetic, quadratic; the arguments are checked); None for datasets read from files."""
+    name, args = parse_spec(spec, what="dataset", choices=DATASETS)
+    if name == "synthetic":
+        sizes = _synthetic_sizes(np.random.default_rng(split_seed), _synthetic_args(args)[2])
+        return sum(_synthetic_train_part(n) for n in sizes)
+    if name == "quadratic":
+        return _quadratic_args(args)[0]
+    _no_arguments(name, args, spec)
+    return _DIGITS_SAMPLES - _DIGITS_TEST if name == "digits" else None
+
+
+def _no_arguments(name: str, args: list[float], spec: str) -> None:
+    if args:
+        raise ValueError(f"dataset {name!r} takes no arguments, got {spec!r}")
 
 
 def to_parity(data: Dataset) -> Dataset:
@@ -144,6 +161,9 @@ def _train_stats(x: np.ndarray, per: str, chunk: int = 4096) -> tuple[np.ndarray
 # digits, synthetic, quadratic --------------------------------------------------------------------------------
 
 
+_DIGITS_SAMPLES, _DIGITS_TEST = 1797, 450
+
+
 def _digits(normalize: str, split_seed: int) -> Dataset:
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
@@ -151,7 +171,9 @@ def _digits(normalize: str, split_seed: int) -> Dataset:
     bunch = load_digits()
     x = bunch.data.astype(np.float32).reshape(-1, 1, 8, 8)
     y = bunch.target.astype(np.int64)
-    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=450, stratify=y, random_state=split_seed)
+    x_train, x_test, y_train, y_test = train_test_split(
+        x, y, test_size=_DIGITS_TEST, stratify=y, random_state=split_seed
+    )
     x_train, x_test, how = _normalize(
         np.ascontiguousarray(x_train), np.ascontiguousarray(x_test), normalize, per="feature", pixel_max=16.0
     )
@@ -164,6 +186,31 @@ def _int_arg(value: float, what: str, minimum: int) -> int:
     return int(value)
 
 
+def _synthetic_args(args: list[float]) -> tuple[float, float, int, int, int]:
+    """Checked (α, β, clients, dim, classes) of ``synthetic:...``, defaults filled in."""
+    if len(args) > 5:
+        raise ValueError(f"dataset synthetic takes at most 5 arguments (α,β,clients,dim,classes), got {len(args)}")
+    alpha, beta, clients, dim, classes = [*args, *(1.0, 1.0, 30.0, 60.0, 10.0)[len(args) :]]
+    if not (np.isfinite(alpha) and alpha >= 0 and np.isfinite(beta) and beta >= 0):
+        raise ValueError(f"synthetic: α and β must be finite and >= 0, got α={alpha:g}, β={beta:g}")
+    return (
+        alpha,
+        beta,
+        _int_arg(clients, "synthetic: clients", 1),
+        _int_arg(dim, "synthetic: dim", 1),
+        _int_arg(classes, "synthetic: classes", 2),
+    )
+
+
+def _synthetic_sizes(rng: np.random.Generator, clients: int) -> np.ndarray:
+    """Samples per client (train + test): the first draw from the dataset's generator."""
+    return np.minimum(rng.lognormal(4.0, 2.0, clients).astype(np.int64) + 50, 1000)
+
+
+def _synthetic_train_part(size: int) -> int:
+    return int(0.8 * size)
+
+
 def _synthetic(args: list[float], normalize: str, seed: int) -> Dataset:
     """Li et al.'s synthetic(α, β): per client k, u_k ~ N(0, α²), B_k ~ N(0, β²), W_k, b_k ~ N(u_k, 1),
     v_k ~ N(B_k, 1) per feature, x ~ N(v_k, Σ) with Σ_jj = j^-1.2, y = argmax(W_k x + b_k).
@@ -171,17 +218,9 @@ def _synthetic(args: list[float], normalize: str, seed: int) -> Dataset:
     α and β default to 1, then 30 clients, dim 60, 10 classes. Client sizes are ⌊lognormal(4, 2)⌋ + 50, capped at
     1000; each client's samples split 80/20 train/test (train and test rows grouped by client).
     """
-    if len(args) > 5:
-        raise ValueError(f"dataset synthetic takes at most 5 arguments (α,β,clients,dim,classes), got {len(args)}")
-    alpha, beta, clients, dim, classes = [*args, *(1.0, 1.0, 30.0, 60.0, 10.0)[len(args) :]]
-    if not (np.isfinite(alpha) and alpha >= 0 and np.isfinite(beta) and beta >= 0):
-        raise ValueError(f"synthetic: α and β must be finite and >= 0, got α={alpha:g}, β={beta:g}")
-    clients = _int_arg(clients, "synthetic: clients", 1)
-    dim = _int_arg(dim, "synthetic: dim", 1)
-    classes = _int_arg(classes, "synthetic: classes", 2)
-
+    alpha, beta, clients, dim, classes = _synthetic_args(args)
     rng = np.random.default_rng(seed)
-    sizes = np.minimum(rng.lognormal(4.0, 2.0, clients).astype(np.int64) + 50, 1000)
+    sizes = _synthetic_sizes(rng, clients)
     u = rng.normal(0.0, alpha, clients)
     b_shift = rng.normal(0.0, beta, clients)
     feature_std = np.arange(1, dim + 1, dtype=np.float64) ** -0.6  # sqrt of Σ_jj = j^-1.2
@@ -192,7 +231,7 @@ def _synthetic(args: list[float], normalize: str, seed: int) -> Dataset:
         b = rng.normal(u[k], 1.0, classes)
         x = v + rng.standard_normal((sizes[k], dim)) * feature_std
         y = np.argmax(x @ w + b, axis=1)
-        n_train = int(0.8 * sizes[k])
+        n_train = _synthetic_train_part(sizes[k])
         parts["xtr"].append(x[:n_train])
         parts["ytr"].append(y[:n_train])
         parts["xte"].append(x[n_train:])
@@ -214,12 +253,16 @@ def _synthetic(args: list[float], normalize: str, seed: int) -> Dataset:
     )
 
 
-def _quadratic(args: list[float], seed: int) -> Dataset:
+def _quadratic_args(args: list[float]) -> tuple[int, int]:
+    """Checked (m, d) of ``quadratic:m,d``, defaults filled in."""
     if len(args) > 2:
         raise ValueError(f"dataset quadratic takes at most 2 arguments (m,d), got {len(args)}")
     m, d = [*args, *(100.0, 100.0)[len(args) :]]
-    m = _int_arg(m, "quadratic: m (clients)", 1)
-    d = _int_arg(d, "quadratic: d (dimension)", 1)
+    return _int_arg(m, "quadratic: m (clients)", 1), _int_arg(d, "quadratic: d (dimension)", 1)
+
+
+def _quadratic(args: list[float], seed: int) -> Dataset:
+    m, d = _quadratic_args(args)
     rng = np.random.default_rng(seed)
     centres = np.arange(1, m + 1, dtype=np.float64)[:, None] / 1000.0
     u = (centres + 0.1 * rng.standard_normal((m, d))).astype(np.float32)

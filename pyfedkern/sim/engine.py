@@ -72,36 +72,47 @@ class ExperimentConfig:
     threads: int | None = None
 
     def validate(self) -> None:
-        """Raise ValueError for invalid settings, before any work starts."""
+        """Raise ValueError for invalid settings, before any work starts (no data is loaded).
+
+        More clients than training samples is caught here for datasets whose size is known without loading them
+        (digits, synthetic, quadratic), and otherwise by :class:`Simulation` right after loading.
+        """
 
         def positive_int(name: str, value: Any) -> None:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+        def finite(name: str, value: Any) -> float:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+            return value
 
         for name in ("clients", "rounds", "batch_size", "eval_every", "checkpoint_every", "eval_train_max"):
             positive_int(name, getattr(self, name))
         for name in ("local_steps", "threads"):
             if getattr(self, name) is not None:
                 positive_int(name, getattr(self, name))
-        if not (isinstance(self.seed, int) and self.seed >= 0):
+        if isinstance(self.seed, bool) or not (isinstance(self.seed, int) and self.seed >= 0):
             raise ValueError(f"seed must be an integer >= 0, got {self.seed!r}")
-        if not (0 < self.fraction <= 1):
+        if not (0 < finite("fraction", self.fraction) <= 1):
             raise ValueError(f"fraction must be in (0, 1], got {self.fraction}")
-        if not (math.isfinite(self.local_epochs) and self.local_epochs > 0):
-            raise ValueError(f"local_epochs must be > 0, got {self.local_epochs}")
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"lr must be > 0, got {self.lr}")
+        for name in ("local_epochs", "lr"):
+            if finite(name, getattr(self, name)) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("momentum", "weight_decay"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value >= 0):
-                raise ValueError(f"{name} must be >= 0, got {value}")
+            if finite(name, getattr(self, name)) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.momentum >= 1:
             raise ValueError(f"momentum must be < 1, got {self.momentum}")
         parse_lr_schedule(self.lr_schedule)
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
-        parse_spec(self.dataset, what="dataset", choices=datasets.DATASETS)
-        parse_spec(self.partition, what="partition", choices=partitions.PARTITIONS)
+        if self.normalize not in datasets.NORMALIZATIONS:
+            raise ValueError(f"normalize must be one of {', '.join(datasets.NORMALIZATIONS)}, got {self.normalize!r}")
+        samples = datasets.train_size(self.dataset)
+        partitions.parse_partition(self.partition, self.clients)
+        if samples is not None:
+            check_client_count(self.clients, samples, self.dataset)
         if self.model not in models.MODELS:
             raise ValueError(f"unknown model {self.model!r}; valid choices: {', '.join(sorted(models.MODELS))}")
         make_algorithm(self.algorithm, **self.algorithm_params)
@@ -116,6 +127,14 @@ class ExperimentConfig:
         if unknown:
             raise ValueError(f"unknown config field(s): {', '.join(unknown)}")
         return cls(**data)
+
+
+def check_client_count(clients: int, samples: int, dataset: str) -> None:
+    """ValueError unless every one of ``clients`` clients can get at least one of ``samples`` training samples."""
+    if clients > samples:
+        raise ValueError(
+            f"clients={clients} is more than the {samples} training samples of dataset {dataset!r}; use fewer clients"
+        )
 
 
 def parse_lr_schedule(text: str) -> tuple[str, float]:
@@ -160,6 +179,7 @@ class Simulation:
         public_idx = self._carve_public(data.y_train, data.num_classes)
         if public_idx.size:
             train_idx = np.setdiff1d(train_idx, public_idx)
+        check_client_count(config.clients, train_idx.size, config.dataset)
         self.partition = partitions.make_partition(
             config.partition,
             split_labels[train_idx],

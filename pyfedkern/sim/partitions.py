@@ -160,18 +160,12 @@ def make_partition(
 
     ``num_classes`` defaults to max(labels) + 1; ``client_ids`` (int [n]) is needed by ``natural``.
     """
-    name, args = parse_spec(spec, what="partition", choices=PARTITIONS)
-    defaults = _DEFAULTS[name]
-    if len(args) > len(defaults):
-        raise ValueError(f"partition {name!r} takes at most {len(defaults)} argument(s), got {spec!r}")
-    args = [*args, *defaults[len(args) :]]
+    name, args = parse_partition(spec, num_clients)
     labels = np.asarray(labels)
     if labels.ndim != 1 or labels.size == 0 or not np.issubdtype(labels.dtype, np.integer):
         raise ValueError(f"labels must be a non-empty 1-D integer array, got {labels.dtype} {labels.shape}")
     if labels.min() < 0:
         raise ValueError("labels must be >= 0")
-    if isinstance(num_clients, bool) or not isinstance(num_clients, (int, np.integer)):
-        raise TypeError(f"num_clients must be an integer, got {type(num_clients).__name__}")
     n = labels.size
     if not 1 <= num_clients <= n:
         raise ValueError(f"num_clients must be in [1, {n}] (the number of samples), got {num_clients}")
@@ -188,42 +182,67 @@ def make_partition(
     if name == "iid":
         return Partition(scheme, _iid(n, n_clients, rng))
     if name == "dirichlet":
-        return Partition(scheme, _dirichlet(labels, n_clients, _positive(args[0], "α"), num_classes, rng))
+        return Partition(scheme, _dirichlet(labels, n_clients, args[0], num_classes, rng))
     if name == "shards":
-        return Partition(scheme, _shards(labels, n_clients, _count(args[0], "shards k"), num_classes, rng))
+        return Partition(scheme, _shards(labels, n_clients, int(args[0]), num_classes, rng))
     if name == "quantity":
-        return Partition(scheme, _quantity(n, n_clients, _positive(args[0], "α"), rng))
+        return Partition(scheme, _quantity(n, n_clients, args[0], rng))
     if name == "noise":
-        sigma = args[0]
-        if not (math.isfinite(sigma) and sigma >= 0):
-            raise ValueError(f"partition noise:σ needs σ >= 0, got {sigma:g}")
-        noise = sigma * np.arange(n_clients, dtype=np.float64) / max(n_clients - 1, 1)
+        noise = args[0] * np.arange(n_clients, dtype=np.float64) / max(n_clients - 1, 1)
         return Partition(scheme, _iid(n, n_clients, rng), noise_std=noise)
     if name.startswith("bherd"):
         case = int(name[-1])
         return Partition(scheme, _bherd(labels, n_clients, num_classes, case))
     if name == "groups":
-        return _groups(scheme, labels, n_clients, args[0], _positive(args[1], "α"), num_classes, rng)
+        return _groups(scheme, labels, n_clients, args[0], args[1], num_classes, rng)
     if name == "dirichlet-equal":
         pools = [rng.permutation(np.flatnonzero(labels == c)) for c in range(num_classes)]
-        alpha = _positive(args[0], "α")
-        return Partition(scheme, _inverse_cdf_split(pools, _equal_sizes(n, n_clients), alpha, rng))
+        return Partition(scheme, _inverse_cdf_split(pools, _equal_sizes(n, n_clients), args[0], rng))
     return Partition(scheme, _natural(labels, n_clients, client_ids))
+
+
+def parse_partition(spec: str, num_clients: int) -> tuple[str, list[float]]:
+    """Check a partition spec and its arguments without any data; return (name, arguments with defaults filled).
+
+    Raises ValueError for an unknown name, too many arguments, α ≤ 0, a non-integer shard count, σ < 0, a groups
+    overlap outside [0, 1) or an odd number of clients for groups; TypeError if num_clients is not an integer.
+    What depends on the data (enough samples for the clients) is checked by :func:`make_partition`.
+    """
+    if isinstance(num_clients, bool) or not isinstance(num_clients, (int, np.integer)):
+        raise TypeError(f"num_clients must be an integer, got {type(num_clients).__name__}")
+    if num_clients < 1:
+        raise ValueError(f"num_clients must be >= 1, got {num_clients}")
+    name, args = parse_spec(spec, what="partition", choices=PARTITIONS)
+    defaults = _DEFAULTS[name]
+    if len(args) > len(defaults):
+        raise ValueError(f"partition {name!r} takes at most {len(defaults)} argument(s), got {spec!r}")
+    args = [*args, *defaults[len(args) :]]
+    if name in ("dirichlet", "quantity", "dirichlet-equal"):
+        _positive(args[0], f"{name}:α")
+    elif name == "shards":
+        _count(args[0], "shards:k")
+    elif name == "noise" and not (math.isfinite(args[0]) and args[0] >= 0):
+        raise ValueError(f"partition noise:σ needs σ >= 0, got {args[0]:g}")
+    elif name == "groups":
+        if not (math.isfinite(args[0]) and 0 <= args[0] < 1):
+            raise ValueError(f"partition groups:o,α needs overlap o in [0, 1), got {args[0]:g}")
+        _positive(args[1], "groups:o,α α")
+        if num_clients < 2 or num_clients % 2:
+            raise ValueError(f"partition groups needs an even number of clients >= 2, got {num_clients}")
+    return name, args
 
 
 # helpers ----------------------------------------------------------------------------------------------------------
 
 
-def _positive(value: float, what: str) -> float:
+def _positive(value: float, what: str) -> None:
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"partition argument {what} must be > 0, got {value:g}")
-    return value
 
 
-def _count(value: float, what: str) -> int:
+def _count(value: float, what: str) -> None:
     if not math.isfinite(value) or value != int(value) or value < 1:
         raise ValueError(f"partition argument {what} must be an integer >= 1, got {value:g}")
-    return int(value)
 
 
 def _finish(parts: list) -> list[np.ndarray]:
@@ -381,11 +400,7 @@ def _groups(
     """Dynamic-init label split: clients [0, N/2) are group A with labels [0, G), the rest group B with labels
     [U, U+G), where G = ⌊L/(2−o)⌋, O = ⌊G·o⌋, U = G − O. Labels in both sets have their shuffled samples halved
     between the groups; within a group the samples are shared out in near-equal quotas by inverse-CDF Dirichlet
-    draws (see :func:`_inverse_cdf_split`). Labels ≥ U+G are unused."""
-    if num_clients < 2 or num_clients % 2:
-        raise ValueError(f"partition groups needs an even number of clients >= 2, got {num_clients}")
-    if not (math.isfinite(overlap) and 0 <= overlap < 1):
-        raise ValueError(f"partition groups:o,α needs overlap o in [0, 1), got {overlap:g}")
+    draws (see :func:`_inverse_cdf_split`). Labels ≥ U+G are unused. Arguments are checked by parse_partition."""
     width = math.floor(num_classes / (2 - overlap) + 1e-9)
     shared = math.floor(width * overlap + 1e-9)
     start_b = width - shared

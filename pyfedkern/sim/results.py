@@ -56,8 +56,20 @@ def _decode(value: Any, device: torch.device | str) -> Any:
     return value
 
 
+def config_differences(run_dir: str | Path, config: dict[str, Any]) -> list[str]:
+    """The fields in which ``config`` differs from the config.json stored in ``run_dir`` (which must exist)."""
+    stored = json.loads((Path(run_dir) / "config.json").read_text())
+    wanted = json.loads(json.dumps(config))
+    return sorted(k for k in set(stored) | set(wanted) if stored.get(k) != wanted.get(k))
+
+
+def is_finished(run_dir: str | Path) -> bool:
+    """Whether the run in ``run_dir`` ran to its end (summary.json, written last, exists)."""
+    return (Path(run_dir) / "summary.json").exists()
+
+
 class RunWriter:
-    """Writes one run directory; with ``resume`` it reopens an existing one whose config must match."""
+    """Writes one run directory; with ``resume`` it reopens an unfinished one whose config must match."""
 
     def __init__(self, out_dir: str | Path, config: dict[str, Any], *, resume: bool = False) -> None:
         self.dir = Path(out_dir)
@@ -66,10 +78,13 @@ class RunWriter:
         if resume:
             if not config_path.exists():
                 raise FileNotFoundError(f"cannot resume: {config_path} does not exist")
-            stored = json.loads(config_path.read_text())
-            if stored != json.loads(json.dumps(config)):
-                changed = sorted(k for k in set(stored) | set(config) if stored.get(k) != config.get(k))
+            changed = config_differences(self.dir, config)
+            if changed:
                 raise ValueError(f"cannot resume {self.dir}: the config differs in {', '.join(changed)}")
+            if is_finished(self.dir):
+                raise FileExistsError(
+                    f"nothing to resume: the run in {self.dir} is already finished (see its summary.json)"
+                )
         else:
             if (self.dir / "metrics.jsonl").exists():
                 raise FileExistsError(f"{self.dir} already holds a run; resume it or choose another output directory")
@@ -90,8 +105,14 @@ class RunWriter:
         return read_metrics(self.dir)
 
     def truncate_metrics(self, rounds_done: int) -> list[dict[str, Any]]:
-        """Keep the records of rounds ≤ rounds_done (drop what an interrupted run wrote after its checkpoint)."""
+        """Keep the records of rounds 0..rounds_done (drop what an interrupted run wrote after its checkpoint,
+        including a half-written last line); they must all be there."""
         kept = [m for m in self.read_metrics() if m["round"] <= rounds_done]
+        if [m["round"] for m in kept] != list(range(rounds_done + 1)):
+            raise ValueError(
+                f"cannot resume {self.dir}: {self.metrics_path.name} should hold rounds 0..{rounds_done} "
+                f"(the last checkpoint), found {[m['round'] for m in kept]}"
+            )
         _atomic_write(self.metrics_path, lambda p: p.write_text("".join(json.dumps(m) + "\n" for m in kept)))
         return kept
 
@@ -110,16 +131,30 @@ class RunWriter:
         return _decode(torch.load(found[-1], map_location="cpu", weights_only=True), device)
 
     def finish(self, metrics: list[dict[str, Any]], model: torch.Tensor) -> None:
-        _atomic_write(self.dir / "summary.json", lambda p: p.write_text(json.dumps(summarize(metrics), indent=2)))
+        """Write model.pt, then summary.json (last: it marks the run finished)."""
         _atomic_write(self.dir / "model.pt", lambda p: torch.save({"x": model.detach().cpu().clone()}, p))
+        _atomic_write(self.dir / "summary.json", lambda p: p.write_text(json.dumps(summarize(metrics), indent=2)))
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The per-round records of a run directory."""
+    """The per-round records of a run directory.
+
+    A last line that does not parse is dropped: a run killed while appending a record leaves half a line.
+    Any other unparsable line raises ValueError.
+    """
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:
+                break
+            raise ValueError(f"{path}: line {i + 1} is not valid JSON: {line[:80]!r}") from None
+    return records
 
 
 def summarize(metrics: list[dict[str, Any]], target: float | None = None) -> dict[str, Any]:

@@ -49,7 +49,8 @@ def test_weighted_sum_matches_reference(lib, dtype, K, d):
     assert lib_of(out) == lib and dtype_of(out) == dtype and tuple(out.shape) == (d,)
     assert_close_to(out, list(rounded(x, dtype)), w, dtype)
     ref = reference.weighted_sum(stack, w)
-    assert lib_of(ref) == lib and dtype_of(ref) == dtype
+    assert lib_of(ref) == lib and dtype_of(ref) == dtype and tuple(ref.shape) == (d,)
+    assert_close_to(ref, list(rounded(x, dtype)), w, dtype)
 
 
 @pytest.mark.parametrize("lib", LIBS_CPU)
@@ -102,17 +103,23 @@ def test_strided_output():
     assert np.all(big[1::2] == 0), "wrote outside the strided output"
 
 
-def test_zero_weight_rows_are_not_read():
-    x = np.ones((4, 1000), np.float32)
+@pytest.mark.parametrize("impl", [ops, reference], ids=["op", "reference"])
+@pytest.mark.parametrize("lib", LIBS_CPU)
+def test_zero_weight_rows_are_not_read(impl, lib):
+    x = np.ones((4, 1000))
     x[1] = np.nan
     x[3] = np.inf
-    out = ops.weighted_sum(x, [0.5, 0.0, 2.0, 0.0])
-    assert np.all(out == 2.5)
+    out = impl.weighted_sum(make(lib, x, "float32"), [0.5, 0.0, 2.0, 0.0])
+    assert np.all(to_numpy64(out) == 2.5)
+    listed = [make(lib, row, "float32") for row in x]
+    assert np.all(to_numpy64(impl.weighted_sum(listed, [0.0, 0.0, 1.0, 0.0])) == 1.0)
 
 
-def test_all_zero_weights_give_zeros():
+@pytest.mark.parametrize("impl", [ops, reference], ids=["op", "reference"])
+def test_all_zero_weights_give_zeros(impl):
     x = np.full((3, 10), np.nan, np.float32)
-    assert np.all(ops.weighted_sum(x, [0.0, 0.0, 0.0]) == 0)
+    out = impl.weighted_sum(x, [0.0, 0.0, 0.0])
+    assert out.dtype == np.float32 and np.all(out == 0)
 
 
 def test_negative_weights_and_cancellation():
@@ -137,18 +144,30 @@ def test_float16_accumulates_in_float32():
     assert abs(ops.weighted_sum(tiny, np.ones(1000)).float()[0].item() - 0.1) < 1e-4
 
 
-def test_results_do_not_depend_on_thread_count():
+@pytest.mark.parametrize("case", ["float32", "float16", "strided"])
+def test_results_do_not_depend_on_thread_count(case):
+    if not pyfedkern.build_info()["openmp"]:
+        pytest.skip("pyfedkern was built without OpenMP: the kernels run on one thread whatever is asked")
     rng = np.random.default_rng(4)
-    x = rng.standard_normal((13, 300_001)).astype(np.float32)
+    values = rng.standard_normal((13, 600_002))
     w = rng.standard_normal(13)
+    if case == "float32":
+        x = values[:, ::2].astype(np.float32)
+    elif case == "float16":
+        x = make("torch", values[:, ::2], "float16")
+    else:
+        x = values.astype(np.float32)[:, 1::2]
+        assert not x.flags.c_contiguous
     before = pyfedkern.get_num_threads()
     try:
         results = []
         for n in (1, 2, 3, 8):
             pyfedkern.set_num_threads(n)
-            results.append(ops.weighted_sum(x, w))
+            assert pyfedkern.get_num_threads() == n
+            results.append(to_numpy64(ops.weighted_sum(x, w)))
     finally:
         pyfedkern.set_num_threads(before)
+    assert_close_to(results[0], list(to_numpy64(x)), w, "float16" if case == "float16" else "float32")
     for r in results[1:]:
         assert np.array_equal(r, results[0])
 

@@ -111,6 +111,23 @@ def test_quadratic():
     assert big.x_train.std() == pytest.approx(0.1, rel=0.1)
 
 
+@pytest.mark.parametrize(
+    ("spec", "split_seed"), [("digits", 0), ("digits", 5), ("synthetic:1,1,12,4", 3), ("quadratic:7,2", 0)]
+)
+def test_train_size_is_known_without_loading(spec, split_seed):
+    expected = load_dataset(spec, split_seed=split_seed).y_train.size
+    assert datasets.train_size(spec, split_seed=split_seed) == expected
+
+
+def test_train_size_of_file_datasets_is_unknown_and_arguments_are_checked():
+    assert datasets.train_size("mnist") is None and datasets.train_size("cifar10") is None
+    for spec, message in [("digits:3", "no arguments"), ("mnist:1", "no arguments"), ("synthetic:-1", "α and β")]:
+        with pytest.raises(ValueError, match=message):
+            datasets.train_size(spec)
+    with pytest.raises(ValueError, match="quadratic: m"):
+        datasets.train_size("quadratic:0")
+
+
 def test_to_parity(digits):
     p = to_parity(digits)
     assert p.num_classes == 2 and p.name == "digits:parity"

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from pyfedkern.sim import datasets
 from pyfedkern.sim.engine import ExperimentConfig, Simulation, load_config, parse_lr_schedule
 from pyfedkern.sim.results import read_metrics
 
@@ -33,11 +34,46 @@ def _numbers(metrics):
         ({"algorithm": "fedfoo"}, "fedfoo"),
         ({"algorithm": "fedprox", "algorithm_params": {"mu": -1.0}}, "mu"),
         ({"device": "tpu"}, "device"),
+        ({"fraction": 1.5}, r"fraction must be in \(0, 1\]"),
+        ({"fraction": float("nan")}, "fraction must be a finite number"),
+        ({"fraction": "0.5"}, "fraction must be a finite number"),
+        ({"local_epochs": float("inf")}, "local_epochs"),
+        ({"weight_decay": -0.1}, "weight_decay"),
+        ({"seed": True}, "seed"),
+        ({"eval_train_max": 0}, "eval_train_max"),
+        ({"normalize": "zscore"}, "normalize"),
+        ({"dataset": "digits:3"}, "no arguments"),
+        ({"dataset": "synthetic:-1,1"}, "α and β"),
+        ({"partition": "dirichlet:0"}, "dirichlet:α must be > 0"),
+        ({"partition": "dirichlet:-0.5"}, "dirichlet:α must be > 0"),
+        ({"partition": "dirichlet:0.3,2"}, "at most 1 argument"),
+        ({"partition": "dirichlet:0.3;1"}, "not a number"),
+        ({"partition": "shards:1.5"}, "shards:k"),
+        ({"partition": "groups", "clients": 5}, "even number"),
+        ({"clients": 1348}, "clients=1348 is more than the 1347 training samples of dataset 'digits'"),
+        ({"dataset": "quadratic:6,3", "clients": 7, "partition": "natural"}, "more than the 6 training samples"),
+        ({"dataset": "synthetic:1,1,3", "clients": 2000}, "clients=2000 is more than the"),
     ],
 )
-def test_invalid_config_raises_value_error(change, message):
+def test_invalid_config_raises_value_error(change, message, monkeypatch):
+    config = dataclasses.replace(SMALL, **change)
     with pytest.raises(ValueError, match=message):
-        dataclasses.replace(SMALL, **change).validate()
+        config.validate()
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("data loaded before the config was checked")
+
+    monkeypatch.setattr(datasets, "load_dataset", no_loading)
+    with pytest.raises(ValueError, match=message):
+        Simulation(config)
+
+
+def test_too_many_clients_for_a_dataset_of_unknown_size_is_caught_right_after_loading(monkeypatch):
+    monkeypatch.setattr(datasets, "train_size", lambda spec, split_seed=0: None)  # as for MNIST / CIFAR-10
+    config = dataclasses.replace(SMALL, clients=1348)
+    config.validate()
+    with pytest.raises(ValueError, match="clients=1348 is more than the 1347 training samples"):
+        Simulation(config)
 
 
 def test_lr_schedules():
@@ -78,8 +114,13 @@ def test_run_writes_files_and_resume_after_interruption_is_exact(tmp_path, monke
     with pytest.raises(KeyboardInterrupt):
         sim.run(tmp_path / "cut")
     assert not (tmp_path / "cut" / "summary.json").exists()
+    # Rounds 1-3 were recorded, the last checkpoint is after round 2: round 3 must be redone, not duplicated.
+    assert [m["round"] for m in read_metrics(tmp_path / "cut")] == [0, 1, 2, 3]
+    with open(tmp_path / "cut" / "metrics.jsonl", "a") as f:
+        f.write('{"round": 4, "local_lo')  # a record cut short by a kill
     resumed = Simulation(load_config(tmp_path / "cut")).run(tmp_path / "cut", resume=True)
     assert _numbers(resumed) == _numbers(full)
+    assert _numbers(read_metrics(tmp_path / "cut")) == _numbers(full)
     model_full = torch.load(tmp_path / "full" / "model.pt", weights_only=True)
     model_cut = torch.load(tmp_path / "cut" / "model.pt", weights_only=True)
     assert torch.equal(model_full["x"], model_cut["x"])
@@ -87,10 +128,64 @@ def test_run_writes_files_and_resume_after_interruption_is_exact(tmp_path, monke
     assert summary["rounds"] == 5
 
 
-def test_refuses_to_overwrite_a_finished_run(tmp_path):
-    Simulation(dataclasses.replace(SMALL, rounds=1)).run(tmp_path / "r")
-    with pytest.raises((FileExistsError, ValueError)):
-        Simulation(dataclasses.replace(SMALL, rounds=1)).run(tmp_path / "r")
+def test_refuses_to_overwrite_or_resume_a_finished_run(tmp_path):
+    config = dataclasses.replace(SMALL, rounds=1)
+    Simulation(config).run(tmp_path / "r")
+    before = (tmp_path / "r" / "metrics.jsonl").read_text()
+    with pytest.raises(FileExistsError, match="already holds a run"):
+        Simulation(config).run(tmp_path / "r")
+    with pytest.raises(FileExistsError, match="already finished"):
+        Simulation(config).run(tmp_path / "r", resume=True)
+    assert (tmp_path / "r" / "metrics.jsonl").read_text() == before
+
+
+def test_resume_refuses_a_changed_config_and_a_corrupt_metrics_file(tmp_path, monkeypatch):
+    config = dataclasses.replace(SMALL, rounds=3, checkpoint_every=1)
+    sim = Simulation(config)
+    original_round = sim.algorithm.round
+
+    def crash_in_round_2(t, ctx):
+        if t == 2:
+            raise KeyboardInterrupt
+        return original_round(t, ctx)
+
+    monkeypatch.setattr(sim.algorithm, "round", crash_in_round_2)
+    with pytest.raises(KeyboardInterrupt):
+        sim.run(tmp_path / "cut")
+    with pytest.raises(ValueError, match="config differs in lr"):
+        Simulation(dataclasses.replace(config, lr=0.5)).run(tmp_path / "cut", resume=True)
+    path = tmp_path / "cut" / "metrics.jsonl"
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join([lines[0], "{garbage", *lines[1:]]) + "\n")
+    with pytest.raises(ValueError, match="line 2 is not valid JSON"):
+        Simulation(config).run(tmp_path / "cut", resume=True)
+    path.write_text(lines[0] + "\n")  # round 1 lost although its checkpoint exists
+    with pytest.raises(ValueError, match=r"should hold rounds 0..2"):
+        Simulation(config).run(tmp_path / "cut", resume=True)
+
+
+def test_round_metrics_traffic_times_and_evaluation_schedule():
+    rounds, eval_every = 5, 2
+    for algorithm, vectors in (("fedavg", 1), ("scaffold", 2)):
+        config = dataclasses.replace(
+            SMALL, algorithm=algorithm, clients=6, fraction=0.5, rounds=rounds, eval_every=eval_every
+        )
+        sim = Simulation(config)
+        metrics = sim.run()
+        d = sim.local.dim
+        for m in metrics[1:]:
+            assert m["clients"] == 3
+            # float32 vectors of d floats: FedAvg sends the model each way, SCAFFOLD the model and a control variate.
+            assert m["bytes_up"] == m["bytes_down"] == 3 * vectors * 4 * d, algorithm
+            times = [m[k] for k in ("time_local", "time_aggregation", "time_evaluation")]
+            assert all(isinstance(v, float) and v >= 0 for v in [*times, m["time_round"]])
+            assert sum(times) <= m["time_round"]
+            evaluated = m["round"] % eval_every == 0 or m["round"] == rounds
+            assert ("test_acc" in m) == ("test_loss" in m) == ("train_loss" in m) == evaluated
+            if not evaluated:
+                assert m["time_evaluation"] == 0.0
+        assert "test_acc" in metrics[0] and metrics[0]["time_evaluation"] >= 0
+        assert [m["round"] for m in metrics if "test_acc" in m] == [0, 2, 4, 5]
 
 
 def test_partial_participation_samples_the_requested_fraction():

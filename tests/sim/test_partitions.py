@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pyfedkern.sim.partitions import PARTITIONS, Partition, make_partition
+from pyfedkern.sim.partitions import PARTITIONS, Partition, make_partition, parse_partition
 
 # 2,000 samples, 10 classes of 200, in a shuffled order.
 LABELS = np.random.default_rng(7).permutation(np.arange(2000) % 10)
@@ -232,11 +232,11 @@ def test_natural():
     [
         ("iid", 0, "num_clients"),
         ("iid", 2001, "num_clients"),
-        ("dirichlet:0", 5, "α"),
+        ("dirichlet:0", 5, "dirichlet:α must be > 0"),
         ("dirichlet:-1", 5, "α"),
-        ("quantity:0", 5, "α"),
-        ("shards:0", 5, "shards k"),
-        ("shards:1.5", 5, "shards k"),
+        ("quantity:0", 5, "quantity:α must be > 0"),
+        ("shards:0", 5, "shards:k"),
+        ("shards:1.5", 5, "shards:k"),
         ("noise:-0.1", 5, "σ"),
         ("iid:3", 5, "at most 0"),
         ("dirichlet:1,2", 5, "at most 1"),
@@ -247,6 +247,18 @@ def test_natural():
 def test_bad_specs(spec, clients, message):
     with pytest.raises(ValueError, match=message):
         make_partition(spec, LABELS, clients)
+    if clients <= LABELS.size:  # everything but the sample count is checked without data
+        with pytest.raises(ValueError, match=message):
+            parse_partition(spec, clients)
+
+
+def test_parse_partition_fills_defaults():
+    assert parse_partition("dirichlet", 5) == ("dirichlet", [0.5])
+    assert parse_partition("groups:0.2", 4) == ("groups", [0.2, 0.3])
+    with pytest.raises(ValueError, match="even number"):
+        parse_partition("groups", 5)
+    with pytest.raises(ValueError, match="groups:o,α α must be > 0"):
+        parse_partition("groups:0.5,0", 4)
 
 
 def test_bad_labels():
