@@ -3,14 +3,14 @@
 import numpy as np
 import torch
 
-from pyfedkern.benchmarks import aggregate
+from pyfedkern.benchmarks import aggregate, fedspeed
 from pyfedkern.benchmarks.common import time_case
 from pyfedkern.benchmarks.runner import Row, report
 
 
 def _flat(result) -> np.ndarray:
     if isinstance(result, list):
-        return np.concatenate([np.asarray(r).reshape(-1) for r in result])
+        return np.concatenate([_flat(r).reshape(-1) for r in result])
     if isinstance(result, torch.Tensor):
         return result.detach().cpu().double().numpy()
     return np.asarray(result, dtype=np.float64)
@@ -23,6 +23,22 @@ def test_aggregate_peers_agree_with_pyfedkern():
     assert len(results) >= 5
     for name, value in results.items():
         np.testing.assert_allclose(value, ours, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_fedspeed_step_peers_agree_with_pyfedkern():
+    """One step of every peer (per-tensor, flat) from fresh inputs equals the fused step, in both groups."""
+    groups = dict.fromkeys(c.group for c in fedspeed.cases(quick=True) if not c.is_limit)
+    assert len(groups) == 2
+    for group in groups:
+        names = [c.name for c in fedspeed.cases(quick=True) if c.group == group and not c.is_limit]
+        assert "pyfedkern" in names and any("per-tensor" in n for n in names) and len(names) >= 3
+        results = {}
+        for name in names:  # a fresh InputCache per case: every step starts from the same x
+            case = next(c for c in fedspeed.cases(quick=True) if c.group == group and c.name == name)
+            results[name] = _flat(case.make()())
+        ours = results.pop("pyfedkern")
+        for name, value in results.items():
+            np.testing.assert_allclose(value, ours, rtol=1e-5, atol=1e-7, err_msg=f"{group}: {name}")
 
 
 def test_time_case_and_report():

@@ -319,6 +319,10 @@ class FedSpeed(Algorithm):
     + wd·x]; then h_i += x_K − x^t and the upload x̂_i = x_K + h_i is added straight into the server's running sum.
     Server: x^{t+1} = mean over the S participants of x̂_i (``corr_avg="active"``, Algorithm 1) or
     mean_S(x_K) + mean over all m clients of h_i (``corr_avg="all"``, the reference code, via a running Σ_m h_i).
+    Both means are plain 1/S (and 1/m) means, as in Algorithm 1 and in FedDyn; FedAvg, FedProx, SCAFFOLD and FedSAM
+    weight their participants by |D_i| instead. So the special cases (perturbation alone = FedSAM, prox alone =
+    FedProx, no switch = FedAvg) equal those baselines only when the clients have equal sizes; otherwise they equal
+    them with equal weights.
     η is ``ctx.lr(t)`` (constant within a round) and wd is ``ctx.weight_decay``; momentum is not used.
 
     Args:
@@ -416,9 +420,13 @@ class FedSpeed(Algorithm):
         )
 
     def _local_steps(self, t: int, cid: int, ctx: FLContext) -> float:
+        """Client cid's local steps of round t; the mean loss at x over the steps (nan without steps).
+
+        The losses are summed on the model's device in float64 (bit for bit the sum of their Python floats) and read
+        once at the end, so the steps never wait for the GPU."""
         local = ctx.local
         local.module.train()
-        total, n = 0.0, 0
+        total, n = torch.zeros((), dtype=torch.float64, device=self.x.device), 0
         for xb, yb in ctx.batches(cid, t, epochs=ctx.local_epochs, steps=ctx.local_steps):
 
             def closure(xb: torch.Tensor = xb, yb: torch.Tensor = yb) -> torch.Tensor:
@@ -426,9 +434,9 @@ class FedSpeed(Algorithm):
                 loss.backward()
                 return loss
 
-            total += float(self.optimizer.step(closure).detach())
+            total += self.optimizer.step(closure).detach()
             n += 1
-        return total / n if n else float("nan")
+        return float(total) / n if n else float("nan")
 
     def state_dict(self) -> dict[str, Any]:
         state = {**super().state_dict(), "h_total": self.h_total}

@@ -34,7 +34,8 @@ class FedDyn(Algorithm):
 
     Client: SGD on the direction g + (1/λ)(x + h_i − x^t) + wd·x; with ``ref_compat`` (FL-Simulator) the loss gradient
     plus the correction g + (1/λ)(h_i − x^t) is first clipped to norm ``clip_norm``. Then h_i += x_K − x^t.
-    Server: x^{t+1} = mean over participants of x_K + mean over all m clients of h_i.
+    Server: x^{t+1} = mean over participants of x_K + mean over all m clients of h_i (plain means, not weighted by
+    |D_i|, as in FedSpeed).
     """
 
     name = "feddyn"

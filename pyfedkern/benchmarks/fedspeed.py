@@ -13,7 +13,11 @@ Group "ref-code form" (clip at 10, α = 1, what FL-Simulator computes):
 - ``torch flat``: the same math with torch ops on flat buffers;
 - ``limit:copy``: a copy of 4.5·d floats (9·d floats of traffic), the machine's memory bandwidth.
 
-Group "Alg. 1" (α = 0.9375, no clip; the spec's 9·d floats per step): ``pyfedkern``, ``torch flat`` and the copy.
+Group "Alg. 1" (α = 0.9375, no clip; the spec's 9·d floats per step): ``pyfedkern``, ``torch flat``, the copy and
+``torch per-tensor``: the same math written the per-tensor way (global norm over a list of per-tensor norms,
+perturb and restore each tensor in place, then per tensor x ← (1 − η(1/λ + wd))·x − η[(1−α)g1 + αg2 + D/λ] with one
+``add_`` per term). The second backward is modelled by pointing ``p.grad`` at the g2 tensors (no copy), as a fresh
+backward after ``zero_grad(set_to_none=True)`` would.
 """
 
 from __future__ import annotations
@@ -148,6 +152,33 @@ def cases(quick: bool = False, device: str = "cpu") -> list[Case]:
 
             return run
 
+        def per_tensor_alg1(inputs=inputs):
+            a = inputs()
+            params, g2_list, corr_list = a["params"], a["g2_list"], a["corr_list"]
+
+            def run():
+                with torch.no_grad():
+                    grad_norm = torch.norm(torch.stack([p.grad.norm(p=2) for p in params]), p=2)
+                    scale = RHO / (grad_norm + 1e-7)
+                    g1_list, e_ws = [p.grad for p in params], []
+                    for p in params:
+                        e_w = p.grad * scale
+                        p.add_(e_w)
+                        e_ws.append(e_w)
+                    for p, g2 in zip(params, g2_list, strict=True):  # the second backward's fresh gradients
+                        p.grad = g2
+                    for p, e_w, g1, g2, c in zip(params, e_ws, g1_list, g2_list, corr_list, strict=True):
+                        p.sub_(e_w)
+                        p.mul_(1 - LR * (PROX + WD))
+                        p.add_(g1, alpha=-LR * (1 - ALPHA))
+                        p.add_(g2, alpha=-LR * ALPHA)
+                        p.add_(c, alpha=-LR)
+                    for p, g1 in zip(params, g1_list, strict=True):  # the next step's first gradient
+                        p.grad = g1
+                return params
+
+            return run
+
         def torch_flat_alg1(inputs=inputs):
             a = inputs()
             x, g1, g2, anchor, perturbed = a["x"], a["g1"], a["g2"], a["anchor"], a["perturbed"]
@@ -170,6 +201,7 @@ def cases(quick: bool = False, device: str = "cpu") -> list[Case]:
             Case(group, "torch flat", torch_flat, 10 * d * 4, 0, device),
             Case(group, "limit:copy", limit_copy, 9 * d * 4, 0, device),
             Case(alg1, "pyfedkern", lambda inputs=inputs: fused(inputs, False, ALPHA), 9 * d * 4, 0, device),
+            Case(alg1, "torch per-tensor", per_tensor_alg1, 9 * d * 4, 0, device),
             Case(alg1, "torch flat", torch_flat_alg1, 9 * d * 4, 0, device),
             Case(alg1, "limit:copy", limit_copy, 9 * d * 4, 0, device),
         ]

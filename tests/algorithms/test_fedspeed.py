@@ -18,21 +18,23 @@ from pyfedkern.algorithms.fedspeed_baselines import FedAdam, FedCM, FedDyn, FedS
 
 
 class ToyContext:
-    """A deterministic FLContext: m equal-size clients with shifted Gaussian features, a small float64 MLP."""
+    """A deterministic FLContext: m clients (n samples each, or ``sizes``) with shifted Gaussian features, a small
+    float64 MLP. ``client_sizes`` (the aggregation weights |D_i|) may be overwritten without changing the data."""
 
     def __init__(self, *, num_clients=5, n=24, dim=5, classes=3, batch=8, steps=3, weight_decay=0.0, fraction=0.6,
-                 lr0=0.1, decay=0.9, seed=0, momentum=0.0):  # fmt: skip
+                 lr0=0.1, decay=0.9, seed=0, momentum=0.0, sizes=None):  # fmt: skip
         gen = torch.Generator().manual_seed(seed)
         torch.manual_seed(seed)
         module = nn.Sequential(nn.Linear(dim, 6), nn.Tanh(), nn.Linear(6, classes)).double()
         self.local = LocalModel(module)
         self.x0 = self.local.flat.data.clone()
+        sizes = [n] * num_clients if sizes is None else list(sizes)
         self.data = []
-        for i in range(num_clients):
-            features = torch.randn(n, dim, generator=gen, dtype=torch.float64) + 0.5 * i
-            self.data.append((features, torch.randint(0, classes, (n,), generator=gen)))
-        self.num_clients, self.n, self.batch, self.seed = num_clients, n, batch, seed
-        self.client_sizes = np.full(num_clients, n, dtype=np.int64)
+        for i, size in enumerate(sizes):
+            features = torch.randn(size, dim, generator=gen, dtype=torch.float64) + 0.5 * i
+            self.data.append((features, torch.randint(0, classes, (size,), generator=gen)))
+        self.num_clients, self.batch, self.seed = len(sizes), batch, seed
+        self.client_sizes = np.asarray(sizes, dtype=np.int64)
         self.device = torch.device("cpu")
         self.batch_size, self.local_epochs, self.local_steps = batch, 1.0, steps
         self.momentum, self.weight_decay = momentum, weight_decay
@@ -45,7 +47,7 @@ class ToyContext:
         rng = self.rng(2, t, cid)
         x, y = self.data[cid]
         for _ in range(steps or self.local_steps):
-            idx = torch.as_tensor(rng.choice(self.n, self.batch, replace=False))
+            idx = torch.as_tensor(rng.choice(len(y), self.batch, replace=False))
             yield x[idx], y[idx]
 
     def sample_clients(self, t: int) -> np.ndarray:
@@ -193,6 +195,52 @@ def test_prox_alone_equals_fedprox_and_nothing_equals_fedavg():
     assert torch.allclose(prox, run(FedProx(mu=0.25), ToyContext(weight_decay=1e-3), 3), rtol=1e-10, atol=1e-12)
     plain = FedSpeed(use_prox=False, use_correction=False, use_perturb=False)
     assert torch.allclose(run(plain, ToyContext(), 3), run(FedAvg(), ToyContext(), 3), rtol=1e-10, atol=1e-12)
+
+
+def test_unequal_client_sizes_fedspeed_and_feddyn_take_the_plain_mean():
+    """With unequal |D_i| FedSpeed's server (Algorithm 1) and FedDyn take the plain 1/S mean, while FedAvg, FedProx and
+    FedSAM weight by |D_i|: FedSpeed's special cases then equal those baselines with equal weights, not as they are."""
+    sizes = [8, 40, 12, 60, 20]
+
+    def ctx(equal_weights=False):
+        context = ToyContext(sizes=sizes, weight_decay=1e-3)
+        if equal_weights:  # same data, aggregation weights |D_i| replaced by 1
+            context.client_sizes = np.ones(len(sizes), dtype=np.int64)
+        return context
+
+    cases = [
+        (FedSpeed(rho=0.2, use_prox=False, use_correction=False), lambda: FedSAM(rho=0.2)),
+        (FedSpeed(lam=4.0, use_correction=False, use_perturb=False), lambda: FedProx(mu=0.25)),
+        (FedSpeed(use_prox=False, use_correction=False, use_perturb=False), FedAvg),
+    ]
+    for speed, baseline in cases:
+        x_speed = run(speed, ctx(), 3)
+        assert torch.allclose(x_speed, run(baseline(), ctx(equal_weights=True), 3), rtol=1e-10, atol=1e-12)
+        assert not torch.allclose(x_speed, run(baseline(), ctx(), 3), atol=1e-6), type(baseline())
+    x_speed = run(FedSpeed(lam=2.0, rho=0.0, corr_avg="all"), ctx(), 3)
+    assert torch.allclose(x_speed, run(FedDyn(lam=2.0), ctx(), 3), rtol=1e-10, atol=1e-12)
+
+
+def test_round_loss_is_the_mean_of_the_step_losses():
+    """The round's local_loss (summed on the device, read once per client) is the exact mean over clients of each
+    client's mean step loss."""
+    algo = FedSpeed(lam=4.0, rho=0.1)
+    ctx = ToyContext(weight_decay=1e-3)
+    algo.setup(ctx, ctx.x0)
+    seen = []
+    step = algo.optimizer.step
+
+    def recording_step(closure):
+        loss = step(closure)
+        seen.append(float(loss.detach()))
+        return loss
+
+    algo.optimizer.step = recording_step
+    stats = algo.round(0, ctx)
+    k = ctx.local_steps
+    assert len(seen) == k * len(stats.clients)
+    per_client = [sum(seen[i : i + k]) / k for i in range(0, len(seen), k)]
+    assert stats.local_loss == float(np.mean(per_client))
 
 
 # the optimizer in a user's loop --------------------------------------------------------------------------

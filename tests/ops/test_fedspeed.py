@@ -396,13 +396,27 @@ def test_cuda_matches_reference(dtype, d):
 
 @pytest.mark.cuda
 def test_cuda_no_host_sync_and_streams():
+    """The ops only queue work on the caller's stream. Two checks: under ``set_sync_debug_mode("error")`` any
+    PyTorch-level synchronisation in the Python layer (``.item()``, a blocking copy) raises; and a sleep kernel queued
+    first is still running when the calls return, so nothing inside the extension waited for the stream either."""
     torch.manual_seed(1)
     x, g = torch.randn(100_000, device="cuda"), torch.randn(100_000, device="cuda")
+    ops.fedspeed_update_(ops.sam_perturb(x, g, 0.1), g, 0.1, clip_norm=1.0)  # warm-up (lazy initialisation)
+    torch.cuda.synchronize()
     stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        out = ops.sam_perturb(x, g, 0.1)  # norm kept in an internal device buffer
-        ops.fedspeed_update_(out, g, 0.1, clip_norm=1.0)
+    stream.wait_stream(torch.cuda.current_stream())
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(1 << 30)  # ~0.5 s of GPU time, far longer than queueing the two ops
+            out = ops.sam_perturb(x, g, 0.1)  # norm kept in an internal device buffer
+            ops.fedspeed_update_(out, g, 0.1, clip_norm=1.0)
+            busy_after_calls = not stream.query()
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
     stream.synchronize()
+    assert busy_after_calls, "the ops waited for the stream (a host synchronisation)"
     expected = x + 0.1 / (g.norm() + 1e-7) * g
     expected -= 0.1 * torch.clamp(1.0 / (g.norm() + 1e-6), max=1.0) * g
     assert torch.allclose(out, expected, rtol=1e-5, atol=1e-6)

@@ -31,23 +31,60 @@ def test_mean_curve_averages_seeds_round_by_round():
     assert [m["test_loss"] for m in mean] == pytest.approx([0.7, 0.2])
 
 
-def _rows(to_target):
-    """Result rows for one dataset with the given rounds-to-target per method (same for both α)."""
+def _rows(to_target, last10=None):
+    """Result rows for one dataset: rounds-to-target (and last-10 accuracy) per method, the same for both α."""
     return [
-        {"dataset": "digits", "alpha": a, "method": m, "targets": [0.85, 0.92], "to_target": list(to_target[m])}
+        {
+            "dataset": "digits",
+            "alpha": a,
+            "method": m,
+            "targets": [0.85, 0.92],
+            "to_target": list(to_target[m]),
+            "last10_acc": [(last10 or {}).get(m, 0.9)],
+        }
         for a in repro.ALPHAS
         for m in repro.METHODS
     ]
 
 
-def test_verdict_counts_cells_where_fedspeed_is_strictly_fastest():
+def test_verdict_counts_cells_where_each_fedspeed_variant_is_strictly_fastest():
     slow = {m: (100, None) for m in repro.METHODS}
     text = repro.verdict(_rows({**slow, "fedspeed": (50, 80)}))
-    assert "fewest rounds in 4 of 4" in text and "FedAvg took 100 rounds, 2.00× FedSpeed's" in text
-    text = repro.verdict(_rows({**slow, "scaffold": (40, None), "fedspeed": (50, 80)}))
-    assert "fewest rounds in 2 of 4" in text and "fastest baseline SCAFFOLD 40" in text
-    text = repro.verdict(_rows({**slow, "fedspeed": (100, None)}))  # a tie is not a win
-    assert "fewest rounds in 0 of 4" in text
+    assert "FedSpeed (Alg. 1): fewer rounds than every baseline in 4 of 4 (Dir α, target) cells; fewer" in text
+    assert (
+        "FedSpeed (ρ0 = 0): fewer rounds than every baseline in 0 of 4 (Dir α, target) cells; fewer than FedAvg in 0"
+        in text
+    )
+    assert "FedSpeed (corr_avg=all): fewer rounds than every baseline in 0 of 4" in text  # a tie is not a win
+    assert "| Dir(0.3) → 85% | 50 | 100 | 100 | FedAvg 100 | 100 |" in text
+    text = repro.verdict(_rows({**slow, "scaffold": (40, None), "fedspeed-all": (50, 80)}))
+    assert "FedSpeed (corr_avg=all): fewer rounds than every baseline in 2 of 4" in text
+    assert "fewer than FedAvg in 4 of 4" in text and "| SCAFFOLD 40 |" in text
+
+
+def test_split_difference_adds_up_and_isolates_each_switch():
+    grid = {("active", repro.RHO0): 30.0, ("all", repro.RHO0): 14.0, ("active", 0.0): 26.0, ("all", 0.0): 12.0}
+    gap, server, perturb = repro.split_difference(grid)
+    assert (gap, server, perturb) == (18.0, 15.0, 3.0)
+    only_server = {("active", repro.RHO0): 5.0, ("all", repro.RHO0): 2.0, ("active", 0.0): 5.0, ("all", 0.0): 2.0}
+    assert repro.split_difference(only_server) == (3.0, 3.0, 0.0)
+
+
+def test_attribution_names_the_switch_that_explains_the_difference():
+    rounds = {m: (20, 40) for m in repro.METHODS}
+    rounds.update({"fedspeed": (30, 60), "fedspeed-rho0": (28, 58), "fedspeed-all": (21, 41), "feddyn": (20, 40)})
+    acc = {"fedspeed": 0.90, "fedspeed-rho0": 0.91, "fedspeed-all": 0.95, "feddyn": 0.95}
+    text = repro.attribution(_rows(rounds, acc))
+    assert "over the 4 of 4 cells that all four reached: FedSpeed (Alg. 1) 180, FedDyn 120" in text
+    assert "difference +60 = +54.0 from the server average" in text and "+6.0 from the perturbation" in text
+    assert text.count("The server average of the correction accounts for the larger part.") == 2
+    assert "FedSpeed (Alg. 1) 90.00%" in text and "the difference -5.00 points = -4.50 from the server" in text
+    acc = {"fedspeed": 0.93, "fedspeed-rho0": 0.90, "fedspeed-all": 0.97, "feddyn": 0.95}
+    text = repro.attribution(_rows(rounds, acc))
+    assert "-2.00 points = -4.50 from the server average and +2.50 from the perturbation" in text
+    assert "larger part (the two switches pull in opposite directions)." in text
+    rounds["feddyn"] = (None, None)
+    assert "no cell where all four grid methods reached the target" in repro.attribution(_rows(rounds, acc))
 
 
 def test_tiny_reproduction(tmp_path, capsys):
@@ -62,11 +99,23 @@ def test_tiny_reproduction(tmp_path, capsys):
     assert "CIFAR-10 / ResNet-18-GN: skipped" in results["skipped"][0]
     # FedDyn and FedSpeed decay the learning rate more slowly, as in the paper
     run_dir = out / "digits" / "dir0.3" / "seed0"
-    schedules = {m: json.loads((run_dir / m / "config.json").read_text())["lr_schedule"] for m in repro.METHODS}
-    assert schedules["fedspeed"] == schedules["feddyn"] != schedules["fedavg"] == schedules["fedsam"]
+    configs = {m: json.loads((run_dir / m / "config.json").read_text()) for m in repro.METHODS}
+    schedules = {m: c["lr_schedule"] for m, c in configs.items()}
+    assert schedules["fedspeed"] == schedules["fedspeed-all"] == schedules["feddyn"] != schedules["fedavg"]
+    assert schedules["fedavg"] == schedules["fedsam"]
+    # every method on the same equal-size split; the variants differ only in their switch
+    assert {c["partition"] for c in configs.values()} == {"dirichlet-equal:0.3"}
+    assert {m: c["algorithm"] for m, c in configs.items() if m.startswith("fedspeed")} == dict.fromkeys(
+        repro.FEDSPEED_VARIANTS, "fedspeed"
+    )
+    speed = configs["fedspeed"]["algorithm_params"]
+    assert speed == {"lam": 10.0, "rho": 0.1, "alpha": 0.9375, "corr_avg": "active"}  # prox weight 1/λ = 0.1
+    assert configs["fedspeed-all"]["algorithm_params"] == {**speed, "corr_avg": "all"}
+    assert configs["fedspeed-rho0"]["algorithm_params"] == {**speed, "rho": 0.0}
 
     report = (out / "report.md").read_text()
-    assert "| FedSpeed |" in report and "Compared with the paper" in report
+    assert "| FedSpeed (Alg. 1) |" in report and "Compared with the paper" in report
+    assert "What explains the difference between FedSpeed and FedDyn" in report
     for a in repro.ALPHAS:
         assert (docs.parent / "img" / f"fedspeed-digits-dir{a:g}.png").stat().st_size > 0
     repro.main(TINY, out=out, quick=True, docs=str(docs))  # resumes every finished run, replaces the section
