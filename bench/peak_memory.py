@@ -74,12 +74,13 @@ def main() -> None:
         if case.group.startswith(args.group_prefix):
             cmd = [sys.executable, __file__, args.family, "--index", str(i)]
             rows.append(json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout))
+    malloc = " ".join(f"{k}={v}" for k, v in MALLOC_ENV.items())
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"# Peak memory per call: {args.family} {args.group_prefix}\n")
     print(f"- date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}")
     print(f"- commit: {commit}")
     print(f"- machine: {_cpu_name()}, {os.cpu_count()} logical CPUs, {platform.system()} {platform.release()}")
-    print(f"- python {platform.python_version()}; method: bench/peak_memory.py (warm call, {' '.join(MALLOC_ENV)})\n")
+    print(f"- python {platform.python_version()}; method: bench/peak_memory.py (warm call; {malloc})\n")
     for group in dict.fromkeys(r["group"] for r in rows):
         members = [r for r in rows if r["group"] == group]
         ours = next(r["peak_mib"] for r in members if r["name"] == "pyfedkern")

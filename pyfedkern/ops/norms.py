@@ -105,7 +105,7 @@ def _forward(feats: ArrayRef, labels: ArrayRef | None, num_classes: int, logits:
         correct = _arrays.empty_like_lib(feats, (), "int64")
 
     def ptr(x: Any) -> int:
-        return 0 if x is None else _arrays.describe(x, "output").ptr
+        return 0 if x is None else _arrays.data_ptr(x)
 
     native().class_feature_norms(
         feats.device,
@@ -163,10 +163,8 @@ def _autograd_function():
 
     class _ClassFeatureNorms(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, features, labels, num_classes, logits):
-            feats = _arrays.describe(features, "features")
-            lab = _arrays.describe(labels, "labels")
-            lg = None if logits is None else _arrays.describe(logits, "logits")
+        def forward(ctx, features, labels, num_classes, logits, feats, lab, lg):
+            """(features, labels, logits) are described (and checked) by the caller as (feats, lab, lg)."""
             result = _forward(feats, lab, num_classes, lg)
             ctx.save_for_backward(features, labels, result.counts)
             ctx.num_classes = num_classes
@@ -187,10 +185,10 @@ def _autograd_function():
                 if g_mean is not None:
                     class_coef += g_mean.to(acc) / counts.clamp(min=1).to(acc)
             if grad_norms is None and class_coef is None:
-                return None, None, None, None
+                return (None,) * 7
             feats = _arrays.describe(features, "features")
             lab = _arrays.describe(labels, "labels")
-            return _backward(feats, lab, ctx.num_classes, grad_norms, class_coef), None, None, None
+            return (_backward(feats, lab, ctx.num_classes, grad_norms, class_coef),) + (None,) * 6
 
     return _ClassFeatureNorms
 
@@ -220,26 +218,19 @@ def class_feature_norms(features: Any, labels: Any, num_classes: int, logits: An
     C = _check_num_classes(num_classes)
     labels, lab = _prepare_labels(labels, feats, C)
     lg = None if logits is None else _check_logits(logits, feats, C)
-    if feats.lib == "torch":
+    if feats.lib == "torch" and features.requires_grad:
         import torch
 
-        if torch.is_grad_enabled() and features.requires_grad:
+        if torch.is_grad_enabled():
             if _FUNCTION is None:
                 _FUNCTION = _autograd_function()
-            return FeatureNorms(*_FUNCTION.apply(features, labels, C, logits))
-        features = features.detach()
-        feats = _arrays.describe(features, "features")
-        if lg is not None:
-            lg = _arrays.describe(logits.detach(), "logits")
-    return _forward(feats, lab, C, lg)
+            return FeatureNorms(*_FUNCTION.apply(features, labels, C, logits, feats, lab, lg))
+    return _forward(feats, lab, C, lg)  # the outputs are new tensors outside any autograd graph
 
 
 def row_norms(x: Any) -> Any:
     """[B] L2 norms of the rows of a [B, D] float array (not differentiable), in the caller's library/dtype."""
-    feats = _check_features(x, "x")
-    if feats.lib == "torch":
-        feats = _arrays.describe(x.detach(), "x")
-    return _forward(feats, None, 0, None).norms
+    return _forward(_check_features(x, "x"), None, 0, None).norms
 
 
 # Per-sample gradient norms ---------------------------------------------------------------------------------

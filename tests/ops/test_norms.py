@@ -220,6 +220,19 @@ def test_bad_input(features, labels, C, logits, exc, match):
         ops.class_feature_norms(features, labels, C, logits=logits)
 
 
+def test_bad_input_on_the_differentiable_torch_path():
+    f = torch.ones(4, 3, requires_grad=True)
+    y = torch.tensor(Y)
+    with pytest.raises(ValueError, match=r"labels\[2\] = 5 is out of range"):
+        ops.class_feature_norms(f, torch.tensor([0, 1, 5, 1]), 3)
+    with pytest.raises(TypeError, match="integer dtype"):
+        ops.class_feature_norms(f, y.float(), 3)
+    with pytest.raises(ValueError, match="2-D"):
+        ops.class_feature_norms(torch.ones(4, 3, 1, requires_grad=True), y, 3)
+    with pytest.raises(TypeError, match="logits has dtype float64"):
+        ops.class_feature_norms(f, y, 3, logits=torch.ones(4, 3, dtype=torch.float64))
+
+
 # per-sample gradient norms --------------------------------------------------------------------------------
 
 
