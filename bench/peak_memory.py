@@ -1,17 +1,33 @@
-"""Peak host memory of one call of each benchmark case, each case in a fresh process (a markdown table).
+"""Peak host memory of one warm call of each benchmark case, each case in a fresh process (a markdown table).
 
 Usage: python bench/peak_memory.py FAMILY [GROUP_PREFIX] > bench/results/NAME.md
 
-Each case's inputs and model are built, the kernel's peak-RSS counter is reset (/proc/self/clear_refs), and the case
-is called once: the reported peak is that call's resident high-water mark minus the resident size just before it,
-i.e. what one cold call holds at its peak (a repeated call would reuse memory the allocator kept). Linux, CPU only.
+What is measured, the same way for every case (pyfedkern, its peers and the ``limit:`` floor):
+
+1. The child process runs with glibc's ``MALLOC_MMAP_THRESHOLD_=65536`` and ``MALLOC_TRIM_THRESHOLD_=0``: every
+   buffer of 64 KiB or more is mapped when allocated and unmapped when freed, and the heap is trimmed on free, so the
+   resident size follows the memory actually live. (glibc's defaults keep freed memory and raise the mapping
+   threshold after the first large free, so a second call would reuse memory the first one left behind and look
+   smaller than it is. torch's CPU tensors come from malloc; ``tracemalloc`` cannot see them.)
+2. Warm-up: the family's quick-size cases of the same op (the group's first word) and the same name are called
+   once each: other inputs and sizes, the same code paths. Library loading, thread pools, lazily built kernels and
+   other one-time start-up allocations happen there, not in the measured call.
+3. The case's own inputs and model are built, the resident high-water mark is reset (/proc/self/clear_refs) and the
+   case is called once: the reported peak is VmHWM after the call minus VmRSS just before it, i.e. the call's own
+   working set at its peak (inputs and model excluded). Linux, CPU only.
 """
 
 import argparse
+import datetime
+import gc
 import importlib
 import json
+import os
+import platform
 import subprocess
 import sys
+
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
 
 
 def _status_kib(field: str) -> int:
@@ -21,14 +37,25 @@ def _status_kib(field: str) -> int:
 
 
 def _measure(family: str, index: int) -> dict:
-    case = importlib.import_module(f"pyfedkern.benchmarks.{family}").cases(quick=False, device="cpu")[index]
+    module = importlib.import_module(f"pyfedkern.benchmarks.{family}")
+    case = module.cases(quick=False, device="cpu")[index]
+    op = case.group.split()[0]
+    for warm in module.cases(quick=True, device="cpu"):
+        if warm.name == case.name and warm.group.split()[0] == op:
+            warm.timed()()
     fn = case.timed()
+    gc.collect()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current resident size
     before = _status_kib("VmRSS")
     fn()
     peak = _status_kib("VmHWM")
     return {"group": case.group, "name": case.name, "peak_mib": max(0, peak - before) / 1024}
+
+
+def _cpu_name() -> str:
+    with open("/proc/cpuinfo") as f:
+        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), platform.machine())
 
 
 def main() -> None:
@@ -42,12 +69,18 @@ def main() -> None:
         return
     cases = importlib.import_module(f"pyfedkern.benchmarks.{args.family}").cases(quick=False, device="cpu")
     rows = []
+    env = {**os.environ, **MALLOC_ENV}
     for i, case in enumerate(cases):
-        if case.group.startswith(args.group_prefix) and not case.name.startswith("limit:"):
+        if case.group.startswith(args.group_prefix):
             cmd = [sys.executable, __file__, args.family, "--index", str(i)]
-            rows.append(json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout))
+            rows.append(json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout))
+    malloc = " ".join(f"{k}={v}" for k, v in MALLOC_ENV.items())
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    print(f"# Peak memory per call: {args.family} {args.group_prefix}\n\n- commit: {commit}\n")
+    print(f"# Peak memory per call: {args.family} {args.group_prefix}\n")
+    print(f"- date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}")
+    print(f"- commit: {commit}")
+    print(f"- machine: {_cpu_name()}, {os.cpu_count()} logical CPUs, {platform.system()} {platform.release()}")
+    print(f"- python {platform.python_version()}; method: bench/peak_memory.py (warm call; {malloc})\n")
     for group in dict.fromkeys(r["group"] for r in rows):
         members = [r for r in rows if r["group"] == group]
         ours = next(r["peak_mib"] for r in members if r["name"] == "pyfedkern")

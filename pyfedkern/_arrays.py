@@ -193,6 +193,15 @@ def empty_like_lib(like: ArrayRef, shape: tuple[int, ...], dtype: str | None = N
         return cupy.empty(shape, dtype=dtype)
 
 
+def data_ptr(x: Any) -> int:
+    """Address of the first element of an array made by :func:`empty_like_lib` (a cheap ``describe(x).ptr``)."""
+    if isinstance(x, np.ndarray):
+        return x.__array_interface__["data"][0]
+    if _module_name(x) == "torch":
+        return x.data_ptr()
+    return int(x.data.ptr)
+
+
 def stream_handle(ref: ArrayRef) -> int:
     """The caller's current CUDA stream on ref's device (0 for host arrays)."""
     if ref.device < 0:

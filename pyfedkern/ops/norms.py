@@ -105,7 +105,7 @@ def _forward(feats: ArrayRef, labels: ArrayRef | None, num_classes: int, logits:
         correct = _arrays.empty_like_lib(feats, (), "int64")
 
     def ptr(x: Any) -> int:
-        return 0 if x is None else _arrays.describe(x, "output").ptr
+        return 0 if x is None else _arrays.data_ptr(x)
 
     native().class_feature_norms(
         feats.device,
@@ -163,10 +163,8 @@ def _autograd_function():
 
     class _ClassFeatureNorms(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, features, labels, num_classes, logits):
-            feats = _arrays.describe(features, "features")
-            lab = _arrays.describe(labels, "labels")
-            lg = None if logits is None else _arrays.describe(logits, "logits")
+        def forward(ctx, features, labels, num_classes, logits, feats, lab, lg):
+            """(features, labels, logits) are described (and checked) by the caller as (feats, lab, lg)."""
             result = _forward(feats, lab, num_classes, lg)
             ctx.save_for_backward(features, labels, result.counts)
             ctx.num_classes = num_classes
@@ -187,10 +185,10 @@ def _autograd_function():
                 if g_mean is not None:
                     class_coef += g_mean.to(acc) / counts.clamp(min=1).to(acc)
             if grad_norms is None and class_coef is None:
-                return None, None, None, None
+                return (None,) * 7
             feats = _arrays.describe(features, "features")
             lab = _arrays.describe(labels, "labels")
-            return _backward(feats, lab, ctx.num_classes, grad_norms, class_coef), None, None, None
+            return (_backward(feats, lab, ctx.num_classes, grad_norms, class_coef),) + (None,) * 6
 
     return _ClassFeatureNorms
 
@@ -220,32 +218,26 @@ def class_feature_norms(features: Any, labels: Any, num_classes: int, logits: An
     C = _check_num_classes(num_classes)
     labels, lab = _prepare_labels(labels, feats, C)
     lg = None if logits is None else _check_logits(logits, feats, C)
-    if feats.lib == "torch":
+    if feats.lib == "torch" and features.requires_grad:
         import torch
 
-        if torch.is_grad_enabled() and features.requires_grad:
+        if torch.is_grad_enabled():
             if _FUNCTION is None:
                 _FUNCTION = _autograd_function()
-            return FeatureNorms(*_FUNCTION.apply(features, labels, C, logits))
-        features = features.detach()
-        feats = _arrays.describe(features, "features")
-        if lg is not None:
-            lg = _arrays.describe(logits.detach(), "logits")
-    return _forward(feats, lab, C, lg)
+            return FeatureNorms(*_FUNCTION.apply(features, labels, C, logits, feats, lab, lg))
+    return _forward(feats, lab, C, lg)  # the outputs are new tensors outside any autograd graph
 
 
 def row_norms(x: Any) -> Any:
     """[B] L2 norms of the rows of a [B, D] float array (not differentiable), in the caller's library/dtype."""
-    feats = _check_features(x, "x")
-    if feats.lib == "torch":
-        feats = _arrays.describe(x.detach(), "x")
-    return _forward(feats, None, 0, None).norms
+    return _forward(_check_features(x, "x"), None, 0, None).norms
 
 
 # Per-sample gradient norms ---------------------------------------------------------------------------------
 
-#: Largest temporary (elements) one batch chunk of the Gram / materialised path may allocate.
-_CHUNK_ELEMENTS = 1 << 24
+#: Elements one batch chunk's temporaries (unfolded conv input + Gram / per-sample weight gradient) may take
+#: (16 MiB in float32): small next to a CNN's activations, large enough for efficient batched matmuls.
+_CHUNK_ELEMENTS = 1 << 22
 
 
 def per_sample_grad_norms(layer: Any, activations: Any, grad_outputs: Any, *, squared: bool = False) -> Any:
@@ -259,8 +251,8 @@ def per_sample_grad_norms(layer: Any, activations: Any, grad_outputs: Any, *, sq
 
     Linear with 2-D inputs uses ‖∇W‖ = ‖g_n‖·‖a_n‖ (plus ‖g_n‖² for the bias). Sequence inputs and Conv2d (as an
     unfolded [B, T, C_in·k·k] matrix) use the Gram form ⟨g gᵀ, a aᵀ⟩ (cost ∝ T²·(in + out)) or the per-sample
-    weight gradient gᵀa (cost ∝ T·in·out), whichever is cheaper, in batch chunks of bounded memory. Never builds
-    the [B, P] per-sample gradients of the model.
+    weight gradient gᵀa (cost ∝ T·in·out), whichever is cheaper, in batch chunks of bounded memory (a Conv2d input
+    is unfolded one chunk at a time). Never builds the [B, P] per-sample gradients of the model.
     """
     import torch
     from torch import nn
@@ -324,42 +316,59 @@ def _conv2d_sq_norms(layer: Any, a: Any, g: Any) -> Any:
             f"Conv2d({layer.in_channels}, {layer.out_channels}): expected activations [B, {layer.in_channels}, H, W] "
             f"and grad_outputs [B, {layer.out_channels}, H', W'], got {tuple(a.shape)} and {tuple(g.shape)}"
         )
-    padding = layer.padding
-    if isinstance(padding, str):
-        if padding == "same":
-            a = F.pad(a, layer._reversed_padding_repeated_twice)
-        padding = 0
-    cols = F.unfold(a, layer.kernel_size, dilation=layer.dilation, padding=padding, stride=layer.stride)
-    B = a.shape[0]
-    if cols.shape[2] != g.shape[2] * g.shape[3]:
+    pad_same = layer.padding == "same"
+    padding = 0 if isinstance(layer.padding, str) else layer.padding
+
+    def unfold(x: Any) -> Any:
+        """[c, C_in·kh·kw, T] patches of a chunk of inputs (padded per chunk for padding='same')."""
+        if pad_same:
+            x = F.pad(x, layer._reversed_padding_repeated_twice)
+        return F.unfold(x, layer.kernel_size, dilation=layer.dilation, padding=padding, stride=layer.stride)
+
+    B, o = g.shape[0], g.shape[1]
+    patch, T = unfold(a[:1]).shape[1:]
+    if T != g.shape[2] * g.shape[3]:
         raise ValueError(f"grad_outputs spatial size {tuple(g.shape[2:])} does not match the layer's output")
-    return _sequence_sq_norms(
-        cols.transpose(1, 2), g.reshape(B, g.shape[1], -1).transpose(1, 2), layer.weight, layer.bias
-    )
+    g = g.reshape(B, o, T)
+    total = _sq_rows(g.sum(2)) if _wants(layer.bias) else g.new_zeros(B)
+    if _wants(layer.weight):
+        total += _weight_sq_norms(
+            B, T, patch, o, lambda start, stop: (unfold(a[start:stop]).transpose(1, 2), g[start:stop].transpose(1, 2))
+        )
+    return total
 
 
 def _sequence_sq_norms(a: Any, g: Any, weight: Any, bias: Any) -> Any:
     """Squared per-sample norms of Σ_t g_tᵀ a_t (weight) and Σ_t g_t (bias) for a [B, T, i], g [B, T, o]."""
+    B, T, i = a.shape
+    total = _sq_rows(g.sum(1)) if _wants(bias) else g.new_zeros(B)
+    if _wants(weight):
+        total += _weight_sq_norms(B, T, i, g.shape[2], lambda start, stop: (a[start:stop], g[start:stop]))
+    return total
+
+
+def _weight_sq_norms(B: int, T: int, i: int, o: int, chunk: Any) -> Any:
+    """[B] squared norms of the per-sample weight gradients Σ_t g_tᵀ a_t, batch chunk by batch chunk.
+
+    ``chunk(start, stop)`` returns that chunk's a [c, T, i] and g [c, T, o] (built per chunk, e.g. an unfolded
+    conv input, so that no temporary of the whole batch exists); chunks are sized so that a chunk's inputs and
+    products stay within ``_CHUNK_ELEMENTS``.
+    """
     import torch
 
-    B, T, i = a.shape
-    o = g.shape[2]
-    total = torch.zeros(B, dtype=g.dtype, device=g.device)
-    if _wants(bias):
-        total += _sq_rows(g.sum(1))
-    if not _wants(weight):
-        return total
     gram = gram_is_cheaper(T, i, o)
-    per_sample = T * T if gram else i * o
-    chunk = max(1, min(B, _CHUNK_ELEMENTS // max(1, per_sample)))
-    for start in range(0, B, chunk):
-        aa, gg = a[start : start + chunk], g[start : start + chunk]
+    per_sample = T * i + (2 * T * T if gram else i * o)
+    size = max(1, min(B, _CHUNK_ELEMENTS // per_sample))
+    parts = []
+    for start in range(0, B, size):
+        aa, gg = chunk(start, min(B, start + size))
         if gram:
-            sq = (torch.bmm(gg, gg.transpose(1, 2)) * torch.bmm(aa, aa.transpose(1, 2))).sum((1, 2))
+            sq = torch.einsum("bst,bst->b", torch.bmm(gg, gg.transpose(1, 2)), torch.bmm(aa, aa.transpose(1, 2)))
         else:
-            sq = torch.bmm(gg.transpose(1, 2), aa).square().sum((1, 2))
-        total[start : start + chunk] += sq
-    return total
+            grad = torch.bmm(gg.transpose(1, 2), aa)
+            sq = torch.einsum("boi,boi->b", grad, grad)
+        parts.append(sq)
+    return torch.cat(parts)
 
 
 def gram_is_cheaper(T: int, in_features: int, out_features: int) -> bool:

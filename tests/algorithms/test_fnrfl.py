@@ -1,5 +1,6 @@
 """FNR-FL: regularizer values/gradients vs the spec's closed forms, Alg. 2 differences, selection of the lowest-accuracy
-clients, aggregation with refined models substituted, p = 0 ≡ FedAvg, λ = 0 ≡ literal, the public set and the CLI."""
+clients, the refinement phase (D_pub, from w_j, CE + λ·J) against a plain-torch restatement of the spec, aggregation
+with refined models substituted, p = 0 ≡ FedAvg, λ = 0 ≡ literal, the public set and the CLI."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from pyfedkern.algorithms.fnrfl import (
     select_lowest,
     selection_count,
 )
+from pyfedkern.algorithms.local import LocalModel
 from pyfedkern.sim.engine import ExperimentConfig, Simulation
+from pyfedkern.sim.models import build_model
 
 
 def _batch(seed: int = 0, B: int = 24, D: int = 7, K: int = 5):
@@ -159,6 +162,96 @@ def test_refined_clients_are_the_lowest_accuracy_and_aggregation_substitutes_the
     expected = sum(w[k] * (torch.zeros_like(x0) if k in refined else trained[k]) for k in range(4))
     torch.testing.assert_close(algo.x, expected.to(algo.x.dtype), rtol=1e-6, atol=1e-7)
     monkeypatch.setattr(FNRFL, "refine", original_refine)
+
+
+class _RefineContext:
+    """The part of FLContext that FNRFL.refine reads: a LocalModel, the public set, lr, batch size and rng streams."""
+
+    def __init__(self, module, public_x, public_y, batch_size):
+        self.local = LocalModel(module)
+        self.public_x, self.public_y = public_x, public_y
+        self.batch_size = batch_size
+        self.momentum = self.weight_decay = 0.0
+
+    def lr(self, t):
+        return 0.5
+
+    def rng(self, *keys):
+        return np.random.default_rng(list(keys))
+
+
+def _spec_refinement(start, x, y, target_sum, target_count, lam, steps, lr=0.5):
+    """Spec §1 step 4 ('abs' J) as full-batch gradient descent, in plain torch: w ← w − η∇(CE + λ·J) from ``start``."""
+    model = _refine_model()
+    torch.nn.utils.vector_to_parameters(start, model.parameters())
+    params = list(model.parameters())
+    K = model.classifier.out_features
+    for _ in range(steps):
+        feats = model.features(x)
+        ce = torch.nn.functional.cross_entropy(model.classifier(feats), y)
+        counts = torch.bincount(y, minlength=K).double()
+        means = torch.zeros(K, dtype=torch.float64).index_add(0, y, feats.norm(dim=1)) / counts.clamp(min=1)
+        active = (counts > 0) & (target_count > 0)
+        J = torch.where(active, counts / y.shape[0] * (target_sum - target_count * means).abs(), 0.0).sum()
+        grads = torch.autograd.grad(ce + lam * J, params)
+        with torch.no_grad():
+            for p, g in zip(params, grads, strict=True):
+                p -= lr * g
+    return torch.nn.utils.parameters_to_vector(params).detach()
+
+
+def _refine_model():
+    torch.manual_seed(11)
+    return build_model("mlp", (6,), 3, hidden=[5]).double()
+
+
+def _refine_setup(batch_size):
+    gen = torch.Generator().manual_seed(12)
+    public_x = torch.randn(12, 6, generator=gen, dtype=torch.float64)
+    public_y = torch.arange(12) % 3
+    client_x = torch.randn(12, 6, generator=gen, dtype=torch.float64) + 1.0  # a client's own data, not D_pub
+    ctx = _RefineContext(_refine_model(), public_x, public_y, batch_size)
+    d = ctx.local.dim
+    global_w = torch.randn(d, generator=gen, dtype=torch.float64) * 0.5
+    client_w = torch.randn(d, generator=gen, dtype=torch.float64) * 0.5
+    ctx.local.load_(global_w)  # what the shared model holds when the server starts refining (not w_j)
+    assert torch.equal(torch.nn.utils.parameters_to_vector(ctx.local.module.parameters()), ctx.local.flat.data)
+    target = (torch.tensor([30.0, 4.0, 12.0], dtype=torch.float64), torch.tensor([3.0, 3.0, 3.0], dtype=torch.float64))
+    return ctx, (public_x, public_y), (client_x, public_y), global_w, client_w, target
+
+
+def test_refine_trains_on_the_public_set_from_the_client_model_with_the_regularizer():
+    ctx, (px, py), (cx, cy), global_w, client_w, target = _refine_setup(batch_size=64)  # one batch = all of D_pub
+    algo = FNRFL(lam=0.2, refine_epochs=3.0, reg_mode="abs")
+    model, loss, reg = algo.refine(0, 1, client_w, ctx, target, torch.zeros(3, dtype=torch.float64))
+    expected = _spec_refinement(client_w, px, py, *target, lam=0.2, steps=3)
+    torch.testing.assert_close(model, expected, rtol=1e-10, atol=1e-12)
+    assert np.isfinite(loss) and reg > 0
+    # each way of getting it wrong lands far outside that tolerance
+    wrong = {
+        "client data instead of D_pub": _spec_refinement(client_w, cx, cy, *target, lam=0.2, steps=3),
+        "global model instead of w_j": _spec_refinement(global_w, px, py, *target, lam=0.2, steps=3),
+        "λ ignored": _spec_refinement(client_w, px, py, *target, lam=0.0, steps=3),
+        "no refinement": client_w,
+    }
+    for what, w in wrong.items():
+        assert (w - expected).abs().max() > 1e-3, what
+
+
+def test_refine_minibatches_cover_the_public_set_once_per_epoch():
+    ctx, (px, _), _, _, client_w, target = _refine_setup(batch_size=5)
+    seen = []
+    features = ctx.local.module.features
+
+    def recording_features(x):
+        seen.append(x.detach().clone())
+        return features(x)
+
+    ctx.local.module.features = recording_features
+    FNRFL(lam=0.2, refine_epochs=2.0).refine(0, 1, client_w, ctx, target, torch.zeros(3, dtype=torch.float64))
+    assert [b.shape[0] for b in seen] == [5, 5, 2, 5, 5]  # ⌈2·12/5⌉ = 5 steps of batches from D_pub
+    public_rows = sorted(r.tolist() for r in px)
+    assert sorted(r.tolist() for r in torch.cat(seen[:3])) == public_rows  # epoch 0: every public row once
 
 
 def test_p_zero_is_exactly_fedavg():

@@ -220,6 +220,19 @@ def test_bad_input(features, labels, C, logits, exc, match):
         ops.class_feature_norms(features, labels, C, logits=logits)
 
 
+def test_bad_input_on_the_differentiable_torch_path():
+    f = torch.ones(4, 3, requires_grad=True)
+    y = torch.tensor(Y)
+    with pytest.raises(ValueError, match=r"labels\[2\] = 5 is out of range"):
+        ops.class_feature_norms(f, torch.tensor([0, 1, 5, 1]), 3)
+    with pytest.raises(TypeError, match="integer dtype"):
+        ops.class_feature_norms(f, y.float(), 3)
+    with pytest.raises(ValueError, match="2-D"):
+        ops.class_feature_norms(torch.ones(4, 3, 1, requires_grad=True), y, 3)
+    with pytest.raises(TypeError, match="logits has dtype float64"):
+        ops.class_feature_norms(f, y, 3, logits=torch.ones(4, 3, dtype=torch.float64))
+
+
 # per-sample gradient norms --------------------------------------------------------------------------------
 
 
@@ -270,6 +283,27 @@ def test_conv2d_per_sample_norms_match_reference(kwargs):
     torch.testing.assert_close(
         ops.per_sample_grad_norms(layer, a, g), reference.per_sample_grad_norms(layer, a, g), rtol=1e-12, atol=1e-12
     )
+
+
+@pytest.mark.parametrize("chunk_elements", [100, 2000])
+def test_per_sample_norms_in_several_batch_chunks_match_reference(monkeypatch, chunk_elements):
+    """Tiny chunk budgets split the batch of 7 into chunks of 1 or 2 (the last one partial) on every path."""
+    import pyfedkern.ops.norms as norms_module
+
+    monkeypatch.setattr(norms_module, "_CHUNK_ELEMENTS", chunk_elements)
+    torch.manual_seed(6)
+    cases = [
+        (nn.Conv2d(3, 4, 3, padding=1), (7, 3, 6, 5)),  # materialised, 918 elements per sample
+        (nn.Conv2d(3, 4, 3, padding="same", bias=False), (7, 3, 6, 5)),
+        (nn.Linear(20, 20), (7, 2, 20)),  # Gram (T=2), 48 elements per sample
+        (nn.Linear(6, 5), (7, 9, 6)),  # materialised (T=9)
+    ]
+    for layer, shape in cases:
+        layer = layer.double()
+        a, g = _layer_grads(layer, torch.randn(*shape, dtype=torch.float64))
+        torch.testing.assert_close(
+            ops.per_sample_grad_norms(layer, a, g), reference.per_sample_grad_norms(layer, a, g), rtol=1e-12, atol=1e-12
+        )
 
 
 class SmallCNN(nn.Module):
