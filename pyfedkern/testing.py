@@ -41,3 +41,17 @@ def lib_of(x) -> str:
 
 def dtype_of(x) -> str:
     return str(x.dtype).removeprefix("torch.")
+
+
+def written_after_sleep(stream, src: torch.Tensor) -> torch.Tensor:
+    """A copy of the CUDA tensor ``src`` written on ``stream`` behind about half a second of GPU sleep.
+
+    An op called on ``stream`` with this copy gives the right answer only if its kernels run on ``stream``: work
+    queued on any other stream would run during the sleep and read the zeros that are there before the copy.
+    """
+    dst = torch.zeros_like(src)
+    stream.wait_stream(torch.cuda.current_stream())  # the zeros are in place before the sleep starts
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(1 << 30)
+        dst.copy_(src)
+    return dst

@@ -13,7 +13,17 @@ from hypothesis import strategies as st
 
 import pyfedkern
 from pyfedkern import ops, reference
-from pyfedkern.testing import DTYPES, LIBS_CPU, REL_TOL, dtype_of, lib_of, make, supports, to_numpy64
+from pyfedkern.testing import (
+    DTYPES,
+    LIBS_CPU,
+    REL_TOL,
+    dtype_of,
+    lib_of,
+    make,
+    supports,
+    to_numpy64,
+    written_after_sleep,
+)
 
 
 def expected_and_scale(rows: list[np.ndarray], weights) -> tuple[np.ndarray, np.ndarray]:
@@ -367,8 +377,9 @@ def test_cuda_strided_unaligned_and_streams():
         expected = (torch.from_numpy(w).float().cuda()[:, None] * view).sum(0)
         assert torch.allclose(ops.weighted_sum(view, w), expected, rtol=1e-5, atol=1e-5)
     stream = torch.cuda.Stream()
+    late = written_after_sleep(stream, base)  # correct results prove the ops ran on `stream`
     with torch.cuda.stream(stream):
-        out = ops.weighted_sum(base, w)
+        out = ops.weighted_sum(late, w)
         acc = torch.zeros_like(out)
         ops.accumulate_(acc, out, 2.0)
     stream.synchronize()

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import pyfedkern
 from pyfedkern import ops, reference
 from pyfedkern.flat import FlatLayout
-from pyfedkern.testing import DTYPES, LIBS_CPU, dtype_of, lib_of, make, supports, to_numpy64
+from pyfedkern.testing import DTYPES, LIBS_CPU, dtype_of, lib_of, make, supports, to_numpy64, written_after_sleep
 
 METRICS = ("l2", "layer_l2", "layer_cos")
 
@@ -362,8 +362,10 @@ def test_cuda_combine_zero_norm_strided_and_streams():
     mc = torch.from_numpy(models).cuda().to(torch.bfloat16)
     seg = np.array([0, 2000, 5000, 10_000])
     stream = torch.cuda.Stream()
+    # Query and models written late on `stream`: right answers prove the ops ran on `stream`.
+    late_q, late_m = written_after_sleep(stream, qc), written_after_sleep(stream, mc)
     with torch.cuda.stream(stream):
-        blend, w = ops.similarity_combine(qc, wide, mc, 10.0, "layer_l2", seg, return_weights=True)
+        blend, w = ops.similarity_combine(late_q, wide, late_m, 10.0, "layer_l2", seg, return_weights=True)
     stream.synchronize()
     w_ref = reference.similarity_weights(qc.cpu(), torch.from_numpy(bank).float(), 10.0, "layer_l2", seg)
     check_weights(w.cpu(), w_ref)
