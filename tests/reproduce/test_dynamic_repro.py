@@ -86,6 +86,17 @@ def test_headline_when_proposed_wins():
     table = repro.headline_table(rows)
     assert "| fedavg | 0 | 0.3 | 0.05 | +2.00 | +2.00 | +2.00 | +2.00 ± 0.29 | 3/3 | Proposed better |" in table
     assert "| Previous better |" in table  # the sensitivity row
+    assert "gaps (setting × transition s ≥ 3, seed mean) lie between +2.00 and +2.00 pp, 0 of 6 reach" in text
+    assert "Previous's lowest seed-mean accuracy after such a transition is 80.00%" in text
+
+
+def test_overlap_effect_is_compared_with_two_standard_errors():
+    rows = _rows(gain=2.0, spread=0.5)
+    rows[1] = _rows(gain=0.2, spread=0.5)[0] | {"overlap": 0.2}
+    text = repro.verdict(rows)
+    assert "gap at overlap 0 (+2.00 ± 0.29 pp) is larger than that at overlap 0.2 (+0.20 ± 0.29 pp)" in text
+    rows[1] = _rows(gain=1.8, spread=0.5)[0] | {"overlap": 0.2}
+    assert "is not clearly different from that at overlap 0.2" in repro.verdict(rows)
 
 
 def test_headline_when_proposed_does_not_win():
