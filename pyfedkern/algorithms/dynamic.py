@@ -248,7 +248,9 @@ def session_groups(ctx: FLContext) -> tuple[list[np.ndarray], list[np.ndarray | 
 
 def transition_accuracy(metrics: list[dict[str, Any]], session_rounds: int, window: int = 10) -> dict[int, float]:
     """Mean test accuracy over the first ``window`` rounds of each session s >= 1 (the paper's metric), from an
-    engine run's per-round records (record r is the model after round r)."""
+    engine run's per-round records (record r is the model after round r). A window longer than a session is cut to
+    the session, so it never reaches into the next one."""
+    window = min(window, session_rounds)
     acc = {int(m["round"]): m["test_acc"] for m in metrics if "test_acc" in m and m["round"] > 0}
     out: dict[int, float] = {}
     for s in range(1, (max(acc, default=0)) // session_rounds + 1):

@@ -253,6 +253,8 @@ def test_parse_host_params_types_values_like_the_fields():
 def test_transition_accuracy():
     metrics = [{"round": r, "test_acc": r / 100} for r in range(0, 13)]
     assert transition_accuracy(metrics, 4, window=2) == {1: 0.055, 2: 0.095}
+    # a window longer than the 4-round session stops at the session's end (rounds 5-8 and 9-12)
+    assert transition_accuracy(metrics, 4, window=10) == {1: 0.065, 2: 0.105}
 
 
 def test_cli_runs_dynamic(tmp_path, capsys):
