@@ -4,9 +4,11 @@ How :func:`herding_order` / :func:`herding_select` compute (the Gram form of spe
 
 1. **Gram matrix of the centred gradients**, G = Z Zᵀ with z_λ = y_λ − μ, computed in the Python layer with the
    caller's own library matmul (MKL/OpenBLAS for numpy and torch on the CPU, cuBLAS for torch/cupy on the GPU).
-   The columns are processed in cache-sized chunks: each chunk is shifted explicitly by the first row
-   (y'_λ = y_λ − y_1, in the GEMM dtype: float64 for float64 gradients, float32 otherwise) and multiplied, the
-   chunk products being summed into a float64 G'; then G = G' − r1ᵀ − 1rᵀ + m with r = G'1/τ, m = 1ᵀG'1/τ².
+   The columns are processed in chunks: each chunk is shifted explicitly by the first row (y'_λ = y_λ − y_1, in
+   the GEMM dtype: float64 for float64 gradients, float32 otherwise) and multiplied, the chunk products being
+   summed into a float64 G'; then G = G' − r1ᵀ − 1rᵀ + m with r = G'1/τ, m = 1ᵀG'1/τ². On the CPU one batched
+   GEMM call takes several chunks at once (:func:`_chunk_plan`), so the library runs whole chunk products in
+   parallel rather than splitting each small [τ, c]·[c, τ] product between threads, and the call count stays low.
    The shift keeps the mean of the shifted rows as small as the deviations, so this identity does not suffer the
    cancellation the raw identity has when ‖μ‖ ≫ ‖z‖ (specs/bherd.md §2). One pass over the [τ, d] buffer, no
    separate mean pass, compute-bound.
@@ -40,9 +42,13 @@ from pyfedkern import _arrays
 from pyfedkern._arrays import ArrayRef
 from pyfedkern._runtime import native
 
-#: Elements (rows × columns over all clients) of one shifted Gram chunk: 1 MiB of float32 stays in L2 on the CPU;
-#: on the GPU, 64 MiB chunks keep the number of launches small.
+#: Shifted Gram chunking (elements = rows × columns). CPU: one chunk product is [τ, c]·[c, τ] with τ·c ≈ 2^18
+#: (1 MiB of float32, within L2), and one batched GEMM call takes ≈ 2^20 elements of chunks (4 per call for one
+#: client), which the library runs as whole products on separate threads (a lone product that small runs at a
+#: fraction of the GEMM rate when split between threads). GPU: one call per chunk of ≈ 2^24 elements over all
+#: clients (64 MiB), which keeps the number of launches small.
 GRAM_CHUNK_ELEMENTS = {"cpu": 1 << 18, "gpu": 1 << 24}
+GRAM_CALL_ELEMENTS_CPU = 1 << 20
 
 
 def tie_rel_tol(dtype: str, d: int) -> float:
@@ -165,8 +171,26 @@ def _check_k(k: Any, taus: list[int], name: str = "k") -> list[int]:
 # Centred Gram matrices with the caller's library.
 
 
-def _chunk_columns(rows: int, d: int, gpu: bool) -> int:
-    return max(256, min(d, GRAM_CHUNK_ELEMENTS["gpu" if gpu else "cpu"] // max(rows, 1)))
+def _chunk_plan(batch: int, tau: int, d: int, gpu: bool) -> tuple[int, int]:
+    """(c, p): columns per chunk and chunks per GEMM call for ``batch`` clients of [τ, d] gradients. The d columns
+    are split into chunks of equal width c (the last one narrower by less than the number of chunks)."""
+    rows = batch * tau if gpu else tau  # the GPU chunk spans all clients; the CPU chunk is one client's product
+    wanted = max(256, GRAM_CHUNK_ELEMENTS["gpu" if gpu else "cpu"] // rows)
+    chunks = -(-d // wanted)
+    c = -(-d // chunks)
+    if gpu:
+        return c, 1
+    return c, max(1, min(chunks, GRAM_CALL_ELEMENTS_CPU // (batch * tau * c)))
+
+
+def _chunk_calls(d: int, c: int, p: int) -> list[tuple[int, int, int]]:
+    """Per GEMM call: (first column, whole chunks n, columns r of a last, partial chunk) over the d columns."""
+    return [(lo, *divmod(min(d, lo + p * c) - lo, c)) for lo in range(0, d, p * c)]
+
+
+def _chunks(a: Any, lo: int, n: int, c: int, permute: Any) -> Any:
+    """Columns lo .. lo + n·c of a [B, rows, d] array as n chunks, [n, B, rows, c] (a strided view)."""
+    return permute(a[:, :, lo : lo + n * c].reshape(*a.shape[:2], n, c), (2, 0, 1, 3))
 
 
 def _gram_torch(y: Any) -> Any:
@@ -177,13 +201,16 @@ def _gram_torch(y: Any) -> Any:
     work = torch.float64 if y.dtype == torch.float64 else torch.float32
     shift = y[:, :1, :].to(work)
     raw = torch.zeros(batch, tau, tau, dtype=torch.float64, device=y.device)
-    chunk = _chunk_columns(batch * tau, d, y.is_cuda)
-    buf = torch.empty(batch, tau, min(chunk, d), dtype=work, device=y.device)
-    for lo in range(0, d, chunk):
-        hi = min(d, lo + chunk)
-        z = buf[:, :, : hi - lo]
-        torch.sub(y[:, :, lo:hi], shift[:, :, lo:hi], out=z)
-        raw += torch.bmm(z, z.transpose(1, 2))
+    c, p = _chunk_plan(batch, tau, d, y.is_cuda)
+    buf = torch.empty(p, batch, tau, c, dtype=work, device=y.device)  # shifted chunks, [p, B, τ, c]
+    for lo, n, r in _chunk_calls(d, c, p):
+        torch.sub(_chunks(y, lo, n, c, torch.permute), _chunks(shift, lo, n, c, torch.permute), out=buf[:n])
+        if r:  # a last, partial chunk, zero padded to c columns
+            end = lo + n * c
+            torch.sub(y[:, :, end : end + r], shift[:, :, end : end + r], out=buf[n, :, :, :r])
+            buf[n, :, :, r:] = 0
+        z = buf[: n + (r > 0)].flatten(0, 1)
+        raw += torch.bmm(z, z.transpose(1, 2)).view(-1, batch, tau, tau).sum(0, dtype=torch.float64)
     return _centre_gram(raw, tau)
 
 
@@ -192,13 +219,18 @@ def _gram_xp(xp: Any, y: Any) -> Any:
     work = xp.float64 if y.dtype == xp.float64 else xp.float32
     shift = y[:, :1, :].astype(work)
     raw = xp.zeros((batch, tau, tau), dtype=xp.float64)
-    chunk = _chunk_columns(batch * tau, d, xp is not np)
-    buf = xp.empty((batch, tau, min(chunk, d)), dtype=work)
-    for lo in range(0, d, chunk):
-        hi = min(d, lo + chunk)
-        z = buf[:, :, : hi - lo]
-        xp.subtract(y[:, :, lo:hi], shift[:, :, lo:hi], out=z, casting="unsafe")
-        raw += xp.matmul(z, z.transpose(0, 2, 1))
+    c, p = _chunk_plan(batch, tau, d, xp is not np)
+    buf = xp.empty((p, batch, tau, c), dtype=work)  # shifted chunks, [p, B, τ, c]
+    for lo, n, r in _chunk_calls(d, c, p):
+        xp.subtract(
+            _chunks(y, lo, n, c, xp.transpose), _chunks(shift, lo, n, c, xp.transpose), out=buf[:n], casting="unsafe"
+        )
+        if r:  # a last, partial chunk, zero padded to c columns
+            end = lo + n * c
+            xp.subtract(y[:, :, end : end + r], shift[:, :, end : end + r], out=buf[n, :, :, :r], casting="unsafe")
+            buf[n, :, :, r:] = 0
+        z = buf[: n + (r > 0)].reshape(-1, tau, c)
+        raw += xp.matmul(z, z.transpose(0, 2, 1)).reshape(-1, batch, tau, tau).sum(0, dtype=xp.float64)
     return _centre_gram(raw, tau)
 
 

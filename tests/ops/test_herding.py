@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 import pyfedkern
 from pyfedkern import ops, reference
-from pyfedkern.ops.herding import selection_size
+from pyfedkern.ops import herding
+from pyfedkern.ops.herding import selection_size, tie_rel_tol
 from pyfedkern.testing import LIBS_CPU, dtype_of, lib_of, make, supports, to_numpy64
 
 
@@ -120,17 +121,87 @@ def test_first_pick_is_row_nearest_mean(lib):
     assert int(ops.herding_order(make(lib, y64, "float32"), 1)[0]) == expected
 
 
-def test_full_order_is_permutation_and_centred_sum_returns_to_zero():
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("mean_scale", [0.0, 10.0, 1e3])
+def test_full_order_is_permutation_and_centred_sum_returns_to_zero(dtype, mean_scale):
     rng = np.random.default_rng(4)
-    y = random_grads(rng, 37, 300, 10.0)
-    order = ops.herding_order(y, 37)
-    assert sorted(order.tolist()) == list(range(37))
+    tau, d = 37, 300
+    y = random_grads(rng, tau, d, mean_scale).astype(dtype)
+    order = ops.herding_order(y, tau)
+    assert sorted(order.tolist()) == list(range(tau))
     _, total, gap = ops.herding_select(y, 1.0, return_gap=True)
-    # the Gram form gets ‖s‖² as a running sum of scores, so ‖s‖ carries √(rounding) of the score scale
-    assert gap[0] < 1e-6 * np.linalg.norm(y - y.mean(0), axis=1).max()
-    assert np.allclose(total, y.sum(0), rtol=1e-12, atol=1e-12)
+    # The Gram form gets ‖s‖² as the running sum of the τ picks' scores 2c_j + G_jj, where each G entry is a
+    # length-d dot product rounded at √d ulps of the GEMM dtype: with k = τ, ‖s‖² must come back to 0 within
+    # that rounding, 8·τ·√d·ε·max‖z‖² (gap = ‖s‖/k).
+    z = y.astype(np.float64) - y.astype(np.float64).mean(0)
+    eps = np.finfo(dtype).eps
+    assert (tau * gap[0]) ** 2 <= 8 * tau * np.sqrt(d) * eps * (z**2).sum(1).max()
+    assert np.allclose(total, y.astype(np.float64).sum(0), rtol=8 * tau * eps, atol=8 * tau * eps * np.abs(y).max())
     _, _, ref_gap = reference.herding_select(y, 1.0, return_gap=True)
-    assert ref_gap[0] < 1e-12 * np.linalg.norm(y - y.mean(0), axis=1).max()
+    assert ref_gap[0] < 1e-12 * np.linalg.norm(z, axis=1).max()
+
+
+def greedy_margins(y: np.ndarray, k: int) -> np.ndarray:
+    """Per step but the last of Algorithm 2 (float64): how far the runner-up's score is above the pick's, in units
+    of the kernel's float32 tie tolerance for both rows (below 1, float32 rounding may swap them)."""
+    z = y - y.mean(0)
+    gram = z @ z.T
+    diag = np.diag(gram)
+    rel = tie_rel_tol("float32", y.shape[1])
+    c, taken, picked, out = np.zeros(len(y)), np.zeros(len(y), dtype=bool), 0.0, []
+    for _ in range(k - 1):
+        score = np.where(taken, np.inf, 2 * c + diag)
+        j, runner_up = np.argsort(score, kind="stable")[:2]
+        tol = sum(rel * (diag[m] + 2 * np.sqrt(diag[m] * picked)) for m in (j, runner_up))
+        out.append((score[runner_up] - score[j]) / tol)
+        taken[j], picked, c = True, picked + diag[j], c + gram[j]
+    return np.array(out)
+
+
+@pytest.mark.parametrize("lib", LIBS_CPU)
+def test_float32_matches_float64_reference_at_large_d(lib):
+    """float32 gradients at d ≈ 1e5 with a common mean 30× the deviations (the shift must hold the cancellation) give
+    exactly the float64 reference's permutation, on data with no near-ties: rows of distinct scales."""
+    rng = np.random.default_rng(0)
+    tau, d, k = 32, 100_003, 16
+    scales = rng.permutation(1 + 0.1 * np.arange(tau))
+    y64 = (rng.standard_normal(d) * 30 + rng.standard_normal((tau, d)) * scales[:, None]).astype(np.float32)
+    y64 = y64.astype(np.float64)  # the float32 values, exactly, for the float64 reference
+    assert greedy_margins(y64, k).min() > 4  # the precondition: every pick wins by over 4 tie tolerances
+    expected = reference.herding_order(y64, k)
+    assert not np.array_equal(expected, np.argsort(scales)[:k])  # not merely the rows sorted by scale
+    y = make(lib, y64, "float32")
+    assert np.array_equal(as_np(ops.herding_order(y, k)), expected)
+    idx, total = ops.herding_select(y, 0.5)
+    assert np.array_equal(as_np(idx), expected)
+    assert np.allclose(to_numpy64(total), y64[np.sort(expected)].sum(0), rtol=1e-5, atol=1e-5 * 30 * k)
+
+
+@pytest.mark.parametrize("lib", LIBS_CPU)
+@pytest.mark.parametrize("call_chunks", [1, 5, 1000])
+def test_gram_chunking_over_many_calls_with_a_partial_chunk(lib, call_chunks, monkeypatch):
+    """Chunks of ~256 columns, 1, 5 or all of them per GEMM call, and a narrower last chunk, for one client, a stack
+    and a list: the same centred Gram (float64; float32 with a large common mean) and the reference's order."""
+    tau, d = 9, 3001  # 12 chunks of 251 columns, the last 240
+    monkeypatch.setitem(herding.GRAM_CHUNK_ELEMENTS, "cpu", 1)
+    monkeypatch.setattr(herding, "GRAM_CALL_ELEMENTS_CPU", call_chunks * 3 * tau * 251)
+    assert herding._chunk_plan(3, tau, d, gpu=False) == (251, min(call_chunks, 12))
+    rng = np.random.default_rng(call_chunks)
+    stack64 = 1e3 * rng.standard_normal(d) + rng.standard_normal((3, tau, d))
+    exact = np.stack([(m - m.mean(0)) @ (m - m.mean(0)).T for m in stack64])
+    scale = np.abs(exact).max()
+    for dtype, tol in (("float64", 1e-12), ("float32", 1e-4)):
+        stack = make(lib, stack64, dtype)
+        got = {
+            "single": to_numpy64(ops.centred_gram(stack[1]))[None],
+            "stack": to_numpy64(ops.centred_gram(stack)),
+            "list": to_numpy64(ops.centred_gram([stack[n] for n in range(3)])),
+        }
+        for kind, gram in got.items():
+            want = exact[1:2] if kind == "single" else exact
+            assert np.abs(gram - want).max() <= tol * scale, (dtype, kind)
+    stack = make(lib, stack64, "float64")
+    assert np.array_equal(as_np(ops.herding_order(stack, 6)), as_np(reference.herding_order(stack, 6)))
 
 
 def test_permuting_rows_permutes_the_order():
