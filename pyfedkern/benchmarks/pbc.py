@@ -4,7 +4,8 @@
   write back) and a torch loop over per-client tensors; limit: a copy of k rows ((2k)·d floats of traffic, the op
   needs (2k+1)·d).
 - ``weighted_delta``: x += (η_g/D)·Σ_A w_i(Y_i − x) vs the torch idiom and the loop; limit: a copy of k rows.
-- ``mifa``: the running-sum update vs the idiom that rewrites the memory rows and re-sums all m of them.
+- ``mifa``: the running-sum update vs the idiom that rewrites the memory rows and re-sums all m of them, and a torch
+  loop over per-client memory tensors keeping the same running sum.
 
 Sizes: the paper's CNNs, d = 273,706 (SVHN), 551,786 (CIFAR-10), 1,193,130 (CINIC-10), with k ∈ {5, 10, 50}.
 """
@@ -151,9 +152,26 @@ def cases(quick: bool = False, device: str = "cpu") -> list[Case]:
 
             return run
 
+        def mifa_loop(inputs=inputs):
+            a = inputs()
+            memory, total, x = list(a["memory"].unbind(0)), a["total"], a["x"]
+            pairs = [(int(i), u) for i, u in zip(a["active"], a["updates"].unbind(0), strict=True)]
+            m = len(memory)
+
+            def run():
+                for i, u in pairs:
+                    delta = u - x
+                    total.add_(delta).sub_(memory[i])
+                    memory[i].copy_(delta)
+                return x.add_(total, alpha=1.0 / m)
+
+            return run
+
+        nbytes = (3 * k + 4) * d * 4
         out += [
-            Case(group, "pyfedkern", mifa_ours, (3 * k + 4) * d * 4, 3 * k * d, device),
-            Case(group, "torch-idiom U[A] = Y-x; x += U.sum(0)/m", mifa_idiom, (3 * k + 4) * d * 4, 3 * k * d, device),
+            Case(group, "pyfedkern", mifa_ours, nbytes, 3 * k * d, device),
+            Case(group, "torch-idiom U[A] = Y-x; x += U.sum(0)/m", mifa_idiom, nbytes, 3 * k * d, device),
+            Case(group, "torch loop over client tensors (running sum)", mifa_loop, nbytes, 3 * k * d, device),
             Case(group, "limit:copy", limit_copy, limit_bytes, 0, device),
         ]
     return out
