@@ -1,4 +1,5 @@
-"""FedPBC server ops (postponed broadcast, weighted delta, MIFA) vs the torch idiom and per-client loops (issue 8)."""
+"""FedPBC server ops (postponed broadcast, weighted delta, MIFA) vs the torch idiom and per-client loops, and the
+engine's FedPBC round with batched vs looped local training (issue 8)."""
 
 import pytest
 

@@ -71,6 +71,10 @@ class FLContext(Protocol):
     def sample_clients(self, t: int) -> np.ndarray:
         """The clients taking part in round t (sorted int64 ids) under the configured participation."""
 
+    # Optional: stacked_batches(clients, t, *, epochs=None, steps=None) yielding (rows, xb, yb, wb) per step, the
+    # same batches as batches() for each client, stacked (see Simulation.stacked_batches); batched local SGD
+    # uses it when present.
+
     def rng(self, *keys: int) -> np.random.Generator:
         """An independent random stream for (seed, *keys)."""
 

@@ -13,6 +13,7 @@ Models with buffers (BatchNorm running statistics) cannot be vmapped this way an
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -101,8 +102,10 @@ def batched_local_sgd_(
     """Local SGD of every client in ``clients`` from its row of ``models`` ([k, d], trained in place).
 
     Each step stacks the next minibatch of every client that still has one and updates all those rows in one
-    vmapped step. Batches of unequal size (clients holding fewer samples than the batch size) are padded to the
-    largest and weighted per sample (see :meth:`BatchedTrainer.gradients`).
+    vmapped step. The batches come from ``ctx.stacked_batches`` when the context has it (the engine gathers every
+    client's batch of a step at once), else from each client's ``ctx.batches``. Batches of unequal size (clients
+    holding fewer samples than the batch size) are padded to the largest and weighted per sample (see
+    :meth:`BatchedTrainer.gradients`).
 
     Args:
         ctx: the FL context (data, learning rate, batch size, weight decay, momentum).
@@ -131,20 +134,13 @@ def batched_local_sgd_(
             losses[r], counts[r] = result.loss, result.steps
         return losses, counts
     trainer = trainer or BatchedTrainer(ctx.local)
-    iterators: list[Iterator[Batch] | None] = [ctx.batches(cid, t, steps=steps, epochs=epochs) for cid in clients]
+    stacked = getattr(ctx, "stacked_batches", None)
+    if stacked is not None:
+        batches = stacked(clients, t, steps=steps, epochs=epochs)
+    else:
+        batches = _stack_per_client(ctx, clients, t, steps=steps, epochs=epochs)
     momentum = torch.zeros_like(models) if ctx.momentum else None
-    while True:
-        ready: list[tuple[int, Batch]] = []
-        for r, it in enumerate(iterators):
-            batch = None if it is None else next(it, None)
-            if batch is None:
-                iterators[r] = None
-            else:
-                ready.append((r, batch))
-        if not ready:
-            break
-        rows = [r for r, _ in ready]
-        xb, yb, wb = _stack_batches([b for _, b in ready])
+    for rows, xb, yb, wb in batches:
         everyone = len(rows) == k
         index = None if everyone else torch.as_tensor(rows, device=models.device)
         current = models if everyone else models.index_select(0, index)
@@ -169,6 +165,26 @@ def batched_local_sgd_(
         counts[rows] += 1
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.where(counts > 0, losses / np.maximum(counts, 1), np.nan), counts
+
+
+def _stack_per_client(
+    ctx: FLContext, clients: Sequence[int], t: int, **kwargs: Any
+) -> Iterator[tuple[np.ndarray, torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """``stacked_batches`` for a context that only has ``batches``: the next batch of every client that still has
+    one, stacked (rows, xb, yb, wb) per step."""
+    iterators: list[Iterator[Batch] | None] = [ctx.batches(cid, t, **kwargs) for cid in clients]
+    while True:
+        ready: list[tuple[int, Batch]] = []
+        for r, it in enumerate(iterators):
+            batch = None if it is None else next(it, None)
+            if batch is None:
+                iterators[r] = None
+            else:
+                ready.append((r, batch))
+        if not ready:
+            return
+        xb, yb, wb = _stack_batches([b for _, b in ready])
+        yield np.array([r for r, _ in ready], dtype=np.int64), xb, yb, wb
 
 
 def _stack_batches(batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

@@ -96,6 +96,9 @@ class SessionContext:
         self._round_key = round_key
         if local is not None:
             self.local = local
+        base_stacked = getattr(base, "stacked_batches", None)
+        if base_stacked is not None:  # shifted like batches (a context without it keeps using batches)
+            self.stacked_batches = lambda clients, t, **kwargs: base_stacked(clients, t + round_key, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._base, name)

@@ -17,6 +17,10 @@ the set of ON links. The downlink never fails.
 Baseline update rules follow the FedAU reference code, as in the spec (specs/fedpbc.md §1). All methods use the
 engine's local SGD settings (``--local-steps``, ``--lr``, ``--lr-schedule invsqrt:10`` for the paper's
 η_t = η_0/√(t/10 + 1), ``--batch-size``); participation is decided by the links, so ``--fraction`` is not used.
+Under a session schedule that changes which clients exist (``ctx.active_clients``, set by the ``dynamic``
+wrapper), only those clients train and report, and m is their number: FedAvg-all, known p, FedAU and MIFA divide by
+it, FedAU counts participation intervals of those clients only, and MIFA drops the stored update of a client that has
+left (its sum runs over the current clients). Without a schedule every client exists.
 Link options (fields of every class here): ``--links`` pattern, ``--gamma``, ``--period``, ``--cycle-length``,
 ``--sigma0``, ``--delta`` (the log-normal class-mix construction of p_i from each client's label histogram) or
 ``--link-probs p0,p1,...`` (explicit probabilities for equal contiguous groups of clients). ``--batched`` chooses
@@ -123,6 +127,19 @@ class _LinkAlgorithm(Algorithm):
         )
         self.trainer = BatchedTrainer(ctx.local) if self.batched and can_batch(ctx.local) else None
 
+    @staticmethod
+    def present_clients(ctx: FLContext) -> np.ndarray:
+        """Sorted int64 ids of the clients that exist this round: ``ctx.active_clients`` when the context has it
+        (a session schedule may restrict it), else all m."""
+        present = getattr(ctx, "active_clients", None)
+        if present is None:
+            return np.arange(ctx.num_clients, dtype=np.int64)
+        return np.unique(np.asarray(present, dtype=np.int64))
+
+    def uplinks(self, t: int, present: np.ndarray) -> np.ndarray:
+        """A^t: the present clients whose uplink is ON in round t (sorted int64 ids)."""
+        return np.intersect1d(self.link_model.active_indices(t), present, assume_unique=True)
+
     def train_(self, ctx: FLContext, t: int, models: torch.Tensor, clients: np.ndarray) -> np.ndarray:
         """Local SGD of ``clients`` from the rows of ``models`` (in place); returns the per-client mean losses."""
         with ctx.timer("local"):
@@ -157,13 +174,22 @@ class FedPBC(_LinkAlgorithm):
         self.setup_links(ctx)
         self.clients = ClientStore(ctx.num_clients, x0.numel(), device=x0.device, dtype=x0.dtype)
         self.clients.data.copy_(x0.expand_as(self.clients.data))
+        self.present: np.ndarray | None = None
 
     def round(self, t: int, ctx: FLContext) -> RoundStats:
-        m = ctx.num_clients
-        losses = self.train_(ctx, t, self.clients.data, np.arange(m))
-        active = self.link_model.active_indices(t)
+        present = self.present_clients(ctx)
+        self.present = present
+        store = self.clients.data
+        if len(present) == store.shape[0]:
+            losses = self.train_(ctx, t, store, present)
+        else:  # clients that have left neither train nor report
+            index = torch.as_tensor(present, device=store.device)
+            models = store.index_select(0, index)
+            losses = self.train_(ctx, t, models, present)
+            store.index_copy_(0, index, models)
+        active = self.uplinks(t, present)
         with ctx.timer("aggregation"):
-            ops.pbc_agg_bcast_(self.clients.data, self.x, active)
+            ops.pbc_agg_bcast_(store, self.x, active)
         d = int(self.x.numel())
         gap = float(torch.linalg.vector_norm(self.x - self.mean_model()))
         return RoundStats(
@@ -175,8 +201,10 @@ class FedPBC(_LinkAlgorithm):
         )
 
     def mean_model(self) -> torch.Tensor:
-        """x̄^t = (1/m)·Σ_i x_i^t, [d]."""
-        return self.clients.mean()
+        """x̄^t = (1/m)·Σ_i x_i^t over the clients present in the last round (all before the first), [d]."""
+        if self.present is None or len(self.present) == self.clients.data.shape[0]:
+            return self.clients.mean()
+        return self.clients.data[torch.as_tensor(self.present, device=self.x.device)].mean(0)
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "clients": self.clients.data}
@@ -208,10 +236,10 @@ class FedAvgLinks(_LinkAlgorithm):
     def setup(self, ctx: FLContext, x0: torch.Tensor) -> None:
         super().setup(ctx, x0)
         self.setup_links(ctx)
-        self.num_clients = ctx.num_clients
+        self.present = np.arange(ctx.num_clients, dtype=np.int64)
 
     def weights(self, t: int, active: np.ndarray) -> tuple[np.ndarray, float]:
-        """(w_i for the ON clients, scale) of round t."""
+        """(w_i for the ON clients, scale) of round t; ``self.present`` holds the clients that exist."""
         return np.ones(len(active)), 1.0 / max(len(active), 1)
 
     def after_round(self, t: int, active: np.ndarray) -> None:
@@ -222,7 +250,8 @@ class FedAvgLinks(_LinkAlgorithm):
         return models, self.train_(ctx, t, models, active)
 
     def round(self, t: int, ctx: FLContext) -> RoundStats:
-        active = self.link_model.active_indices(t)
+        self.present = self.present_clients(ctx)
+        active = self.uplinks(t, self.present)
         models, losses = self.local_models(ctx, t, active)
         with ctx.timer("aggregation"):
             self.server_update(t, active, models)
@@ -232,7 +261,7 @@ class FedAvgLinks(_LinkAlgorithm):
             clients=active,
             local_loss=_mean(losses),
             upload_floats=len(active) * d,
-            download_floats=self.num_clients * d,
+            download_floats=len(self.present) * d,
             extras={"active": float(len(active))},
         )
 
@@ -250,7 +279,7 @@ class FedAvgAll(FedAvgLinks):
     name = "fedavg-all"
 
     def weights(self, t: int, active: np.ndarray) -> tuple[np.ndarray, float]:
-        return np.ones(len(active)), 1.0 / self.num_clients
+        return np.ones(len(active)), 1.0 / max(len(self.present), 1)
 
 
 @dataclass
@@ -260,7 +289,7 @@ class FedAvgKnownP(FedAvgLinks):
     name = "fedavg-known-p"
 
     def weights(self, t: int, active: np.ndarray) -> tuple[np.ndarray, float]:
-        return 1.0 / self.link_model.prob(t)[active], 1.0 / self.num_clients
+        return 1.0 / self.link_model.prob(t)[active], 1.0 / max(len(self.present), 1)
 
 
 @dataclass
@@ -295,13 +324,16 @@ class FedAU(FedAvgLinks):
         return np.where(self.interval_count > 0, self.interval_sum / np.maximum(self.interval_count, 1), 1.0)
 
     def weights(self, t: int, active: np.ndarray) -> tuple[np.ndarray, float]:
-        return self.omega()[active], 1.0 / self.num_clients
+        return self.omega()[active], 1.0 / max(len(self.present), 1)
 
     def after_round(self, t: int, active: np.ndarray) -> None:
-        on = np.zeros(self.num_clients, dtype=bool)
+        on = np.zeros(len(self.counter), dtype=bool)
         on[active] = True
-        self.counter[~on] += 1
-        record = on | (self.counter >= self.cutoff)
+        waiting = np.zeros_like(on)
+        waiting[self.present] = True
+        waiting &= ~on  # clients that have left are not counted
+        self.counter[waiting] += 1
+        record = on | (waiting & (self.counter >= self.cutoff))
         self.interval_sum[record] += np.where(on, self.counter + 1, self.cutoff)[record]
         self.interval_count[record] += 1
         self.counter[record] = 0
@@ -325,6 +357,7 @@ class FedAU(FedAvgLinks):
 class MIFA(FedAvgLinks):
     """MIFA: the server keeps U_i, the latest Δ_i of every client (0 until its first report);
     x ← x + η_g·(1/m)·Σ_{i=1..m} U_i every round, stale entries included (raw Δ, as the FedAU reference code).
+    The sum and m run over the present clients; a client that leaves has its U_i dropped.
 
     Args:
         resum_every: re-sum the running Σ U_i from all m rows every this many rounds (float32 drift).
@@ -342,11 +375,29 @@ class MIFA(FedAvgLinks):
         super().setup(ctx, x0)
         self.memory = ClientStore(ctx.num_clients, x0.numel(), device=x0.device, dtype=x0.dtype)
         self.total = torch.zeros_like(self.x)
+        self.checked_present: np.ndarray | None = None  # the client set whose departures were last dropped
+
+    def drop_departed(self) -> bool:
+        """Zero the memory of clients that are no longer present (once per change of the client set); True when a
+        non-zero row was dropped, so the running sum must be re-summed."""
+        if self.checked_present is not None and np.array_equal(self.checked_present, self.present):
+            return False
+        self.checked_present = self.present
+        gone = torch.as_tensor(np.setdiff1d(np.arange(self.memory.data.shape[0]), self.present), device=self.x.device)
+        if gone.numel() == 0:
+            return False
+        rows = self.memory.data.index_select(0, gone)
+        if not bool(rows.any()):
+            return False
+        self.memory.data.index_fill_(0, gone, 0.0)
+        return True
 
     def server_update(self, t: int, active: np.ndarray, models: torch.Tensor) -> None:
         updates = models if len(active) else []
-        resum = (t + 1) % self.resum_every == 0
-        ops.mifa_update_(self.x, self.memory.data, self.total, updates, active, self.server_lr, resum=resum)
+        resum = self.drop_departed() or (t + 1) % self.resum_every == 0
+        # the op divides the sum by all memory rows; the average runs over the present clients
+        lr = self.server_lr * (self.memory.data.shape[0] / max(len(self.present), 1))
+        ops.mifa_update_(self.x, self.memory.data, self.total, updates, active, lr, resum=resum)
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "memory": self.memory.data, "total": self.total}

@@ -4,12 +4,20 @@
   write back) and a torch loop over per-client tensors; limit: a copy of k rows ((2k)·d floats of traffic, the op
   needs (2k+1)·d).
 - ``weighted_delta``: x += (η_g/D)·Σ_A w_i(Y_i − x) vs the torch idiom and the loop; limit: a copy of k rows.
-- ``mifa``: the running-sum update vs the idiom that rewrites the memory rows and re-sums all m of them.
+- ``mifa``: the running-sum update vs the idiom that rewrites the memory rows and re-sums all m of them, and a torch
+  loop over per-client memory tensors keeping the same running sum.
 
 Sizes: the paper's CNNs, d = 273,706 (SVHN), 551,786 (CIFAR-10), 1,193,130 (CINIC-10), with k ∈ {5, 10, 50}.
+
+- ``fedpbc_round``: one engine round of FedPBC (every client trains s = 5 steps of batch 16, then the postponed
+  broadcast) on digits with the MLP, m = 100 clients (quick: 20), one CPU thread as the engine uses for small models:
+  batched local training ("pyfedkern": one vmapped step for all clients, batches gathered at once) vs the per-client
+  loop (``batched=False``). Both compute the same round.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import numpy as np
 import torch
@@ -20,6 +28,7 @@ from pyfedkern.benchmarks.common import Case, InputCache, fmt_size
 M = 100
 FULL_SIZES = [(k, d) for d in (273_706, 551_786, 1_193_130) for k in (5, 10, 50)]
 QUICK_SIZES = [(5, 50_000), (10, 20_000)]
+ROUND_CLIENTS, QUICK_ROUND_CLIENTS = 100, 20
 SCALE = 1.0 / M  # η_g/m of FedAvg-all / known-p
 
 
@@ -151,9 +160,67 @@ def cases(quick: bool = False, device: str = "cpu") -> list[Case]:
 
             return run
 
+        def mifa_loop(inputs=inputs):
+            a = inputs()
+            memory, total, x = list(a["memory"].unbind(0)), a["total"], a["x"]
+            pairs = [(int(i), u) for i, u in zip(a["active"], a["updates"].unbind(0), strict=True)]
+            m = len(memory)
+
+            def run():
+                for i, u in pairs:
+                    delta = u - x
+                    total.add_(delta).sub_(memory[i])
+                    memory[i].copy_(delta)
+                return x.add_(total, alpha=1.0 / m)
+
+            return run
+
+        nbytes = (3 * k + 4) * d * 4
         out += [
-            Case(group, "pyfedkern", mifa_ours, (3 * k + 4) * d * 4, 3 * k * d, device),
-            Case(group, "torch-idiom U[A] = Y-x; x += U.sum(0)/m", mifa_idiom, (3 * k + 4) * d * 4, 3 * k * d, device),
+            Case(group, "pyfedkern", mifa_ours, nbytes, 3 * k * d, device),
+            Case(group, "torch-idiom U[A] = Y-x; x += U.sum(0)/m", mifa_idiom, nbytes, 3 * k * d, device),
+            Case(group, "torch loop over client tensors (running sum)", mifa_loop, nbytes, 3 * k * d, device),
             Case(group, "limit:copy", limit_copy, limit_bytes, 0, device),
         ]
-    return out
+    return out + round_cases(ROUND_CLIENTS if not quick else QUICK_ROUND_CLIENTS, device)
+
+
+def round_cases(clients: int, device: str) -> list[Case]:
+    """FedPBC engine rounds on digits/MLP with ``clients`` clients: batched (vmap) vs the per-client loop."""
+    group = f"fedpbc_round m={clients} digits mlp s=5 B=16 float32 {device}"
+
+    def make(batched: bool):
+        def build():
+            from pyfedkern.sim.engine import ExperimentConfig, Simulation, _cpu_threads
+
+            config = ExperimentConfig(
+                algorithm="fedpbc",
+                algorithm_params={"links": "bernoulli", "batched": batched},
+                dataset="digits",
+                partition="dirichlet-equal:0.1",
+                clients=clients,
+                model="mlp",
+                batch_size=16,
+                local_steps=5,
+                lr=0.05,
+                lr_schedule="invsqrt:10",
+                device=device,
+            )
+            sim = Simulation(config)
+            algo = sim.algorithm
+            algo.setup(sim, sim.initial_vector)
+            rounds = itertools.count()
+
+            def run():
+                with _cpu_threads(1):
+                    algo.round(next(rounds), sim)
+                return algo.clients.data
+
+            return run
+
+        return build
+
+    return [
+        Case(group, "pyfedkern", make(True), 0, 0, device),
+        Case(group, "per-client loop (batched=False)", make(False), 0, 0, device),
+    ]

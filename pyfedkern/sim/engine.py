@@ -197,8 +197,14 @@ class Simulation:
 
         x_train = torch.as_tensor(data.x_train, device=self.device)
         y_train = torch.as_tensor(data.y_train, device=self.device)
-        self.client_x = [x_train[torch.as_tensor(ix, device=self.device)] for ix in self.client_indices]
-        self.client_y = [y_train[torch.as_tensor(ix, device=self.device)] for ix in self.client_indices]
+        # every client's samples, client after client; client_x/client_y are views of these (stacked_batches
+        # gathers the batches of many clients from them at once)
+        stacked = torch.as_tensor(np.concatenate(self.client_indices).astype(np.int64), device=self.device)
+        self._all_x, self._all_y = x_train[stacked], y_train[stacked]
+        self._client_offsets = np.concatenate([[0], np.cumsum(self.client_sizes)]).astype(np.int64)
+        spans = list(zip(self._client_offsets[:-1].tolist(), self._client_offsets[1:].tolist(), strict=True))
+        self.client_x = [self._all_x[a:b] for a, b in spans]
+        self.client_y = [self._all_y[a:b] for a, b in spans]
         self.public_x, self.public_y = x_train[public_idx], y_train[public_idx]
         self.noise_std = self.partition.noise_std
         self.x_test = torch.as_tensor(data.x_test, device=self.device)
@@ -246,6 +252,41 @@ class Simulation:
             return pool.copy()
         return np.sort(self.rng(_SAMPLE, t).choice(pool, size=k, replace=False))
 
+    def batch_indices(
+        self,
+        cid: int,
+        t: int,
+        *,
+        epochs: float | None = None,
+        steps: int | None = None,
+        order: str = "reshuffle",
+        drop_last: bool = False,
+        batch_size: int | None = None,
+    ) -> list[np.ndarray]:
+        """Positions in client cid's data of the minibatches :meth:`batches` yields in round t, one int64 array per
+        step.
+
+        The number of steps is ``steps`` if given, else ⌈E·n/B⌉ (⌊E·n/B⌋ with drop_last); epoch e of round t uses
+        the permutation of the seeded stream (t, cid, e) ("reshuffle") or one fixed permutation per client ("fixed").
+        """
+        if order not in ("reshuffle", "fixed"):
+            raise ValueError(f"order must be 'reshuffle' or 'fixed', got {order!r}")
+        n = int(self.client_sizes[cid])
+        size = min(batch_size or self.batch_size, n)
+        per_epoch = n // size if drop_last else -(-n // size)
+        if steps is None:
+            work = (epochs if epochs is not None else self.local_epochs) * n / size
+            steps = math.floor(work + 1e-9) if drop_last else math.ceil(work - 1e-9)
+        fixed = self.rng(_FIXED_ORDER, cid).permutation(n) if order == "fixed" else None
+        out: list[np.ndarray] = []
+        epoch = 0
+        while len(out) < steps and per_epoch > 0:
+            perm = fixed if fixed is not None else self.rng(_BATCH, t, cid, epoch).permutation(n)
+            for b in range(min(per_epoch, steps - len(out))):
+                out.append(perm[b * size : (b + 1) * size])
+            epoch += 1
+        return out
+
     def batches(
         self,
         cid: int,
@@ -257,38 +298,61 @@ class Simulation:
         drop_last: bool = False,
         batch_size: int | None = None,
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Minibatches of client cid in round t; see :class:`~pyfedkern.algorithms.FLContext`.
-
-        The number of steps is ``steps`` if given, else ⌈E·n/B⌉ (⌊E·n/B⌋ with drop_last). Feature-skew partitions
-        add the client's Gaussian noise to every batch, drawn afresh each round.
+        """Minibatches of client cid in round t (those of :meth:`batch_indices`); see
+        :class:`~pyfedkern.algorithms.FLContext`. Feature-skew partitions add the client's Gaussian noise to every
+        batch, drawn afresh each round.
         """
-        if order not in ("reshuffle", "fixed"):
-            raise ValueError(f"order must be 'reshuffle' or 'fixed', got {order!r}")
         x, y = self.client_x[cid], self.client_y[cid]
-        n = int(y.shape[0])
-        size = min(batch_size or self.batch_size, n)
-        per_epoch = n // size if drop_last else -(-n // size)
-        if steps is None:
-            work = (epochs if epochs is not None else self.local_epochs) * n / size
-            steps = math.floor(work + 1e-9) if drop_last else math.ceil(work - 1e-9)
+        plan = self.batch_indices(
+            cid, t, epochs=epochs, steps=steps, order=order, drop_last=drop_last, batch_size=batch_size
+        )
+        for step, positions in enumerate(plan):
+            idx = torch.as_tensor(positions, device=self.device)
+            yield self._add_noise(x[idx], cid, t, step), y[idx]
+
+    def stacked_batches(
+        self, clients: Any, t: int, *, epochs: float | None = None, steps: int | None = None
+    ) -> Iterator[tuple[np.ndarray, torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+        """The minibatches of many clients in round t, step by step, each step gathered in one go.
+
+        Yields (rows, xb, yb, wb) per step: rows, int64 positions in ``clients`` of the clients that still have a
+        batch; xb [len(rows), B, ...] and yb [len(rows), B] their batches, client r's batch equal to the one
+        ``batches(clients[r], t, epochs=epochs, steps=steps)`` yields at that step; wb None when every batch has B
+        samples, else [len(rows), B] weights 1/b_r on client r's b_r samples and 0 on the padding after them.
+        """
+        clients = [int(c) for c in clients]
+        plans = [self.batch_indices(cid, t, epochs=epochs, steps=steps) for cid in clients]
+        noisy = self.noise_std is not None and bool(np.any(np.asarray(self.noise_std)[clients] > 0))
+        for step in range(max((len(p) for p in plans), default=0)):
+            rows = np.array([r for r, plan in enumerate(plans) if step < len(plan)], dtype=np.int64)
+            sizes = np.array([len(plans[r][step]) for r in rows])
+            width = int(sizes.max())
+            index = np.empty((len(rows), width), dtype=np.int64)
+            for j, r in enumerate(rows):
+                start, positions = self._client_offsets[clients[r]], plans[r][step]
+                index[j, : len(positions)] = start + positions
+                index[j, len(positions) :] = start  # padding: a real sample, weighted 0
+            idx = torch.as_tensor(index, device=self.device)
+            xb, yb = self._all_x[idx], self._all_y[idx]
+            if noisy:
+                for j, r in enumerate(rows):
+                    xb[j, : sizes[j]] = self._add_noise(xb[j, : sizes[j]], clients[r], t, step)
+            wb = None
+            if np.any(sizes != width):
+                dtype = xb.dtype if xb.is_floating_point() else torch.get_default_dtype()
+                n = torch.as_tensor(sizes, device=self.device)
+                real = torch.arange(width, device=self.device)[None, :] < n[:, None]
+                wb = real.to(dtype) / n[:, None].to(dtype)
+            yield rows, xb, yb, wb
+
+    def _add_noise(self, xb: torch.Tensor, cid: int, t: int, step: int) -> torch.Tensor:
+        """xb plus client cid's Gaussian feature noise of (round t, step) (feature-skew partitions), else xb."""
         sigma = 0.0 if self.noise_std is None else float(self.noise_std[cid])
-        fixed = self.rng(_FIXED_ORDER, cid).permutation(n) if order == "fixed" else None
-        step = 0
-        epoch = 0
-        while step < steps and per_epoch > 0:
-            perm = fixed if fixed is not None else self.rng(_BATCH, t, cid, epoch).permutation(n)
-            for b in range(per_epoch):
-                if step >= steps:
-                    break
-                idx = torch.as_tensor(perm[b * size : (b + 1) * size], device=self.device)
-                xb = x[idx]
-                if sigma > 0:
-                    gen = torch.Generator(device=self.device)
-                    gen.manual_seed(int(self.rng(_NOISE, t, cid, step).integers(2**62)))
-                    xb = xb + sigma * torch.randn(xb.shape, generator=gen, device=self.device, dtype=xb.dtype)
-                yield xb, y[idx]
-                step += 1
-            epoch += 1
+        if sigma <= 0:
+            return xb
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(int(self.rng(_NOISE, t, cid, step).integers(2**62)))
+        return xb + sigma * torch.randn(xb.shape, generator=gen, device=self.device, dtype=xb.dtype)
 
     # Data helpers for algorithms -------------------------------------------------------------------------
 

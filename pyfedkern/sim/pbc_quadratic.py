@@ -46,15 +46,21 @@ def fedavg_limit(u: np.ndarray, p: np.ndarray) -> np.ndarray:
     return weights @ np.asarray(u, dtype=np.float64)
 
 
+LATE_BLOCKS = 5  # batch means of the late average's standard error
+
+
 @dataclass
 class QuadraticRun:
-    """Per-round ‖x^t − x*‖ of the server model and of the mean client model x̄^t, the final server model, and the
-    server model averaged over the second half of the rounds (an estimate of lim E[x^t])."""
+    """Per-round ‖x^t − x*‖ of the server model and of the mean client model x̄^t, the final server model, the
+    server model averaged over the second half of the rounds (an estimate of lim E[x^t]) and that average's standard
+    error: ‖se‖₂ of the per-coordinate batch-means standard errors over ``LATE_BLOCKS`` consecutive blocks, i.e. the
+    typical distance of the late average from lim E[x^t] due to the rounds' randomness."""
 
     server_error: np.ndarray
     mean_error: np.ndarray
     server: np.ndarray
     late_average: np.ndarray
+    late_std_error: float
 
 
 def simulate_quadratic(
@@ -74,7 +80,7 @@ def simulate_quadratic(
     x = torch.zeros(d, dtype=torch.float64)
     store = torch.zeros(m, d, dtype=torch.float64)
     server_err, mean_err = np.empty(rounds), np.empty(rounds)
-    late = torch.zeros(d, dtype=torch.float64)
+    late = []
     for t in range(rounds):
         active = links.active_indices(t)
         if method == "fedpbc":
@@ -89,5 +95,8 @@ def simulate_quadratic(
             mean_err[t] = float(torch.linalg.vector_norm(x - optimum))
         server_err[t] = float(torch.linalg.vector_norm(x - optimum))
         if t >= rounds // 2:
-            late += x
-    return QuadraticRun(server_err, mean_err, x.numpy().copy(), (late / (rounds - rounds // 2)).numpy())
+            late.append(x.numpy().copy())
+    late = np.stack(late)
+    blocks = np.stack([b.mean(0) for b in np.array_split(late, min(LATE_BLOCKS, len(late)))])
+    se = blocks.std(0, ddof=1) / np.sqrt(len(blocks)) if len(blocks) > 1 else np.full(d, np.nan)
+    return QuadraticRun(server_err, mean_err, x.numpy().copy(), late.mean(0), float(np.linalg.norm(se)))

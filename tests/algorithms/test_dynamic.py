@@ -250,6 +250,18 @@ def test_parse_host_params_types_values_like_the_fields():
     assert parse_host_params("fedprox", "mu=0.5, server_lr=1") == {"mu": 0.5, "server_lr": 1.0}
 
 
+def test_footprint_rounds_shift_the_stacked_batches_like_the_batches():
+    sim = Simulation(config())
+    view = SessionContext(sim, 0, T, round_key=10**9 + 4)
+    ours = list(view.stacked_batches([0, 2], 1, steps=2))
+    base = list(sim.stacked_batches([0, 2], 10**9 + 5, steps=2))
+    assert len(ours) == len(base) == 2
+    for (rows_a, xa, ya, _), (rows_b, xb, yb, _) in zip(ours, base, strict=True):
+        assert rows_a.tolist() == rows_b.tolist() and torch.equal(xa, xb) and torch.equal(ya, yb)
+    x0, y0 = next(iter(view.batches(2, 1, steps=2)))
+    assert torch.equal(ours[0][1][1, : len(y0)], x0) and torch.equal(ours[0][2][1, : len(y0)], y0)
+
+
 def test_transition_accuracy():
     metrics = [{"round": r, "test_acc": r / 100} for r in range(0, 13)]
     assert transition_accuracy(metrics, 4, window=2) == {1: 0.055, 2: 0.095}

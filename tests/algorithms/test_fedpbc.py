@@ -121,7 +121,7 @@ def test_known_p_weights_divide_by_p_t():
 
 def test_fedau_interval_bookkeeping():
     algo = FedAU(cutoff=3, link_probs=(0.5,))
-    algo.num_clients = 1
+    algo.present = np.array([0])
     algo.counter, algo.interval_sum, algo.interval_count = np.zeros(1, np.int64), np.zeros(1), np.zeros(1, np.int64)
     pattern = [1, 0, 0, 1, 0, 0, 0, 0, 1]
     omegas = []
@@ -156,6 +156,105 @@ def test_all_links_on_every_method_is_fedavg():
         finals[name] = algo.x.clone()
     for name in LINK_METHODS[1:]:
         torch.testing.assert_close(finals[name], finals["fedpbc"], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_only_present_clients_train_and_report():
+    """A session schedule (ctx.active_clients) restricts every method to the present clients, and m is their
+    number: with every link ON all six methods are FedAvg over the present clients, and absent clients never train."""
+    present = np.array([1, 4, 5, 8])
+    finals = {}
+    for name in LINK_METHODS:
+        sim, algo = _setup(DIGITS, name, link_probs=(1.0,))
+        sim.active_clients = present
+        for t in range(2):
+            stats = algo.round(t, sim)
+            assert stats.clients.tolist() == present.tolist()
+            assert stats.extras["active"] == len(present)
+        finals[name] = algo.x.clone()
+        if name == "fedpbc":
+            absent = np.setdiff1d(np.arange(10), present)
+            assert torch.equal(algo.clients.data[absent], sim.initial_vector.expand(len(absent), -1))
+            torch.testing.assert_close(algo.mean_model(), algo.x)  # x̄ over the present clients
+        else:
+            assert stats.download_floats == len(present) * algo.x.numel()
+    for name in LINK_METHODS[1:]:
+        torch.testing.assert_close(finals[name], finals["fedpbc"], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_links_are_intersected_with_the_present_clients():
+    sim, algo = _setup(QUAD, "fedavg-known-p", link_probs=(0.5,))
+    sim.active_clients = np.arange(0, 20, 3)
+    for t in range(6):
+        on = algo.link_model.active_indices(t)
+        stats = algo.round(t, sim)
+        assert stats.clients.tolist() == [i for i in on.tolist() if i % 3 == 0]
+        w, scale = algo.weights(t, stats.clients)
+        assert scale == 1.0 / 7 and np.allclose(w, 2.0)
+
+
+def test_mifa_drops_the_memory_of_departed_clients():
+    sim, algo = _setup(QUAD, "mifa", link_probs=(0.6,), server_lr=0.7)
+    u = torch.stack([sim.client_x[i][0] for i in range(20)]).double()
+    x = torch.zeros(6, dtype=torch.float64)
+    memory = torch.zeros(20, 6, dtype=torch.float64)
+    a = (1 - QUAD.lr) ** QUAD.local_steps
+    for t in range(10):
+        present = np.arange(20) if t < 4 else np.arange(8)  # clients 8..19 leave after round 3
+        sim.active_clients = present
+        algo.round(t, sim)
+        memory[np.setdiff1d(np.arange(20), present)] = 0
+        for i in np.intersect1d(algo.link_model.active_indices(t), present):
+            memory[i] = (u[i] + a * (x - u[i])) - x
+        x = x + 0.7 * memory[present].mean(0)
+        torch.testing.assert_close(algo.x.double(), x, rtol=1e-5, atol=1e-5)
+    assert not algo.memory.data[8:].any()
+
+
+def test_fedau_counts_only_present_clients():
+    sim, algo = _setup(QUAD, "fedau", link_probs=(0.5,), cutoff=50)
+    sim.active_clients = np.arange(5)
+    for t in range(8):
+        algo.round(t, sim)
+    assert not algo.counter[5:].any() and not algo.interval_count[5:].any()
+    assert algo.counter[:5].sum() + algo.interval_count[:5].sum() > 0
+
+
+def test_dynamic_sessions_with_a_fedpbc_host():
+    """``--algorithm dynamic --host fedpbc``: in each session the clients of the other group neither train nor
+    upload, so their rows of the host's store stay at the session's initial model."""
+    config = ExperimentConfig(
+        algorithm="dynamic",
+        algorithm_params={"method": "previous", "sessions": 3, "host": "fedpbc", "host_params": "delta=0.5"},
+        dataset="digits",
+        partition="groups:0.2,0.3",
+        clients=6,
+        model="mlp",
+        model_params={"hidden": 16},
+        rounds=9,
+        local_steps=2,
+        batch_size=32,
+        lr=0.1,
+    )
+    sim = Simulation(config)
+    algo = sim.algorithm
+    start, host_rounds = algo._start_session, []
+
+    def start_session(s, t, ctx):
+        extras = start(s, t, ctx)
+        host_rounds.append((s, ctx.active_clients.copy(), algo.host_algo.x.clone()))
+        return extras
+
+    algo._start_session = start_session
+    metrics = sim.run()
+    s, group, init = host_rounds[-1]
+    assert s == 2 and len(group) == 3
+    host = algo.host_algo
+    absent = np.setdiff1d(np.arange(6), group)
+    assert torch.equal(host.clients.data[absent], init.expand(len(absent), -1))
+    assert not torch.equal(host.clients.data[group], init.expand(len(group), -1))  # the present ones trained
+    # δ = 0.5 puts every p_i >= 0.5, so uploads happen; never more than the session's 3 clients
+    uploads = [m["clients"] for m in metrics[4:]]
+    assert max(uploads) <= 3 and sum(uploads) > 0
 
 
 def test_batched_local_training_equals_the_loop():

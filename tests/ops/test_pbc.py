@@ -317,15 +317,20 @@ def test_cuda_strided_store_and_stream():
 
 
 def test_benchmark_cases_run_and_the_idioms_agree():
+    """Every peer of every group computes the same result as pyfedkern, each case on fresh inputs."""
     from pyfedkern.benchmarks import pbc
 
     cases = pbc.cases(quick=True)
-    assert {c.group.split()[0] for c in cases} == {"pbc_agg_bcast", "weighted_delta", "mifa_update"}
-    first = cases[0].group
-    results = {c.name: c.make()() for c in cases if c.group == first and not c.is_limit}
-    # after the first call every active row holds the mean, so each peer returns the same server model
-    values = list(results.values())
-    for v in values[1:]:
-        torch.testing.assert_close(v, values[0], rtol=1e-5, atol=1e-6)
-    for c in cases:
-        c.make()()
+    assert {c.group.split()[0] for c in cases} == {"pbc_agg_bcast", "weighted_delta", "mifa_update", "fedpbc_round"}
+    results: dict[str, dict[str, torch.Tensor]] = {}
+    for i, case in enumerate(cases):
+        fresh = pbc.cases(quick=True)[i]  # a new input cache: no case sees another's in-place writes
+        out = fresh.make()()
+        if not case.is_limit:
+            results.setdefault(case.group, {})[case.name] = out.clone()
+    assert len(results) == 3 * len(pbc.QUICK_SIZES) + 1
+    for group, by_name in results.items():
+        # pyfedkern, the idiom and the loop; the engine round: batched and the per-client loop
+        assert "pyfedkern" in by_name and len(by_name) >= (2 if group.startswith("fedpbc_round") else 3), group
+        for name, value in by_name.items():
+            torch.testing.assert_close(value, by_name["pyfedkern"], rtol=1e-5, atol=1e-5, msg=f"{group}: {name}")

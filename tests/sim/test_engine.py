@@ -207,3 +207,32 @@ def test_batches_cover_the_client_data_once_per_epoch():
     fixed_a = [y for _, y in sim.batches(0, 0, epochs=1.0, order="fixed")]
     fixed_b = [y for _, y in sim.batches(0, 5, epochs=1.0, order="fixed")]
     assert all(torch.equal(a, b) for a, b in zip(fixed_a, fixed_b, strict=True))
+
+
+@pytest.mark.parametrize(("partition", "kwargs"), [("dirichlet:0.3", {"epochs": 1.5}), ("noise:0.5", {"steps": 4})])
+def test_stacked_batches_are_every_clients_batches(partition, kwargs):
+    """stacked_batches gathers, per step, exactly the batch batches() gives each client (noise included); clients
+    whose batches run out drop out, and unequal batch sizes are zero-weighted padding."""
+    sim = Simulation(dataclasses.replace(SMALL, clients=6, partition=partition, batch_size=16, model="mlp"))
+    clients = [5, 0, 3, 2]
+    expected = [list(sim.batches(cid, 7, **kwargs)) for cid in clients]
+    stacked = list(sim.stacked_batches(clients, 7, **kwargs))
+    assert len(stacked) == max(len(e) for e in expected)
+    padded = 0
+    for step, (rows, xb, yb, wb) in enumerate(stacked):
+        assert rows.tolist() == [r for r, e in enumerate(expected) if step < len(e)]
+        for j, r in enumerate(rows):
+            x, y = expected[r][step]
+            b = y.shape[0]
+            assert torch.equal(xb[j, :b], x) and torch.equal(yb[j, :b], y)
+            if wb is None:
+                assert b == xb.shape[1]
+            else:
+                assert torch.allclose(wb[j, :b], torch.full((b,), 1.0 / b)) and not wb[j, b:].any()
+                padded += b < xb.shape[1]
+    first = sim.batch_indices(clients[0], 7, **kwargs)[0]
+    raw = sim.client_x[clients[0]][torch.as_tensor(first)]
+    assert torch.equal(stacked[0][1][0, : len(first)], raw) == (partition != "noise:0.5")  # noise, when on
+    assert list(sim.stacked_batches([], 7, steps=2)) == []
+    if kwargs.get("epochs"):
+        assert padded > 0  # 1.5 epochs of batch 16 end on partial batches of unequal sizes
