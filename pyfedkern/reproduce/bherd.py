@@ -20,9 +20,8 @@ import numpy as np
 
 from pyfedkern.ops.herding import selection_size
 from pyfedkern.reproduce import update_docs_section
-from pyfedkern.sim.engine import ExperimentConfig, Simulation
+from pyfedkern.sim.engine import ExperimentConfig, Simulation, run_or_reuse
 from pyfedkern.sim.plots import plot_curves
-from pyfedkern.sim.results import read_metrics
 
 ALPHAS = (0.1, 0.3, 0.5, 0.7, 1.0)
 VARIANTS = ("fedavg", *(f"bherd-{a:g}" for a in ALPHAS), "grab")
@@ -92,12 +91,6 @@ def rounds_to_loss(curve: Sequence[dict], threshold: float) -> int | None:
     return next((m["round"] for m in curve if m["train_loss"] <= threshold), None)
 
 
-def _run(config: ExperimentConfig, run_dir: Path, progress: bool) -> list[dict]:
-    if (run_dir / "summary.json").exists():
-        return read_metrics(run_dir)
-    return Simulation(config).run(run_dir, resume=(run_dir / "metrics.jsonl").exists(), progress=progress)
-
-
 def summarize(curves: dict[str, list[dict]], finals: dict[str, list[float]]) -> dict:
     """Final train loss (mean and std over seeds), final test accuracy, and the rounds to FedAvg's final train loss
     and to within ``NEAR`` of it."""
@@ -126,7 +119,10 @@ def run_case(case: int, args: argparse.Namespace, out: Path, quick: bool) -> dic
             variant_config(variant, case, seed, rounds=rounds, lr=lr, batch=batch, dataset=dataset, root=args.data_root)
             for seed in range(args.seeds)
         ]
-        runs = [_run(cfg, out / f"case{case}" / f"seed{cfg.seed}" / variant, not args.no_progress) for cfg in configs]
+        runs = [
+            run_or_reuse(cfg, out / f"case{case}" / f"seed{cfg.seed}" / variant, progress=not args.no_progress)
+            for cfg in configs
+        ]
         curves[variant] = mean_curve(runs)
         finals[variant] = [run[-1]["train_loss"] for run in runs]
     sizes = [int(y.shape[0]) for y in Simulation(configs[0]).client_y]  # |D_i|, the same for every variant

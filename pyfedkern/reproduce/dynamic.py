@@ -25,8 +25,7 @@ import numpy as np
 
 from pyfedkern.algorithms.dynamic import transition_accuracy
 from pyfedkern.reproduce import update_docs_section
-from pyfedkern.sim.engine import ExperimentConfig, Simulation
-from pyfedkern.sim.results import read_metrics
+from pyfedkern.sim.engine import ExperimentConfig, run_or_reuse
 
 METHODS = ("proposed", "previous", "average", "continuous")
 LABELS = {"proposed": "Proposed", "previous": "Previous", "average": "Average", "continuous": "Continuous"}
@@ -87,12 +86,6 @@ def session_accuracies(metrics: Sequence[dict], session_rounds: int) -> list[flo
     return [per_session[s] for s in range(1, SESSIONS)]
 
 
-def _run(config: ExperimentConfig, run_dir: Path, progress: bool) -> list[dict]:
-    if (run_dir / "summary.json").exists():
-        return read_metrics(run_dir)
-    return Simulation(config).run(run_dir, resume=(run_dir / "metrics.jsonl").exists(), progress=progress)
-
-
 def _settings(quick: bool) -> list[tuple[str, float, float, float]]:
     """(host, overlap, α, η0) rows: the grid at η0 = LR and the sensitivity row at SENSITIVITY_LR."""
     if quick:
@@ -112,7 +105,7 @@ def run_all(out: Path, seeds: Sequence[int], session_rounds: int, quick: bool, p
             for seed in seeds:
                 cfg = run_config(method, host, overlap, alpha, seed, session_rounds=session_rounds, lr=lr)
                 tag = f"{host}-o{overlap:g}-a{alpha:g}-lr{lr:g}"
-                metrics = _run(cfg, out / tag / f"seed{seed}" / method, progress)
+                metrics = run_or_reuse(cfg, out / tag / f"seed{seed}" / method, progress=progress)
                 accs.append(session_accuracies(metrics, session_rounds))
                 by_round = {int(m["round"]): m["test_acc"] for m in metrics if "test_acc" in m}
                 curves.append([by_round[r] for r in range(1, cfg.rounds + 1)])

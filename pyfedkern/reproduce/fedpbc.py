@@ -25,10 +25,9 @@ from pathlib import Path
 import numpy as np
 
 from pyfedkern.reproduce import update_docs_section
-from pyfedkern.sim.engine import ExperimentConfig, Simulation
+from pyfedkern.sim.engine import ExperimentConfig, run_or_reuse
 from pyfedkern.sim.links import PATTERNS, make_links
 from pyfedkern.sim.pbc_quadratic import LATE_BLOCKS, fedavg_limit, quadratic_targets, simulate_quadratic
-from pyfedkern.sim.results import read_metrics
 
 PROB_PAIRS = ((0.5, 0.5), (0.5, 0.9), (0.1, 0.9))
 METHODS = ("fedpbc", "fedavg-links", "fedavg-all", "fedau", "fedavg-known-p", "mifa")
@@ -217,12 +216,6 @@ def table_config(method: str, pattern: str, seed: int, rounds: int, clients: int
     )
 
 
-def _run(config: ExperimentConfig, run_dir: Path, progress: bool) -> list[dict]:
-    if (run_dir / "summary.json").exists():
-        return read_metrics(run_dir)
-    return Simulation(config).run(run_dir, resume=(run_dir / "metrics.jsonl").exists(), progress=progress)
-
-
 def late_accuracy(metrics: Sequence[dict], key: str, last: int = 3) -> float:
     """Mean of ``key`` over the last ``last`` evaluated rounds (the paper averages its last 100 rounds)."""
     values = [m[key] for m in metrics if m.get(key) is not None]
@@ -239,7 +232,7 @@ def run_table(out: Path, seeds: Sequence[int], rounds: int, clients: int, progre
             train, test, curves = [], [], []
             for seed in seeds:
                 run_dir = out / "digits" / pattern / f"seed{seed}" / method
-                metrics = _run(table_config(method, pattern, seed, rounds, clients), run_dir, progress)
+                metrics = run_or_reuse(table_config(method, pattern, seed, rounds, clients), run_dir, progress=progress)
                 train.append(late_accuracy(metrics, "train_acc"))
                 test.append(late_accuracy(metrics, "test_acc"))
                 curves.append([(m["round"], m["test_acc"]) for m in metrics if m.get("test_acc") is not None])

@@ -30,9 +30,8 @@ import numpy as np
 import torch
 
 from pyfedkern.reproduce import update_docs_section
-from pyfedkern.sim.engine import ExperimentConfig, Simulation
+from pyfedkern.sim.engine import ExperimentConfig, run_or_reuse
 from pyfedkern.sim.plots import plot_curves
-from pyfedkern.sim.results import read_metrics
 
 BASELINES = ("fedavg", "fedprox", "scaffold", "feddyn", "fedsam")
 FEDSPEED_VARIANTS = ("fedspeed", "fedspeed-all", "fedspeed-rho0")
@@ -138,13 +137,6 @@ def mean_curve(runs: Sequence[Sequence[dict]]) -> list[dict]:
     ]
 
 
-def _run(config: ExperimentConfig, run_dir: Path, progress: bool) -> list[dict]:
-    if (run_dir / "summary.json").exists():
-        return read_metrics(run_dir)
-    resume = (run_dir / "metrics.jsonl").exists()
-    return Simulation(config).run(run_dir, resume=resume, progress=progress)
-
-
 def _parse(argv: Sequence[str], quick: bool) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="pyfedkern reproduce fedspeed", allow_abbrev=False)
     parser.add_argument("--seeds", type=int, default=1 if quick else 3, help="seeds (default 3, quick 1)")
@@ -197,7 +189,7 @@ def _run_setup(setup: Setup, out: Path, progress: bool) -> tuple[list[dict], lis
         for seed in setup.seeds:
             for method in METHODS:
                 run_dir = out / setup.dataset / f"dir{alpha:g}" / f"seed{seed}" / method
-                runs[method].append(_run(setup.config(method, alpha, seed), run_dir, progress))
+                runs[method].append(run_or_reuse(setup.config(method, alpha, seed), run_dir, progress=progress))
             finals = ", ".join(f"{LABELS[m]} {runs[m][-1][-1]['test_acc']:.4f}" for m in METHODS)
             print(f"{setup.dataset} Dir({alpha:g}) seed {seed}: {finals}", flush=True)
         for method in METHODS:

@@ -8,9 +8,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from pyfedkern.sim.engine import ExperimentConfig, Simulation
+from pyfedkern.sim.engine import ExperimentConfig, check_reusable, run_or_reuse
 from pyfedkern.sim.plots import plot_curves, summary_table
-from pyfedkern.sim.results import config_differences, is_finished, read_metrics, summarize
+from pyfedkern.sim.results import summarize
 
 
 @dataclasses.dataclass
@@ -52,22 +52,8 @@ def compare(
         config.validate()
     out = Path(out_dir)
     for name, config in configs.items():
-        run_dir = out / name
-        if (run_dir / "metrics.jsonl").exists():
-            changed = config_differences(run_dir, config.to_dict())
-            if changed:
-                raise ValueError(
-                    f"{run_dir} holds a run of {name} with a different config (it differs in {', '.join(changed)}); "
-                    "choose a fresh output directory (--out) or delete that one"
-                )
-    metrics: dict[str, list[dict[str, Any]]] = {}
-    for name, config in configs.items():
-        run_dir = out / name
-        if is_finished(run_dir):
-            metrics[name] = read_metrics(run_dir)
-            continue
-        resume = (run_dir / "metrics.jsonl").exists()
-        metrics[name] = Simulation(config).run(run_dir, resume=resume, progress=progress)
+        check_reusable(config, out / name)  # every sub-run checked before any runs
+    metrics = {name: run_or_reuse(config, out / name, progress=progress) for name, config in configs.items()}
     summaries = {name: summarize(m, target) for name, m in metrics.items()}
     title = f"{base.dataset}, {base.partition}, {base.clients} clients, model {base.model}"
     plot = plot_curves(metrics, out / "compare.png", title=title)

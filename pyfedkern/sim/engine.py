@@ -26,7 +26,7 @@ import torch
 
 from pyfedkern.algorithms import Algorithm, LocalModel, make_algorithm
 from pyfedkern.sim import datasets, models, partitions
-from pyfedkern.sim.results import RunWriter
+from pyfedkern.sim.results import RunWriter, config_differences, is_finished, read_metrics
 from pyfedkern.sim.spec import parse_spec
 
 # Purposes of the random streams (first key after the seed).
@@ -512,6 +512,28 @@ def run_experiment(
     """Build and run one experiment (see :meth:`Simulation.run`). With ``resume``, the config stored in
     ``out_dir`` must equal ``config``."""
     return Simulation(config).run(out_dir, resume=resume, progress=progress)
+
+
+def check_reusable(config: ExperimentConfig, run_dir: str | Path) -> None:
+    """Raise ValueError if ``run_dir`` holds a run (finished or interrupted) of a config other than ``config``."""
+    run_dir = Path(run_dir)
+    if (run_dir / "config.json").exists():
+        changed = config_differences(run_dir, config.to_dict())
+        if changed:
+            raise ValueError(
+                f"{run_dir} holds a run with a different config (it differs in {', '.join(changed)}); "
+                "choose a fresh output directory (--out) or delete that one"
+            )
+
+
+def run_or_reuse(config: ExperimentConfig, run_dir: str | Path, *, progress: bool = False) -> list[dict[str, Any]]:
+    """The per-round metrics of ``config`` run in ``run_dir``: read back if that run finished, resumed if it was
+    interrupted, run otherwise; a run of another config there raises ValueError (never silently reused)."""
+    check_reusable(config, run_dir)
+    if is_finished(run_dir):
+        return read_metrics(run_dir)
+    resume = (Path(run_dir) / "metrics.jsonl").exists()
+    return Simulation(config).run(run_dir, resume=resume, progress=progress)
 
 
 def load_config(out_dir: str | Path) -> ExperimentConfig:

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from pyfedkern.sim.compare import compare
-from pyfedkern.sim.engine import ExperimentConfig
+from pyfedkern.sim.engine import ExperimentConfig, run_or_reuse
 from pyfedkern.sim.results import read_metrics
 
 BASE = ExperimentConfig(clients=4, rounds=2, model="logreg", partition="iid", batch_size=64)
@@ -32,3 +32,12 @@ def test_an_interrupted_sub_run_with_another_config_is_not_resumed(tmp_path):
     (tmp_path / "fedavg" / "summary.json").unlink()  # as if it had been interrupted
     with pytest.raises(ValueError, match="differs in seed"):
         compare(dataclasses.replace(BASE, seed=1), ["fedavg"], tmp_path)
+
+
+def test_run_or_reuse_reads_back_a_finished_run_and_refuses_another_config(tmp_path):
+    first = run_or_reuse(BASE, tmp_path / "run")
+    stored = (tmp_path / "run" / "metrics.jsonl").read_text()
+    assert run_or_reuse(BASE, tmp_path / "run") == first
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == stored
+    with pytest.raises(ValueError, match="differs in rounds"):
+        run_or_reuse(dataclasses.replace(BASE, rounds=3), tmp_path / "run")
