@@ -14,7 +14,7 @@ import pyfedkern
 from pyfedkern import ops, reference
 from pyfedkern.ops import herding
 from pyfedkern.ops.herding import selection_size, tie_rel_tol
-from pyfedkern.testing import LIBS_CPU, dtype_of, lib_of, make, supports, to_numpy64
+from pyfedkern.testing import LIBS_CPU, dtype_of, lib_of, make, supports, to_numpy64, written_after_sleep
 
 
 def as_np(x) -> np.ndarray:
@@ -425,6 +425,20 @@ def test_cuda_ties_list_and_large_tau():
     orders = ops.herding_order(mats, [3, 100, 7])
     for m, o, k in zip(mats, orders, [3, 100, 7], strict=True):
         assert torch.equal(o.cpu(), ops.herding_order(m.cpu(), k))
+
+
+@pytest.mark.cuda
+def test_cuda_runs_on_the_current_stream():
+    rng = np.random.default_rng(34)
+    cpu = torch.tensor(random_grads(rng, 50, 3000))
+    stream = torch.cuda.Stream()
+    late = written_after_sleep(stream, cpu.cuda())  # written late on `stream`: right answers prove the op ran there
+    with torch.cuda.stream(stream):
+        idx, sums = ops.herding_select(late, 0.5)
+    stream.synchronize()
+    cidx, csums = ops.herding_select(cpu, 0.5)
+    assert torch.equal(idx.cpu(), cidx)
+    assert torch.allclose(sums.cpu(), csums, rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.cuda

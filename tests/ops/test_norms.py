@@ -12,7 +12,7 @@ from torch import nn
 
 import pyfedkern
 from pyfedkern import ops, persample, reference
-from pyfedkern.testing import DTYPES, LIBS_CPU, make, supports, to_numpy64
+from pyfedkern.testing import DTYPES, LIBS_CPU, make, supports, to_numpy64, written_after_sleep
 
 NORM_TOL = {"float64": 1e-13, "float32": 2e-6, "float16": 2e-3, "bfloat16": 1.6e-2}
 
@@ -395,6 +395,20 @@ def test_cuda_matches_reference(dtype, B, D, C):
     assert int(res.correct) == expected_correct
     cpu = ops.class_feature_norms(feats.cpu(), torch.from_numpy(y).to(torch.int32), C)
     assert torch.equal(cpu.counts, res.counts.cpu())
+
+
+@pytest.mark.cuda
+def test_cuda_runs_on_the_current_stream():
+    rng = np.random.default_rng(9)
+    x, y = rng.standard_normal((600, 90)), rng.integers(0, 7, 600)
+    labels = torch.from_numpy(y).cuda()
+    stream = torch.cuda.Stream()
+    late = written_after_sleep(stream, torch.from_numpy(x).cuda())  # right answers prove the op ran on `stream`
+    stream.wait_stream(torch.cuda.current_stream())  # the labels are on the device before `stream` reads them
+    with torch.cuda.stream(stream):
+        res = ops.class_feature_norms(late, labels, 7)
+    stream.synchronize()
+    _check(res, x, y, 7, "float64")
 
 
 @pytest.mark.cuda

@@ -9,7 +9,7 @@ import torch
 
 import pyfedkern
 from pyfedkern import ops, reference
-from pyfedkern.testing import DTYPES, LIBS_CPU, REL_TOL, make, supports, to_numpy64
+from pyfedkern.testing import DTYPES, LIBS_CPU, REL_TOL, make, supports, to_numpy64, written_after_sleep
 
 
 def tol(dtype: str, scale: float) -> float:
@@ -304,10 +304,12 @@ def test_cuda_ops_match_reference(dtype, m, d, k):
 @pytest.mark.cuda
 def test_cuda_strided_store_and_stream():
     base = torch.randn(10, 9001, device="cuda", dtype=torch.float64)
-    store, expected = base[:, 1::2], base[:, 1::2].cpu().clone()
+    expected = base[:, 1::2].cpu().clone()
+    stream = torch.cuda.Stream()
+    store = written_after_sleep(stream, base)[:, 1::2]  # written late on `stream`: right answers prove the op ran there
     server = torch.zeros(store.shape[1], device="cuda", dtype=torch.float64)
     server_ref = torch.zeros(store.shape[1], dtype=torch.float64)
-    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())  # the zeroed server is ready on `stream`
     with torch.cuda.stream(stream):
         ops.pbc_agg_bcast_(store, server, [1, 4, 9])
     stream.synchronize()
