@@ -45,7 +45,8 @@ def test_resume_after_a_kill_gives_the_uninterrupted_metrics(tmp_path):
     root = str(Path(pyfedkern.__file__).parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, "-m", "pyfedkern.cli", *argv, "--no-progress", "--out", str(out)]
-    proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    # cwd outside the checkout: `python -m` puts the cwd first on sys.path, and the source tree has no _C.
+    proc = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 120
         while len(read_metrics(out)) < 4:
@@ -67,6 +68,7 @@ def test_resume_after_a_kill_gives_the_uninterrupted_metrics(tmp_path):
     resumed = subprocess.run(
         [sys.executable, "-m", "pyfedkern.cli", "run", "--resume", "--out", str(out), "--no-progress"],
         env=env,
+        cwd=tmp_path,
         capture_output=True,
         text=True,
         timeout=300,
