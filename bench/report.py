@@ -25,6 +25,7 @@ def main() -> None:
             b["stats"]["median"],
             b["extra_info"].get("bytes_moved", 0),
             b["extra_info"].get("flops", 0),
+            b["extra_info"].get("peak_memory_bytes", 0),
         )
         for b in data["benchmarks"]
     ]

@@ -105,20 +105,29 @@ def describe(x: Any, name: str) -> ArrayRef:
 
 
 def _element_strides(byte_strides: Sequence[int], itemsize: int, name: str) -> tuple[int, ...]:
+    if len(byte_strides) == 1 and byte_strides[0] % itemsize == 0:  # the common case, without generators
+        return (byte_strides[0] // itemsize,)
     if any(s % itemsize for s in byte_strides):
         raise ValueError(f"{name} has byte strides {tuple(byte_strides)} that are not multiples of its item size")
     return tuple(s // itemsize for s in byte_strides)
 
 
+_NUMPY_DTYPE_NAMES: dict[np.dtype, str] = {}  # dtype.name is slow (about 1 µs); ops describe many arrays per call
+
+
 def _describe_numpy(x: np.ndarray, name: str) -> ArrayRef:
-    if not x.dtype.isnative:
-        raise TypeError(f"{name} has non-native byte order {x.dtype.str}; convert it with .astype(native dtype)")
-    itemsize = x.dtype.itemsize
+    dtype = x.dtype
+    if not dtype.isnative:
+        raise TypeError(f"{name} has non-native byte order {dtype.str}; convert it with .astype(native dtype)")
+    dtype_name = _NUMPY_DTYPE_NAMES.get(dtype)
+    if dtype_name is None:
+        dtype_name = _NUMPY_DTYPE_NAMES.setdefault(dtype, dtype.name)
+    itemsize = dtype.itemsize
     return ArrayRef(
         x,
         "numpy",
         -1,
-        x.dtype.name,
+        dtype_name,
         tuple(x.shape),
         _element_strides(x.strides, itemsize, name),
         int(x.__array_interface__["data"][0]),

@@ -18,13 +18,15 @@ from pyfedkern.benchmarks.common import time_case
 
 @dataclass
 class Row:
-    """One timed case: group, name, median seconds per call, bytes moved and flops per call."""
+    """One timed case: group, name, median seconds per call, bytes moved and flops per call, and the peak memory
+    of one call in bytes (0 when not measured)."""
 
     group: str
     name: str
     seconds: float
     bytes_moved: int = 0
     flops: int = 0
+    peak_bytes: int = 0
 
 
 def run(family: str, quick: bool = True, device: str | None = None, progress: bool = True) -> list[Row]:
@@ -47,33 +49,36 @@ def report(rows: list[Row]) -> str:
         groups.setdefault(r.group, []).append(r)
     for group, members in groups.items():
         ours = next((r for r in members if r.name == "pyfedkern"), None)
-        peers = [r for r in members if r.name != "pyfedkern" and not r.name.startswith("limit:")]
+        # Peers are the other ways of doing it (pyfedkern's own variants of the group are not peers).
+        peers = [r for r in members if not r.name.startswith(("pyfedkern", "limit:"))]
         limits = [r for r in members if r.name.startswith("limit:")]
-        lines += [
-            f"### {group}",
-            "",
-            "| case | time (ms) | GB/s | GFLOP/s | pyfedkern speedup |",
-            "|---|---:|---:|---:|---:|",
-        ]
+        memory = any(r.peak_bytes for r in members)
+        header = "| case | time (ms) | GB/s | GFLOP/s | pyfedkern speedup |"
+        rule = "|---|---:|---:|---:|---:|"
+        if memory:
+            header, rule = header + " peak MiB | memory vs pyfedkern |", rule + "---:|---:|"
+        lines += [f"### {group}", "", header, rule]
         for r in members:
             gbs = f"{r.bytes_moved / r.seconds / 1e9:.1f}" if r.bytes_moved else ""
             gfl = f"{r.flops / r.seconds / 1e9:.1f}" if r.flops else ""
-            speed = (
-                f"{r.seconds / ours.seconds:.2f}×" if ours and r is not ours and not r.name.startswith("limit:") else ""
-            )
-            lines.append(f"| {r.name} | {r.seconds * 1e3:.3f} | {gbs} | {gfl} | {speed} |")
+            other = ours and r is not ours and not r.name.startswith("limit:")
+            speed = f"{r.seconds / ours.seconds:.2f}×" if other else ""
+            line = f"| {r.name} | {r.seconds * 1e3:.3f} | {gbs} | {gfl} | {speed} |"
+            if memory:
+                ratio = f"{r.peak_bytes / ours.peak_bytes:.1f}×" if other and r.peak_bytes and ours.peak_bytes else ""
+                line += f" {r.peak_bytes / 2**20:.1f} | {ratio} |" if r.peak_bytes else " | |"
+            lines.append(line)
         notes = []
         if ours and peers:
             best = min(peers, key=lambda r: r.seconds)
             notes.append(f"vs fastest peer ({best.name}): {best.seconds / ours.seconds:.2f}×")
-        if ours and ours.bytes_moved:
-            for lim in limits:
-                if lim.bytes_moved:
-                    frac = (ours.bytes_moved / ours.seconds) / (lim.bytes_moved / lim.seconds)
-                    notes.append(f"bandwidth vs {lim.name}: {100 * frac:.0f}%")
-                elif lim.flops and ours.flops:
-                    frac = (ours.flops / ours.seconds) / (lim.flops / lim.seconds)
-                    notes.append(f"throughput vs {lim.name}: {100 * frac:.0f}%")
+        for lim in limits if ours else []:
+            if lim.flops and ours.flops:  # a compute limit (a GEMM of the same size): compare work rates
+                frac = (ours.flops / ours.seconds) / (lim.flops / lim.seconds)
+                notes.append(f"throughput vs {lim.name}: {100 * frac:.0f}% (time {ours.seconds / lim.seconds:.2f}×)")
+            elif lim.bytes_moved and ours.bytes_moved:
+                frac = (ours.bytes_moved / ours.seconds) / (lim.bytes_moved / lim.seconds)
+                notes.append(f"bandwidth vs {lim.name}: {100 * frac:.0f}%")
         if notes:
             lines += ["", "pyfedkern " + "; ".join(notes) + "."]
         lines.append("")

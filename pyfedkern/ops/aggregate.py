@@ -102,8 +102,10 @@ def weighted_sum(updates: Any, weights: Any, out: A | None = None) -> A:
     else:
         out_ref = _check_output(out, "out", rows[0], d)
         may_overlap = rows if stack is None or out_ref.overlaps(stack) else []
+        lo, hi = out_ref.byte_span()
         for k, r in enumerate(may_overlap):
-            if w[k] != 0 and out_ref.overlaps(r) and not _same_view(out_ref, r):
+            r_lo, r_hi = r.byte_span()
+            if w[k] != 0 and r_lo < hi and lo < r_hi and not _same_view(out_ref, r):
                 raise ValueError(f"out partially overlaps updates[{k}]; pass a separate output array")
     _run(out_ref, rows, w, accumulate=False)
     return out
