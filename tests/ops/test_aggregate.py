@@ -201,6 +201,21 @@ def test_sixty_four_bit_indexing():
     assert np.count_nonzero(out[2**31 - 4096 :] != 3.0) == 0
 
 
+@pytest.mark.slow
+def test_sixty_four_bit_indexing_contiguous():
+    # A real 4 GiB float16 row of 2^31 + 5 elements (the contiguous path), with marked values across the 2^31 boundary.
+    d = 2**31 + 5
+    row = np.full(d, 1.5, np.float16)
+    row[2**31 - 2 : 2**31 + 2] = [0.25, 0.5, 0.75, 1.0]
+    row[-1] = -2.0
+    out = ops.weighted_sum([row], [2.0])
+    assert out[0] == 3.0 and out[-2] == 3.0 and out[-1] == -4.0
+    assert out[2**31 - 2 : 2**31 + 2].tolist() == [0.5, 1.0, 1.5, 2.0]
+    ops.accumulate_(out, row, -1.0)
+    assert out[0] == 1.5 and out[-1] == -2.0
+    assert out[2**31 - 2 : 2**31 + 2].tolist() == [0.25, 0.5, 0.75, 1.0]
+
+
 def test_torch_parameters_are_read_as_data():
     p = torch.nn.Parameter(torch.ones(5))
     q = torch.nn.Parameter(torch.full((5,), 2.0))
