@@ -62,12 +62,18 @@ PFK_ALWAYS_INLINE Vd4 load4(const float* p) {
 // Sums over n contiguous elements of the query q and one row b, in double, each in 16 lanes (element j of the full
 // 16-blocks goes to lane j mod 16, the tail to lanes 0, 1, ...), then the lanes in order. Diff: out[2] = Σ (q − b)²
 // (the l2 metric, no cancellation); otherwise out[0] = Σ q·b and out[1] = Σ b².
+// `next` (or null): the row read after this one, prefetched W elements per step, so that the next row's chunk is
+// on its way while this one is summed (one row at a time is a single memory stream per thread otherwise).
 template <bool Diff, typename Q, typename B>
-PFK_ALWAYS_INLINE void lane_stats(const Q* q, const B* b, int64_t n, double out[3]) {
+PFK_ALWAYS_INLINE void lane_stats(const Q* q, const B* b, int64_t n, double out[3], const B* next = nullptr) {
   constexpr int W = 4 * kLanes4;
+  constexpr int kLine = 64 / sizeof(B);  // elements per cache line
   Vd4 x[4] = {}, y[4] = {};
   int64_t j = 0;
   for (; j + W <= n; j += W) {
+    if (next != nullptr) {
+      for (int e = 0; e < W; e += kLine) __builtin_prefetch(next + j + e, 0, 3);
+    }
 #pragma GCC unroll 4
     for (int h = 0; h < 4; ++h) {
       const Vd4 a = load4(q + j + h * kLanes4);
@@ -129,13 +135,15 @@ PFK_ALWAYS_INLINE void chunk_stats_body(const WorkItem& item, const T* query, in
     const int64_t s = Contiguous ? 1 : bank[k].stride;
     const T* r = static_cast<const T*>(bank[k].ptr) + item.begin * s;
     const Buf* b;
+    const Buf* next = nullptr;
     if constexpr (kReadInPlace) {
       b = r;
+      if (k + 1 < bank.size()) next = static_cast<const T*>(bank[k + 1].ptr) + item.begin;
     } else {
       load_chunk<T, Contiguous>(row, r, s, n);
       b = row;
     }
-    lane_stats<Diff>(q, b, n, st);
+    lane_stats<Diff>(q, b, n, st, next);
     for (int i = 0; i < 3; ++i) partial[1 + 3 * k + i] = st[i];
   }
 }
