@@ -33,8 +33,16 @@ class _Objective(nn.Module):
         self.model = local.module
         self.local = [local]  # a plain list: not registered as a submodule
 
-    def forward(self, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
-        return self.local[0].objective(self.model(xb), yb)
+    def forward(self, xb: torch.Tensor, yb: torch.Tensor, wb: torch.Tensor | None = None) -> torch.Tensor:
+        local = self.local[0]
+        if wb is None:
+            return local.objective(self.model(xb), yb)
+        # Σ_j wb[j]·loss(sample j) + penalty: one forward of the whole (padded) batch, the loss per sample.
+        out = self.model(xb)
+        per_sample = vmap(lambda o, y: local.data_loss(o.unsqueeze(0), y.unsqueeze(0)))(out, yb)
+        penalty = getattr(self.model, "penalty", None)
+        weighted = (per_sample * wb).sum()
+        return weighted + penalty() if penalty is not None else weighted
 
 
 def can_batch(local: LocalModel) -> bool:
@@ -53,14 +61,10 @@ class BatchedTrainer:
         def loss(params: dict[str, torch.Tensor], xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
             return functional_call(self.objective, params, (xb, yb))
 
-        def sample_loss(params: dict[str, torch.Tensor], xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
-            return functional_call(self.objective, params, (xs.unsqueeze(0), ys.unsqueeze(0)))
-
         def masked_loss(
             params: dict[str, torch.Tensor], xb: torch.Tensor, yb: torch.Tensor, wb: torch.Tensor
         ) -> torch.Tensor:
-            per_sample = vmap(sample_loss, in_dims=(None, 0, 0), randomness="different")(params, xb, yb)
-            return (per_sample * wb).sum()
+            return functional_call(self.objective, params, (xb, yb, wb))
 
         self._step = vmap(grad_and_value(loss), in_dims=(0, 0, 0), randomness="different")
         self._masked_step = vmap(grad_and_value(masked_loss), in_dims=(0, 0, 0, 0), randomness="different")
@@ -76,7 +80,8 @@ class BatchedTrainer:
 
         With ``weights`` [k, B] the objective of row r is Σ_j weights[r, j]·objective(sample j) instead of the
         batch objective: padded batches of unequal size, with weight 1/b_r on the real samples and 0 on padding
-        (exact for objectives that are a mean over samples plus a penalty).
+        (exact for objectives that are a mean over samples plus a penalty, on models without batch statistics,
+        which the vmapped step requires anyway).
         """
         self.local.module.train()
         params = self._params(rows)
