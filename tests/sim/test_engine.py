@@ -94,6 +94,20 @@ def test_same_config_same_numbers_and_seed_changes_them():
     assert a[-1]["test_acc"] > a[0]["test_acc"]
 
 
+def _interrupted_run(sim: Simulation, crash_round: int, out, monkeypatch) -> None:
+    """Run ``sim`` into ``out`` until a KeyboardInterrupt at the start of round ``crash_round``."""
+    original_round = sim.algorithm.round
+
+    def crash(t, ctx):
+        if t == crash_round:
+            raise KeyboardInterrupt
+        return original_round(t, ctx)
+
+    monkeypatch.setattr(sim.algorithm, "round", crash)
+    with pytest.raises(KeyboardInterrupt):
+        sim.run(out)
+
+
 def test_run_writes_files_and_resume_after_interruption_is_exact(tmp_path, monkeypatch):
     config = dataclasses.replace(SMALL, rounds=5, algorithm="scaffold", fraction=0.5)
     full = Simulation(config).run(tmp_path / "full")
@@ -102,17 +116,7 @@ def test_run_writes_files_and_resume_after_interruption_is_exact(tmp_path, monke
     assert load_config(tmp_path / "full") == config
     assert _numbers(read_metrics(tmp_path / "full")) == _numbers(full)
 
-    sim = Simulation(config)
-    original_round = sim.algorithm.round
-
-    def crash_in_round_3(t, ctx):
-        if t == 3:
-            raise KeyboardInterrupt
-        return original_round(t, ctx)
-
-    monkeypatch.setattr(sim.algorithm, "round", crash_in_round_3)
-    with pytest.raises(KeyboardInterrupt):
-        sim.run(tmp_path / "cut")
+    _interrupted_run(Simulation(config), 3, tmp_path / "cut", monkeypatch)
     assert not (tmp_path / "cut" / "summary.json").exists()
     # Rounds 1-3 were recorded, the last checkpoint is after round 2: round 3 must be redone, not duplicated.
     assert [m["round"] for m in read_metrics(tmp_path / "cut")] == [0, 1, 2, 3]
@@ -141,17 +145,7 @@ def test_refuses_to_overwrite_or_resume_a_finished_run(tmp_path):
 
 def test_resume_refuses_a_changed_config_and_a_corrupt_metrics_file(tmp_path, monkeypatch):
     config = dataclasses.replace(SMALL, rounds=3, checkpoint_every=1)
-    sim = Simulation(config)
-    original_round = sim.algorithm.round
-
-    def crash_in_round_2(t, ctx):
-        if t == 2:
-            raise KeyboardInterrupt
-        return original_round(t, ctx)
-
-    monkeypatch.setattr(sim.algorithm, "round", crash_in_round_2)
-    with pytest.raises(KeyboardInterrupt):
-        sim.run(tmp_path / "cut")
+    _interrupted_run(Simulation(config), 2, tmp_path / "cut", monkeypatch)
     with pytest.raises(ValueError, match="config differs in lr"):
         Simulation(dataclasses.replace(config, lr=0.5)).run(tmp_path / "cut", resume=True)
     path = tmp_path / "cut" / "metrics.jsonl"
