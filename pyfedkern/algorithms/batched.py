@@ -199,8 +199,13 @@ def _stack_batches(batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor, to
         return torch.stack([b[0] for b in batches]), torch.stack([b[1] for b in batches]), None
     xb = pad_sequence([b[0] for b in batches], batch_first=True)
     yb = pad_sequence([b[1] for b in batches], batch_first=True)
+    return xb, yb, padding_weights(sizes, xb)
+
+
+def padding_weights(sizes: Sequence[int], xb: torch.Tensor) -> torch.Tensor:
+    """[k, B] per-sample weights of k batches of ``sizes`` zero-padded into xb [k, B, ...]: 1/b_r on the b_r real
+    samples of batch r, 0 on its padding (xb's float dtype, or the default one for integer inputs)."""
     n = torch.as_tensor(sizes, device=xb.device)
     dtype = xb.dtype if xb.is_floating_point() else torch.get_default_dtype()
-    positions = torch.arange(xb.shape[1], device=xb.device)
-    wb = (positions[None, :] < n[:, None]).to(dtype) / n[:, None].to(dtype)
-    return xb, yb, wb
+    real = torch.arange(xb.shape[1], device=xb.device)[None, :] < n[:, None]
+    return real.to(dtype) / n[:, None].to(dtype)

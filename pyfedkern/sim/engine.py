@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from pyfedkern.algorithms import Algorithm, LocalModel, make_algorithm
+from pyfedkern.algorithms.batched import padding_weights
 from pyfedkern.sim import datasets, models, partitions
 from pyfedkern.sim.results import RunWriter, config_differences, is_finished, read_metrics
 from pyfedkern.sim.spec import parse_spec
@@ -337,12 +338,7 @@ class Simulation:
             if noisy:
                 for j, r in enumerate(rows):
                     xb[j, : sizes[j]] = self._add_noise(xb[j, : sizes[j]], clients[r], t, step)
-            wb = None
-            if np.any(sizes != width):
-                dtype = xb.dtype if xb.is_floating_point() else torch.get_default_dtype()
-                n = torch.as_tensor(sizes, device=self.device)
-                real = torch.arange(width, device=self.device)[None, :] < n[:, None]
-                wb = real.to(dtype) / n[:, None].to(dtype)
+            wb = padding_weights(sizes, xb) if np.any(sizes != width) else None
             yield rows, xb, yb, wb
 
     def _add_noise(self, xb: torch.Tensor, cid: int, t: int, step: int) -> torch.Tensor:
