@@ -8,7 +8,10 @@ into ``out`` (resuming finished sub-runs), writes ``out/report.md`` with the mea
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from pathlib import Path
+
+import numpy as np
 
 REPRODUCTIONS: dict[str, str] = {
     "bherd": "pyfedkern.reproduce.bherd",
@@ -28,3 +31,10 @@ def update_docs_section(path: str | Path, name: str, markdown: str) -> None:
     pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.DOTALL)
     text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
     path.write_text(text)
+
+
+def mean_and_se(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and standard error of the mean (NaN for fewer than two values), e.g. of seed-paired differences."""
+    arr = np.asarray(values, dtype=np.float64)
+    se = float(arr.std(ddof=1) / np.sqrt(arr.size)) if arr.size > 1 else float("nan")
+    return float(arr.mean()), se

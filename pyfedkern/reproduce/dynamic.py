@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from pyfedkern.algorithms.dynamic import transition_accuracy
-from pyfedkern.reproduce import update_docs_section
+from pyfedkern.reproduce import mean_and_se, update_docs_section
 from pyfedkern.sim.engine import ExperimentConfig, run_or_reuse
 
 METHODS = ("proposed", "previous", "average", "continuous")
@@ -133,8 +133,7 @@ def compare(diffs: Sequence[float], baseline: str) -> dict:
     clearly better when |mean| > 2 s.e.; fewer than 2 pairs give no verdict."""
     d = np.asarray(diffs, dtype=np.float64)
     n = len(d)
-    se = float(d.std(ddof=1) / np.sqrt(n)) if n > 1 else float("nan")
-    mean = float(d.mean())
+    mean, se = mean_and_se(d)
     if n < 2:
         verdict = "no verdict (one seed)"
     elif mean > 2 * se:

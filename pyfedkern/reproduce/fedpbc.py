@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pyfedkern.reproduce import update_docs_section
+from pyfedkern.reproduce import mean_and_se, update_docs_section
 from pyfedkern.sim.engine import ExperimentConfig, run_or_reuse
 from pyfedkern.sim.links import PATTERNS, make_links
 from pyfedkern.sim.pbc_quadratic import LATE_BLOCKS, fedavg_limit, quadratic_targets, simulate_quadratic
@@ -307,8 +307,7 @@ def verdict(rows: list[dict]) -> str:
         acc = {m: float(v.mean()) for m, v in tests.items()}
         best_free = max(MEMORY_FREE, key=acc.get)
         diff = 100 * (tests["fedpbc"] - tests[best_free])
-        gap = float(diff.mean())
-        se = float(diff.std(ddof=1) / np.sqrt(len(diff))) if len(diff) > 1 else float("nan")
+        gap, se = mean_and_se(diff)
         leads += gap > 0
         beyond = gap > CLEAR_LEAD_SE * se
         clear += beyond

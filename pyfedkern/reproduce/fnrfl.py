@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pyfedkern.reproduce import update_docs_section
+from pyfedkern.reproduce import mean_and_se, update_docs_section
 from pyfedkern.sim.compare import compare
 from pyfedkern.sim.engine import ExperimentConfig
 from pyfedkern.sim.plots import plot_curves
@@ -235,10 +235,9 @@ def _find(rows: list[dict], dataset: str, setting: str, algorithm: str) -> dict:
 def _difference(a: Sequence[float], b: Sequence[float]) -> tuple[str, str]:
     """``a − b`` over seeds in percentage points as text, and a verdict: clear only beyond 2 standard errors."""
     diff = 100 * (np.asarray(a) - np.asarray(b))
-    mean = float(diff.mean())
+    mean, se = mean_and_se(diff)
     if diff.size < 2:
         return f"{mean:+.2f} pp (one seed)", "one seed"
-    se = float(diff.std(ddof=1)) / math.sqrt(diff.size)
     verdict = "no clear difference" if abs(mean) <= 2 * se else ("higher" if mean > 0 else "lower")
     counts = f"higher in {(diff > 0).sum()}, equal in {(diff == 0).sum()}, lower in {(diff < 0).sum()} of {diff.size}"
     return f"{mean:+.2f} ± {se:.2f} pp (mean ± s.e.; {counts} seeds: {verdict})", verdict
