@@ -8,11 +8,18 @@ models as the rows of a [k, d] tensor and takes each SGD step for all of them wi
 The update is the one of :func:`~pyfedkern.algorithms.local_sgd` (weight decay, heavy-ball momentum, the model's own
 ``loss``/``penalty``), on the same minibatches (``ctx.batches``), so the two agree up to floating-point rounding.
 Models with buffers (BatchNorm running statistics) cannot be vmapped this way and fall back to the loop.
+
+Models that are a chain of Flatten / Linear / ReLU layers under cross-entropy (an ``nn.Sequential`` of them, or a
+model whose ``layer_chain()`` lists them, like the engine's ``mlp`` and ``logreg``) skip autograd altogether: their
+forward and backward for all k clients are a few batched matmuls (:class:`LinearChainGradients`). At the sizes FL
+simulations use (digits MLP, k = 100, B = 16) the vmapped autograd step is bound by per-operator overhead, and the
+hand-written one is several times faster.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -23,6 +30,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from pyfedkern.algorithms.base import Batch, FLContext, local_sgd
 from pyfedkern.algorithms.local import LocalModel
+from pyfedkern.flat import Entry
 
 
 class _Objective(nn.Module):
@@ -50,6 +58,121 @@ def can_batch(local: LocalModel) -> bool:
     return not any(True for _ in local.module.buffers())
 
 
+def layer_chain(module: nn.Module) -> list[nn.Module] | None:
+    """The layers whose composition is ``module`` (``module.layer_chain()``, or an ``nn.Sequential``'s children,
+    nested ones expanded) when they are all Flatten (of every non-batch dimension), Linear or ReLU, else None."""
+    if hasattr(module, "layer_chain"):
+        layers = list(module.layer_chain())
+    elif isinstance(module, nn.Sequential):
+        layers = list(module)
+    else:
+        return None
+    flat: list[nn.Module] = []
+    for layer in layers:
+        if isinstance(layer, nn.Sequential):
+            inner = layer_chain(layer)
+            if inner is None:
+                return None
+            flat += inner
+        elif isinstance(layer, (nn.Linear, nn.ReLU)) or (
+            isinstance(layer, nn.Flatten) and layer.start_dim == 1 and layer.end_dim == -1
+        ):
+            flat.append(layer)
+        else:
+            return None
+    return flat
+
+
+@dataclass(frozen=True)
+class _Linear:
+    """A Linear layer of a chain: where its weight [out, in] and bias [out] (None without one) sit in the row."""
+
+    weight: Entry
+    bias: Entry | None
+
+
+class LinearChainGradients:
+    """Per-row gradients of cross-entropy for a Flatten/Linear/ReLU chain, forward and backward written by hand.
+
+    With the k rows' weights W_l [k, out, in] (views of the rows), activations h_l [k, B, ·] and per-sample weights
+    w [k, B]: logits z = h_L W_Lᵀ + b_L; loss_r = Σ_j w_rj·CE(z_rj, y_rj); ∂loss/∂z = w·(softmax(z) − onehot(y));
+    then per Linear layer ∂W = (∂z)ᵀh, ∂b = Σ_j ∂z, ∂h = (∂z)W, masked by h > 0 through each ReLU.
+    """
+
+    def __init__(self, layers: list[nn.Module], entries: dict[str, Entry], module: nn.Module) -> None:
+        names = {id(p): n for n, p in module.named_parameters()}
+        #: the chain without its Flatten layers: a _Linear per Linear layer, "relu" per ReLU
+        self.plan: list[_Linear | str] = []
+        for layer in layers:
+            if isinstance(layer, nn.Linear):
+                bias = None if layer.bias is None else entries[names[id(layer.bias)]]
+                self.plan.append(_Linear(entries[names[id(layer.weight)]], bias))
+            elif isinstance(layer, nn.ReLU):
+                self.plan.append("relu")
+        before_first_linear = layers[: next(i for i, layer in enumerate(layers) if isinstance(layer, nn.Linear))]
+        #: whether the chain flattens every sample before its first Linear layer (else samples must be vectors)
+        self.flattens_input = any(isinstance(layer, nn.Flatten) for layer in before_first_linear)
+
+    @staticmethod
+    def applies(local: LocalModel) -> list[nn.Module] | None:
+        """The chain of ``local``'s module when this class computes its objective (plain cross-entropy, every
+        parameter in the chain's Linear layers), else None."""
+        module = local.module
+        if any(hasattr(module, hook) for hook in ("loss", "penalty")):
+            return None
+        layers = layer_chain(module)
+        if layers is None:
+            return None
+        chained = {id(p) for layer in layers if isinstance(layer, nn.Linear) for p in layer.parameters()}
+        return layers if chained and chained == {id(p) for p in module.parameters()} else None
+
+    def accepts(self, rows: torch.Tensor, xb: torch.Tensor, yb: torch.Tensor) -> bool:
+        """Whether the batch suits the chain: inputs of the rows' dtype, integer labels, samples that are vectors
+        unless the chain flattens them."""
+        return xb.dtype == rows.dtype and not yb.is_floating_point() and (xb.dim() == 3 or self.flattens_input)
+
+    def __call__(
+        self, rows: torch.Tensor, xb: torch.Tensor, yb: torch.Tensor, weights: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gradients [k, d], losses [k]) of rows [k, d] on batches xb [k, B, ...], yb [k, B] (int64 labels)."""
+        k, batch = xb.shape[:2]
+        h = xb.reshape(k, batch, -1)
+        inputs: list[torch.Tensor] = []  # the input of each plan step
+        for step in self.plan:
+            inputs.append(h)
+            if step == "relu":
+                h = torch.relu(h)
+            else:
+                h = torch.bmm(h, self._view(rows, step.weight).mT)
+                if step.bias is not None:
+                    h += self._view(rows, step.bias)[:, None]
+        if weights is None:
+            weights = torch.full((k, batch), 1.0 / batch, dtype=h.dtype, device=h.device)
+        log_p = torch.log_softmax(h, dim=-1)
+        target = yb.unsqueeze(-1)
+        losses = -(log_p.gather(-1, target).squeeze(-1) * weights).sum(1)
+        dz = log_p.exp_()  # softmax
+        dz.scatter_add_(-1, target, torch.full(target.shape, -1.0, dtype=dz.dtype, device=dz.device))
+        dz.mul_(weights[..., None])
+        grads = torch.empty_like(rows)
+        first_linear = next(i for i, step in enumerate(self.plan) if step != "relu")
+        for i in range(len(self.plan) - 1, first_linear - 1, -1):
+            step, h_in = self.plan[i], inputs[i]
+            if step == "relu":
+                dz = dz * (h_in > 0)
+                continue
+            self._view(grads, step.weight).copy_(torch.bmm(dz.mT, h_in))
+            if step.bias is not None:
+                self._view(grads, step.bias).copy_(dz.sum(1))
+            if i > first_linear:
+                dz = torch.bmm(dz, self._view(rows, step.weight))
+        return grads, losses
+
+    @staticmethod
+    def _view(rows: torch.Tensor, e: Entry) -> torch.Tensor:
+        return rows[:, e.offset : e.offset + e.numel].view(rows.shape[0], *e.shape)
+
+
 class BatchedTrainer:
     """Vectorised SGD steps for the shared :class:`LocalModel` of an FL context (built once, reused each round)."""
 
@@ -68,6 +191,10 @@ class BatchedTrainer:
 
         self._step = vmap(grad_and_value(loss), in_dims=(0, 0, 0), randomness="different")
         self._masked_step = vmap(grad_and_value(masked_loss), in_dims=(0, 0, 0, 0), randomness="different")
+        chain = LinearChainGradients.applies(local)
+        self.chain = (
+            None if chain is None else LinearChainGradients(chain, {e.name: e for e in self.entries}, local.module)
+        )
 
     def _params(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
         k = rows.shape[0]
@@ -83,6 +210,8 @@ class BatchedTrainer:
         (exact for objectives that are a mean over samples plus a penalty, on models without batch statistics,
         which the vmapped step requires anyway).
         """
+        if self.chain is not None and self.chain.accepts(rows, xb, yb):
+            return self.chain(rows, xb, yb, weights)
         self.local.module.train()
         params = self._params(rows)
         if weights is None:

@@ -24,7 +24,8 @@ left (its sum runs over the current clients). Without a schedule every client ex
 Link options (fields of every class here): ``--links`` pattern, ``--gamma``, ``--period``, ``--cycle-length``,
 ``--sigma0``, ``--delta`` (the log-normal class-mix construction of p_i from each client's label histogram) or
 ``--link-probs p0,p1,...`` (explicit probabilities for equal contiguous groups of clients). ``--batched`` chooses
-vmapped local training of all clients at once (default) over a Python loop over clients.
+batched local training of all clients at once (default; :mod:`pyfedkern.algorithms.batched`) over a Python loop
+over clients.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ class _LinkAlgorithm(Algorithm):
         sigma0: σ0 of the log-normal class weights used to derive p_i from label histograms.
         delta: floor δ of every p_i.
         link_probs: explicit probabilities instead (m values, or g values for g equal contiguous client groups).
-        batched: train the clients' local SGD as one vmapped step (False: a Python loop over clients).
+        batched: train the clients' local SGD as one batched step (False: a Python loop over clients).
     """
 
     links: str = "bernoulli"

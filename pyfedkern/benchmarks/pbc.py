@@ -11,7 +11,7 @@ Sizes: the paper's CNNs, d = 273,706 (SVHN), 551,786 (CIFAR-10), 1,193,130 (CINI
 
 - ``fedpbc_round``: one engine round of FedPBC (every client trains s = 5 steps of batch 16, then the postponed
   broadcast) on digits with the MLP, m = 100 clients (quick: 20), one CPU thread as the engine uses for small models:
-  batched local training ("pyfedkern": one vmapped step for all clients, batches gathered at once) vs the per-client
+  batched local training ("pyfedkern": one step for all clients, batches gathered at once) vs the per-client
   loop (``batched=False``). Both compute the same round.
 """
 
@@ -186,7 +186,7 @@ def cases(quick: bool = False, device: str = "cpu") -> list[Case]:
 
 
 def round_cases(clients: int, device: str) -> list[Case]:
-    """FedPBC engine rounds on digits/MLP with ``clients`` clients: batched (vmap) vs the per-client loop."""
+    """FedPBC engine rounds on digits/MLP with ``clients`` clients: batched vs the per-client loop."""
     group = f"fedpbc_round m={clients} digits mlp s=5 B=16 float32 {device}"
 
     def make(batched: bool):

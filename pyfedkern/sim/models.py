@@ -4,7 +4,8 @@ Inputs are batches [B, *input_shape]; classifiers return logits/scores [B, num_c
 Every classifier exposes ``features(x)`` (the penultimate representation, [B, F]) and ``classifier`` (the last
 layer), so ``model(x) == model.classifier(model.features(x))``. Beyond plain modules, a model may define
 ``loss(output, target)``, ``penalty()``, ``predict(output)`` and ``has_accuracy`` (see
-:class:`~pyfedkern.algorithms.LocalModel`).
+:class:`~pyfedkern.algorithms.LocalModel`), and ``layer_chain()``: its layers in order when the model is exactly
+their composition (batched local training then uses a hand-written backward for Flatten/Linear/ReLU chains).
 
 - ``svm`` (l2=0.1, bias=False): BHerd's squared-hinge SVM (Wang et al. JSAC'19), zero-initialised.
 - ``logreg``: one linear layer (cross-entropy).
@@ -79,6 +80,9 @@ class LogisticRegression(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.features(x))
 
+    def layer_chain(self) -> list[nn.Module]:
+        return [nn.Flatten(), self.classifier]
+
 
 class MLP(nn.Module):
     """flatten → (Linear → ReLU) per hidden width → Linear(num_classes); features = the last hidden activations."""
@@ -98,6 +102,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.features(x))
+
+    def layer_chain(self) -> list[nn.Module]:
+        return [*self.body, self.classifier]
 
 
 class CNN(nn.Module):

@@ -1,0 +1,101 @@
+"""Batched local training: the hand-written gradients of Flatten/Linear/ReLU chains against the vmapped autograd
+step, and which models take which path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from pyfedkern.algorithms.batched import BatchedTrainer, LinearChainGradients, layer_chain, padding_weights
+from pyfedkern.algorithms.local import LocalModel
+from pyfedkern.sim.models import build_model
+
+
+def _nested_sequential() -> nn.Module:
+    return nn.Sequential(nn.Flatten(), nn.Linear(12, 9), nn.ReLU(), nn.Sequential(nn.Linear(9, 5, bias=False)))
+
+
+MODELS = {
+    "mlp": lambda: build_model("mlp", (3, 4), 5, hidden=(8, 6)),
+    "logreg": lambda: build_model("logreg", (3, 4), 5),
+    "sequential": _nested_sequential,
+}
+
+
+def _trainer(name: str, dtype: torch.dtype) -> BatchedTrainer:
+    torch.manual_seed(0)
+    return BatchedTrainer(LocalModel(MODELS[name]().to(dtype)))
+
+
+def _batch(trainer: BatchedTrainer, k: int, batch: int, dtype: torch.dtype, scale: float = 1.0):
+    gen = torch.Generator().manual_seed(1)
+    rows = trainer.local.flat.data.expand(k, -1) + 0.3 * torch.randn(k, trainer.local.dim, generator=gen, dtype=dtype)
+    xb = scale * torch.randn(k, batch, 3, 4, generator=gen, dtype=dtype)
+    yb = torch.randint(0, 5, (k, batch), generator=gen)
+    return rows.contiguous(), xb, yb
+
+
+def _vmapped(trainer: BatchedTrainer, *args):
+    chain, trainer.chain = trainer.chain, None
+    try:
+        return trainer.gradients(*args)
+    finally:
+        trainer.chain = chain
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("padded", [False, True])
+def test_chain_gradients_match_the_vmapped_step(name, dtype, padded):
+    trainer = _trainer(name, dtype)
+    assert trainer.chain is not None
+    rows, xb, yb = _batch(trainer, k=6, batch=5, dtype=dtype)
+    weights = padding_weights([5, 1, 3, 5, 2, 4], xb) if padded else None
+    grads, losses = trainer.gradients(rows, xb, yb, weights)
+    expected_grads, expected_losses = _vmapped(trainer, rows, xb, yb, weights)
+    tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-12, "atol": 1e-13}
+    torch.testing.assert_close(grads, expected_grads, **tol)
+    torch.testing.assert_close(losses, expected_losses, **tol)
+
+
+def test_chain_gradients_stay_finite_for_huge_logits():
+    trainer = _trainer("mlp", torch.float32)
+    rows, xb, yb = _batch(trainer, k=3, batch=4, dtype=torch.float32, scale=1e4)
+    grads, losses = trainer.gradients(rows, xb, yb)
+    expected_grads, expected_losses = _vmapped(trainer, rows, xb, yb)
+    assert torch.isfinite(grads).all() and torch.isfinite(losses).all()
+    torch.testing.assert_close(grads, expected_grads, rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(losses, expected_losses, rtol=1e-5, atol=1e-2)
+
+
+def test_samples_that_are_not_vectors_need_a_flatten_first():
+    torch.manual_seed(0)
+    unflattened = BatchedTrainer(LocalModel(nn.Sequential(nn.Linear(4, 5))))
+    assert unflattened.chain is not None
+    rows = unflattened.local.flat.data.expand(2, -1).contiguous()
+    xb, yb = torch.randn(2, 3, 4), torch.randint(0, 5, (2, 3))
+    assert unflattened.chain.accepts(rows, xb, yb)
+    assert not unflattened.chain.accepts(rows, xb[:, :, None], yb)  # [k, B, 1, 4]: Linear acts on the last dim
+    assert not unflattened.chain.accepts(rows, xb, yb.double())  # float targets: not class labels
+    assert not unflattened.chain.accepts(rows.double(), xb, yb)
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        build_model("svm", (3, 4), 5),  # its own loss and penalty
+        build_model("cnn", (1, 8, 8), 5),
+        nn.Sequential(nn.Flatten(), nn.Linear(12, 5), nn.Tanh(), nn.Linear(5, 5)),
+        nn.Sequential(nn.Flatten(start_dim=2), nn.Linear(4, 5)),
+    ],
+)
+def test_other_models_use_the_vmapped_step(module):
+    assert LinearChainGradients.applies(LocalModel(module)) is None
+    assert BatchedTrainer(LocalModel(module)).chain is None
+
+
+def test_layer_chain_expands_nested_sequentials():
+    layers = layer_chain(_nested_sequential())
+    assert [type(layer) for layer in layers] == [nn.Flatten, nn.Linear, nn.ReLU, nn.Linear]
+    assert layer_chain(build_model("cnn", (1, 8, 8), 5)) is None
