@@ -11,6 +11,7 @@ PYBIND11_MODULE(_C, m) {
   pfk::bind_aggregate(m);
   pfk::bind_norms(m);
   pfk::bind_pbc(m);
+  pfk::bind_sampling(m);
   pfk::bind_fedspeed(m);
   pfk::bind_herding(m);
   pfk::bind_similarity(m);

@@ -11,6 +11,7 @@ void bind_runtime(py::module_& m);
 void bind_aggregate(py::module_& m);
 void bind_norms(py::module_& m);
 void bind_pbc(py::module_& m);
+void bind_sampling(py::module_& m);
 void bind_fedspeed(py::module_& m);
 void bind_herding(py::module_& m);
 void bind_similarity(py::module_& m);

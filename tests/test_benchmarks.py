@@ -3,7 +3,7 @@
 import numpy as np
 import torch
 
-from pyfedkern.benchmarks import aggregate, fedspeed
+from pyfedkern.benchmarks import aggregate, fedspeed, sampling
 from pyfedkern.benchmarks.common import time_case
 from pyfedkern.benchmarks.runner import Row, report
 
@@ -39,6 +39,16 @@ def test_fedspeed_step_peers_agree_with_pyfedkern():
         ours = results.pop("pyfedkern")
         for name, value in results.items():
             np.testing.assert_allclose(value, ours, rtol=1e-5, atol=1e-7, err_msg=f"{group}: {name}")
+
+
+def test_sampling_peer_gives_pyfedkern_values():
+    for group in dict.fromkeys(c.group for c in sampling.cases(quick=True)):
+        results = {c.name: c.make()() for c in sampling.cases(quick=True) if c.group == group}
+        ours = results.pop("pyfedkern")
+        assert len(results) == 1 and ours.dtype == np.int64
+        for name, value in results.items():
+            assert np.array_equal(value, ours), f"{group}: {name}"
+    assert sampling.cases(quick=True, device="cuda") == []
 
 
 def test_time_case_and_report():

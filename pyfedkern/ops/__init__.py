@@ -8,6 +8,7 @@ from pyfedkern.ops.fedspeed import fedspeed_round_end_, fedspeed_update_, sam_pe
 from pyfedkern.ops.herding import GrabBalancer, centred_gram, grab_select, herding_order, herding_select
 from pyfedkern.ops.norms import FeatureNorms, class_feature_norms, per_sample_grad_norms, row_norms
 from pyfedkern.ops.pbc import mifa_update_, pbc_agg_bcast_, weighted_delta_
+from pyfedkern.ops.sampling import seeded_permutations
 from pyfedkern.ops.similarity import similarity_combine, similarity_weights
 
 __all__ = [
@@ -31,6 +32,8 @@ __all__ = [
     "per_sample_grad_norms",
     "row_norms",
     "sam_perturb",
+    # sampling
+    "seeded_permutations",
     # similarity
     "similarity_combine",
     "similarity_weights",

@@ -6,6 +6,7 @@ from pyfedkern.reference.fedspeed import fedspeed_round_end_, fedspeed_update_, 
 from pyfedkern.reference.herding import grab_select, herding_order, herding_select
 from pyfedkern.reference.norms import class_feature_norms, grad_norms, per_sample_grad_norms
 from pyfedkern.reference.pbc import mifa_update_, pbc_agg_bcast_, weighted_delta_
+from pyfedkern.reference.sampling import seeded_permutations
 from pyfedkern.reference.similarity import similarity_combine, similarity_weights
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "pbc_agg_bcast_",
     "per_sample_grad_norms",
     "sam_perturb",
+    "seeded_permutations",
     "similarity_combine",
     "similarity_weights",
     "weighted_delta_",
