@@ -26,6 +26,7 @@ import torch
 
 from pyfedkern.algorithms import Algorithm, LocalModel, make_algorithm
 from pyfedkern.algorithms.batched import padding_weights
+from pyfedkern.ops import seeded_permutations
 from pyfedkern.sim import datasets, models, partitions
 from pyfedkern.sim.results import RunWriter, config_differences, is_finished, read_metrics
 from pyfedkern.sim.spec import parse_spec
@@ -270,23 +271,57 @@ class Simulation:
         The number of steps is ``steps`` if given, else ⌈E·n/B⌉ (⌊E·n/B⌋ with drop_last); epoch e of round t uses
         the permutation of the seeded stream (t, cid, e) ("reshuffle") or one fixed permutation per client ("fixed").
         """
+        return self.batch_plans(
+            [cid], t, epochs=epochs, steps=steps, order=order, drop_last=drop_last, batch_size=batch_size
+        )[0]
+
+    def batch_plans(
+        self,
+        clients: Any,
+        t: int,
+        *,
+        epochs: float | None = None,
+        steps: int | None = None,
+        order: str = "reshuffle",
+        drop_last: bool = False,
+        batch_size: int | None = None,
+    ) -> list[list[np.ndarray]]:
+        """:meth:`batch_indices` of every client in ``clients``, their seeded permutations drawn in one native call
+        (:func:`pyfedkern.ops.seeded_permutations`, equal to ``self.rng(...).permutation(n)`` of each stream)."""
         if order not in ("reshuffle", "fixed"):
             raise ValueError(f"order must be 'reshuffle' or 'fixed', got {order!r}")
-        n = int(self.client_sizes[cid])
-        size = min(batch_size or self.batch_size, n)
+        clients = np.asarray(clients, dtype=np.int64).reshape(-1)
+        n = self.client_sizes[clients]
+        size = np.minimum(batch_size or self.batch_size, n)
         per_epoch = n // size if drop_last else -(-n // size)
         if steps is None:
             work = (epochs if epochs is not None else self.local_epochs) * n / size
-            steps = math.floor(work + 1e-9) if drop_last else math.ceil(work - 1e-9)
-        fixed = self.rng(_FIXED_ORDER, cid).permutation(n) if order == "fixed" else None
-        out: list[np.ndarray] = []
-        epoch = 0
-        while len(out) < steps and per_epoch > 0:
-            perm = fixed if fixed is not None else self.rng(_BATCH, t, cid, epoch).permutation(n)
-            for b in range(min(per_epoch, steps - len(out))):
-                out.append(perm[b * size : (b + 1) * size])
-            epoch += 1
-        return out
+            counts = np.floor(work + 1e-9) if drop_last else np.ceil(work - 1e-9)
+        else:
+            counts = np.full(len(clients), steps)
+        counts = np.where(per_epoch > 0, np.maximum(counts, 0), 0).astype(np.int64)
+        # one permutation per epoch begun ("reshuffle"), or the client's fixed one
+        draws = np.zeros(len(clients), dtype=np.int64) if order == "fixed" else -(-counts // np.maximum(per_epoch, 1))
+        if order == "fixed":
+            draws[counts > 0] = 1
+            keys = np.stack([np.full(len(clients), _FIXED_ORDER), clients], axis=1)[counts > 0]
+        else:
+            owner = np.repeat(np.arange(len(clients)), draws)
+            epoch = np.arange(len(owner)) - np.repeat(np.cumsum(draws) - draws, draws)
+            keys = np.stack([np.full(len(owner), _BATCH), np.full(len(owner), t), clients[owner], epoch], axis=1)
+        perms = seeded_permutations(self.seed, keys, np.repeat(n, draws))
+        plans: list[list[np.ndarray]] = []
+        start = 0
+        for c in range(len(clients)):
+            width, per, plan = int(size[c]), int(per_epoch[c]), []
+            client_start = start
+            for step in range(int(counts[c])):
+                e, b = divmod(step, per)
+                first = client_start + (0 if order == "fixed" else e * int(n[c])) + b * width
+                plan.append(perms[first : first + min(width, int(n[c]) - b * width)])
+            start += int(draws[c] * n[c])
+            plans.append(plan)
+        return plans
 
     def batches(
         self,
@@ -322,7 +357,7 @@ class Simulation:
         samples, else [len(rows), B] weights 1/b_r on client r's b_r samples and 0 on the padding after them.
         """
         clients = [int(c) for c in clients]
-        plans = [self.batch_indices(cid, t, epochs=epochs, steps=steps) for cid in clients]
+        plans = self.batch_plans(clients, t, epochs=epochs, steps=steps)
         noisy = self.noise_std is not None and bool(np.any(np.asarray(self.noise_std)[clients] > 0))
         for step in range(max((len(p) for p in plans), default=0)):
             rows = np.array([r for r, plan in enumerate(plans) if step < len(plan)], dtype=np.int64)

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import math
 
 import numpy as np
 import pytest
@@ -201,6 +202,39 @@ def test_batches_cover_the_client_data_once_per_epoch():
     fixed_a = [y for _, y in sim.batches(0, 0, epochs=1.0, order="fixed")]
     fixed_b = [y for _, y in sim.batches(0, 5, epochs=1.0, order="fixed")]
     assert all(torch.equal(a, b) for a, b in zip(fixed_a, fixed_b, strict=True))
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"epochs": 1.5},
+        {"steps": 7},
+        {"epochs": 2.3, "drop_last": True},
+        {"steps": 4, "order": "fixed"},
+        {"epochs": 0.5, "batch_size": 5},
+        {"steps": 0},
+    ],
+)
+def test_batch_plans_follow_the_seeded_streams(kwargs):
+    """Epoch e of client c in round t is default_rng([seed, 2, t, c, e]).permutation(n) cut into batches (the fixed
+    order: default_rng([seed, 3, c])); stored results depend on exactly these streams."""
+    sim = Simulation(dataclasses.replace(SMALL, clients=6, partition="dirichlet:0.3", batch_size=16, seed=7))
+    clients, t = [3, 0, 5, 5], 4
+    plans = sim.batch_plans(clients, t, **kwargs)
+    for cid, plan in zip(clients, plans, strict=True):
+        n = int(sim.client_sizes[cid])
+        size = min(kwargs.get("batch_size", 16), n)
+        per_epoch = n // size if kwargs.get("drop_last") else -(-n // size)
+        work = kwargs.get("epochs", 1.0) * n / size
+        steps = kwargs.get("steps", math.floor(work + 1e-9) if kwargs.get("drop_last") else math.ceil(work - 1e-9))
+        expected = []
+        for step in range(steps):
+            epoch, b = divmod(step, per_epoch)
+            keys = [7, 3, cid] if kwargs.get("order") == "fixed" else [7, 2, t, cid, epoch]
+            expected.append(np.random.default_rng(keys).permutation(n)[b * size : (b + 1) * size])
+        assert len(plan) == steps
+        assert all(np.array_equal(a, b) for a, b in zip(plan, expected, strict=True))
+        assert all(np.array_equal(a, b) for a, b in zip(sim.batch_indices(cid, t, **kwargs), plan, strict=True))
 
 
 @pytest.mark.parametrize(("partition", "kwargs"), [("dirichlet:0.3", {"epochs": 1.5}), ("noise:0.5", {"steps": 4})])
