@@ -12,12 +12,14 @@ Sizes: the paper's CNNs, d = 273,706 (SVHN), 551,786 (CIFAR-10), 1,193,130 (CINI
 - ``fedpbc_round``: one engine round of FedPBC (every client trains s = 5 steps of batch 16, then the postponed
   broadcast) on digits with the MLP, m = 100 clients (quick: 20), one CPU thread as the engine uses for small models:
   batched local training ("pyfedkern": one step for all clients, batches gathered at once) vs the per-client
-  loop (``batched=False``). Both compute the same round.
+  loop (``batched=False``). Both compute the same round. Limit: the round's matrix products (each Linear layer's
+  forward, weight gradient and input gradient over all the clients' batches) as plain GEMMs on one shared model.
 """
 
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -186,27 +188,28 @@ def cases(quick: bool = False, device: str = "cpu") -> list[Case]:
 
 
 def round_cases(clients: int, device: str) -> list[Case]:
-    """FedPBC engine rounds on digits/MLP with ``clients`` clients: batched vs the per-client loop."""
+    """FedPBC engine rounds on digits/MLP with ``clients`` clients: batched vs the per-client loop, and the
+    round's matrix products as plain GEMMs (limit)."""
+    from pyfedkern.sim.engine import ExperimentConfig, Simulation, _cpu_threads
+
     group = f"fedpbc_round m={clients} digits mlp s=5 B=16 float32 {device}"
+    config = ExperimentConfig(
+        algorithm="fedpbc",
+        algorithm_params={"links": "bernoulli"},
+        dataset="digits",
+        partition="dirichlet-equal:0.1",
+        clients=clients,
+        model="mlp",
+        batch_size=16,
+        local_steps=5,
+        lr=0.05,
+        lr_schedule="invsqrt:10",
+        device=device,
+    )
 
     def make(batched: bool):
         def build():
-            from pyfedkern.sim.engine import ExperimentConfig, Simulation, _cpu_threads
-
-            config = ExperimentConfig(
-                algorithm="fedpbc",
-                algorithm_params={"links": "bernoulli", "batched": batched},
-                dataset="digits",
-                partition="dirichlet-equal:0.1",
-                clients=clients,
-                model="mlp",
-                batch_size=16,
-                local_steps=5,
-                lr=0.05,
-                lr_schedule="invsqrt:10",
-                device=device,
-            )
-            sim = Simulation(config)
+            sim = Simulation(replace(config, algorithm_params={**config.algorithm_params, "batched": batched}))
             algo = sim.algorithm
             algo.setup(sim, sim.initial_vector)
             rounds = itertools.count()
@@ -220,7 +223,36 @@ def round_cases(clients: int, device: str) -> list[Case]:
 
         return build
 
+    # The round's products: per step, every Linear layer's forward, weight gradient and (but the first) input
+    # gradient over all clients' padded batches of that step.
+    sim = Simulation(config)
+    layers = [(m.in_features, m.out_features) for m in sim.local.module.modules() if isinstance(m, torch.nn.Linear)]
+    samples = [
+        len(rows) * xb.shape[1] for rows, xb, _, _ in sim.stacked_batches(range(clients), 0, steps=config.local_steps)
+    ]
+    per_sample = sum(2 * i * o * (2 if j == 0 else 3) for j, (i, o) in enumerate(layers))
+    flops = sum(samples) * per_sample
+
+    def limit_gemm():
+        gen = torch.Generator().manual_seed(0)
+        weights = [torch.randn(o, i, generator=gen).to(device) for i, o in layers]
+        acts = [[torch.randn(n, i, generator=gen).to(device) for i, _ in layers] for n in samples]
+        grads = [[torch.randn(n, o, generator=gen).to(device) for _, o in layers] for n in samples]
+
+        def run():
+            with _cpu_threads(1):
+                for h, dz in zip(acts, grads, strict=True):
+                    for j, w in enumerate(weights):
+                        torch.mm(h[j], w.T)
+                        torch.mm(dz[j].T, h[j])
+                        if j:
+                            torch.mm(dz[j], w)
+            return weights
+
+        return run
+
     return [
-        Case(group, "pyfedkern", make(True), 0, 0, device),
-        Case(group, "per-client loop (batched=False)", make(False), 0, 0, device),
+        Case(group, "pyfedkern", make(True), 0, flops, device),
+        Case(group, "per-client loop (batched=False)", make(False), 0, flops, device),
+        Case(group, "limit:gemm (the round's products, one shared model)", limit_gemm, 0, flops, device),
     ]

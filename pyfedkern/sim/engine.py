@@ -363,11 +363,10 @@ class Simulation:
             rows = np.array([r for r, plan in enumerate(plans) if step < len(plan)], dtype=np.int64)
             sizes = np.array([len(plans[r][step]) for r in rows])
             width = int(sizes.max())
-            index = np.empty((len(rows), width), dtype=np.int64)
-            for j, r in enumerate(rows):
-                start, positions = self._client_offsets[clients[r]], plans[r][step]
-                index[j, : len(positions)] = start + positions
-                index[j, len(positions) :] = start  # padding: a real sample, weighted 0
+            starts = self._client_offsets[np.asarray(clients)[rows]]
+            index = np.repeat(starts[:, None], width, axis=1)  # padding: a real sample, weighted 0
+            real = np.arange(width)[None, :] < sizes[:, None]
+            index[real] += np.concatenate([plans[r][step] for r in rows])
             idx = torch.as_tensor(index, device=self.device)
             xb, yb = self._all_x[idx], self._all_y[idx]
             if noisy:
