@@ -81,6 +81,20 @@ PFK_ALWAYS_INLINE void weighted_delta_tile_body(int64_t begin, int64_t end, cons
   }
   const size_t K = rows.size();
   size_t k = 0;
+  for (; k + 4 <= K; k += 4) {  // four rows per sweep, summed in row order
+    const T* __restrict__ r0 = row_at<T>(rows[k], begin);
+    const T* __restrict__ r1 = row_at<T>(rows[k + 1], begin);
+    const T* __restrict__ r2 = row_at<T>(rows[k + 2], begin);
+    const T* __restrict__ r3 = row_at<T>(rows[k + 3], begin);
+    const int64_t s0 = Contiguous ? 1 : rows[k].stride, s1 = Contiguous ? 1 : rows[k + 1].stride;
+    const int64_t s2 = Contiguous ? 1 : rows[k + 2].stride, s3 = Contiguous ? 1 : rows[k + 3].stride;
+    const Acc w0 = Acc(weights[k]), w1 = Acc(weights[k + 1]), w2 = Acc(weights[k + 2]), w3 = Acc(weights[k + 3]);
+    for (int64_t j = 0; j < n; ++j) {
+      const Acc b = base[j];
+      acc[j] = acc[j] + w0 * (to_acc(r0[j * s0]) - b) + w1 * (to_acc(r1[j * s1]) - b) + w2 * (to_acc(r2[j * s2]) - b) +
+               w3 * (to_acc(r3[j * s3]) - b);
+    }
+  }
   for (; k + 2 <= K; k += 2) {
     const T* __restrict__ r0 = row_at<T>(rows[k], begin);
     const T* __restrict__ r1 = row_at<T>(rows[k + 1], begin);

@@ -150,8 +150,9 @@ def test_weighted_delta_strided():
     store = base[:, 1::2]
     x = torch.zeros(4000, dtype=torch.float64)[::2]
     x_ref = x.clone()
-    ops.weighted_delta_(x, store, [0.5, 2.0], 0.1, rows=[9, 3])
-    reference.weighted_delta_(x_ref, store, [0.5, 2.0], 0.1, rows=[9, 3])
+    weights, rows = [0.5, 2.0, 1.5, 0.25, 3.0, 1.0, 0.75], [9, 3, 0, 5, 7, 1, 2]  # a 4-row, a 2-row, a 1-row sweep
+    ops.weighted_delta_(x, store, weights, 0.1, rows=rows)
+    reference.weighted_delta_(x_ref, store, weights, 0.1, rows=rows)
     assert torch.allclose(x, x_ref, rtol=1e-12, atol=1e-12)
 
 
