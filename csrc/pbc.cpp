@@ -132,13 +132,30 @@ PFK_ALWAYS_INLINE void mifa_tile_body(int64_t begin, int64_t end, const MifaArgs
     xv[j] = to_acc(xo[j * xs]);
     sv[j] = to_acc(so[j * ss]);
   }
-  for (size_t k = 0; k < a.updates.size(); ++k) {
+  const bool sub = a.subtract_x;  // Δ = update − x, else Δ = update
+  const size_t K = a.updates.size();
+  size_t k = 0;
+  for (; k + 2 <= K; k += 2) {  // two rows per sweep, in row order
+    const T* __restrict__ u0 = row_at<T>(a.updates[k], begin);
+    const T* __restrict__ u1 = row_at<T>(a.updates[k + 1], begin);
+    T* __restrict__ m0 = row_at<T>(a.memory[k], begin);
+    T* __restrict__ m1 = row_at<T>(a.memory[k + 1], begin);
+    const int64_t us0 = Contiguous ? 1 : a.updates[k].stride, ms0 = Contiguous ? 1 : a.memory[k].stride;
+    const int64_t us1 = Contiguous ? 1 : a.updates[k + 1].stride, ms1 = Contiguous ? 1 : a.memory[k + 1].stride;
+    for (int64_t j = 0; j < n; ++j) {
+      const T stored0 = Store<T>::from(sub ? to_acc(u0[j * us0]) - xv[j] : to_acc(u0[j * us0]));
+      const T stored1 = Store<T>::from(sub ? to_acc(u1[j * us1]) - xv[j] : to_acc(u1[j * us1]));
+      sv[j] = sv[j] + (to_acc(stored0) - to_acc(m0[j * ms0])) + (to_acc(stored1) - to_acc(m1[j * ms1]));
+      m0[j * ms0] = stored0;
+      m1[j * ms1] = stored1;
+    }
+  }
+  for (; k < K; ++k) {
     const T* __restrict__ u = row_at<T>(a.updates[k], begin);
     T* __restrict__ mem = row_at<T>(a.memory[k], begin);
     const int64_t us = Contiguous ? 1 : a.updates[k].stride, ms = Contiguous ? 1 : a.memory[k].stride;
     for (int64_t j = 0; j < n; ++j) {
-      const Acc delta = a.subtract_x ? to_acc(u[j * us]) - xv[j] : to_acc(u[j * us]);
-      const T stored = Store<T>::from(delta);
+      const T stored = Store<T>::from(sub ? to_acc(u[j * us]) - xv[j] : to_acc(u[j * us]));
       sv[j] = sv[j] + (to_acc(stored) - to_acc(mem[j * ms]));
       mem[j * ms] = stored;
     }

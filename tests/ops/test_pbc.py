@@ -190,6 +190,21 @@ def test_mifa_resum_removes_drift():
     assert tot.tolist() == [1.0] * d and np.allclose(x, 0.25)
 
 
+def test_mifa_strided_views():
+    rng = np.random.default_rng(3)
+    m, d, k = 9, 2500, 5  # two 2-row sweeps and one single row
+    mem = torch.zeros(m, 2 * d, dtype=torch.float64)[:, ::2]
+    tot, x = torch.zeros(2 * d, dtype=torch.float64)[1::2], torch.from_numpy(rng.standard_normal(d))
+    mem_ref, tot_ref, x_ref = mem.clone(), tot.clone(), x.clone()
+    for _ in range(3):
+        rows = rng.choice(m, size=k, replace=False)
+        upd = torch.from_numpy(rng.standard_normal((d, k))).T  # rows of stride 1 apart, elements k apart
+        ops.mifa_update_(x, mem, tot, upd, rows, 0.7)
+        reference.mifa_update_(x_ref, mem_ref, tot_ref, upd, rows, 0.7)
+    for got, want in ((mem, mem_ref), (tot, tot_ref), (x, x_ref)):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
 def test_mifa_list_updates_and_mask_rows():
     m, d = 5, 9
     mem, tot, x = np.zeros((m, d)), np.zeros(d), np.zeros(d)
