@@ -116,14 +116,17 @@ class LinearChainGradients:
     @staticmethod
     def applies(local: LocalModel) -> list[nn.Module] | None:
         """The chain of ``local``'s module when this class computes its objective (plain cross-entropy, every
-        parameter in the chain's Linear layers), else None."""
+        parameter in the chain's Linear layers, each layer used once), else None."""
         module = local.module
         if any(hasattr(module, hook) for hook in ("loss", "penalty")):
             return None
         layers = layer_chain(module)
         if layers is None:
             return None
-        chained = {id(p) for layer in layers if isinstance(layer, nn.Linear) for p in layer.parameters()}
+        linears = [layer for layer in layers if isinstance(layer, nn.Linear)]
+        if len({id(layer) for layer in linears}) != len(linears):  # a layer used twice: its gradients would add up
+            return None
+        chained = {id(p) for layer in linears for p in layer.parameters()}
         return layers if chained and chained == {id(p) for p in module.parameters()} else None
 
     def accepts(self, rows: torch.Tensor, xb: torch.Tensor, yb: torch.Tensor) -> bool:

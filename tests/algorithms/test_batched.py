@@ -16,6 +16,11 @@ def _nested_sequential() -> nn.Module:
     return nn.Sequential(nn.Flatten(), nn.Linear(12, 9), nn.ReLU(), nn.Sequential(nn.Linear(9, 5, bias=False)))
 
 
+def _one_layer_applied_twice() -> nn.Module:
+    shared = nn.Linear(5, 5)
+    return nn.Sequential(nn.Flatten(), nn.Linear(12, 5), nn.ReLU(), shared, nn.ReLU(), shared)
+
+
 MODELS = {
     "mlp": lambda: build_model("mlp", (3, 4), 5, hidden=(8, 6)),
     "logreg": lambda: build_model("logreg", (3, 4), 5),
@@ -88,6 +93,7 @@ def test_samples_that_are_not_vectors_need_a_flatten_first():
         build_model("cnn", (1, 8, 8), 5),
         nn.Sequential(nn.Flatten(), nn.Linear(12, 5), nn.Tanh(), nn.Linear(5, 5)),
         nn.Sequential(nn.Flatten(start_dim=2), nn.Linear(4, 5)),
+        _one_layer_applied_twice(),
     ],
 )
 def test_other_models_use_the_vmapped_step(module):
