@@ -109,6 +109,8 @@ class LinearChainGradients:
                 self.plan.append(_Linear(entries[names[id(layer.weight)]], bias))
             elif isinstance(layer, nn.ReLU):
                 self.plan.append("relu")
+        #: position in the plan of the first Linear layer (the backward pass stops there)
+        self.first_linear = next(i for i, step in enumerate(self.plan) if step != "relu")
         before_first_linear = layers[: next(i for i, layer in enumerate(layers) if isinstance(layer, nn.Linear))]
         #: whether the chain flattens every sample before its first Linear layer (else samples must be vectors)
         self.flattens_input = any(isinstance(layer, nn.Flatten) for layer in before_first_linear)
@@ -158,8 +160,7 @@ class LinearChainGradients:
         dz.scatter_add_(-1, target, torch.full(target.shape, -1.0, dtype=dz.dtype, device=dz.device))
         dz.mul_(weights[..., None])
         grads = torch.empty_like(rows)
-        first_linear = next(i for i, step in enumerate(self.plan) if step != "relu")
-        for i in range(len(self.plan) - 1, first_linear - 1, -1):
+        for i in range(len(self.plan) - 1, self.first_linear - 1, -1):
             step, h_in = self.plan[i], inputs[i]
             if step == "relu":
                 dz = dz * (h_in > 0)
@@ -167,7 +168,7 @@ class LinearChainGradients:
             self._view(grads, step.weight).copy_(torch.bmm(dz.mT, h_in))
             if step.bias is not None:
                 self._view(grads, step.bias).copy_(dz.sum(1))
-            if i > first_linear:
+            if i > self.first_linear:
                 dz = torch.bmm(dz, self._view(rows, step.weight))
         return grads, losses
 

@@ -299,27 +299,26 @@ class Simulation:
             counts = np.floor(work + 1e-9) if drop_last else np.ceil(work - 1e-9)
         else:
             counts = np.full(len(clients), steps)
-        counts = np.where(per_epoch > 0, np.maximum(counts, 0), 0).astype(np.int64)
-        # one permutation per epoch begun ("reshuffle"), or the client's fixed one
-        draws = np.zeros(len(clients), dtype=np.int64) if order == "fixed" else -(-counts // np.maximum(per_epoch, 1))
-        if order == "fixed":
-            draws[counts > 0] = 1
+        counts = np.maximum(counts, 0).astype(np.int64)  # every client holds data, so per_epoch >= 1
+        if order == "fixed":  # the client's one fixed permutation, when it takes a step
+            draws = (counts > 0).astype(np.int64)
             keys = np.stack([np.full(len(clients), _FIXED_ORDER), clients], axis=1)[counts > 0]
-        else:
+        else:  # one permutation per epoch begun
+            draws = -(-counts // per_epoch)
             owner = np.repeat(np.arange(len(clients)), draws)
             epoch = np.arange(len(owner)) - np.repeat(np.cumsum(draws) - draws, draws)
             keys = np.stack([np.full(len(owner), _BATCH), np.full(len(owner), t), clients[owner], epoch], axis=1)
         perms = seeded_permutations(self.seed, keys, np.repeat(n, draws))
+        starts = np.cumsum(draws * n) - draws * n  # where each client's permutations begin in perms
+        epoch_stride = 0 if order == "fixed" else 1  # a new permutation per epoch, or the fixed one again
         plans: list[list[np.ndarray]] = []
-        start = 0
         for c in range(len(clients)):
-            width, per, plan = int(size[c]), int(per_epoch[c]), []
-            client_start = start
+            width, per, length = int(size[c]), int(per_epoch[c]), int(n[c])
+            plan = []
             for step in range(int(counts[c])):
                 e, b = divmod(step, per)
-                first = client_start + (0 if order == "fixed" else e * int(n[c])) + b * width
-                plan.append(perms[first : first + min(width, int(n[c]) - b * width)])
-            start += int(draws[c] * n[c])
+                first = int(starts[c]) + epoch_stride * e * length + b * width
+                plan.append(perms[first : first + min(width, length - b * width)])
             plans.append(plan)
         return plans
 
@@ -356,14 +355,14 @@ class Simulation:
         ``batches(clients[r], t, epochs=epochs, steps=steps)`` yields at that step; wb None when every batch has B
         samples, else [len(rows), B] weights 1/b_r on client r's b_r samples and 0 on the padding after them.
         """
-        clients = [int(c) for c in clients]
+        clients = np.asarray(clients, dtype=np.int64).reshape(-1)
         plans = self.batch_plans(clients, t, epochs=epochs, steps=steps)
         noisy = self.noise_std is not None and bool(np.any(np.asarray(self.noise_std)[clients] > 0))
         for step in range(max((len(p) for p in plans), default=0)):
             rows = np.array([r for r, plan in enumerate(plans) if step < len(plan)], dtype=np.int64)
             sizes = np.array([len(plans[r][step]) for r in rows])
             width = int(sizes.max())
-            starts = self._client_offsets[np.asarray(clients)[rows]]
+            starts = self._client_offsets[clients[rows]]
             index = np.repeat(starts[:, None], width, axis=1)  # padding: a real sample, weighted 0
             real = np.arange(width)[None, :] < sizes[:, None]
             index[real] += np.concatenate([plans[r][step] for r in rows])
