@@ -1,6 +1,7 @@
 """pyfedkern: fast federated-learning kernels (C++/CUDA) and the FL algorithms built on them.
 
-Layers, top to bottom: ``cli`` → ``integrations`` → ``sim`` → ``algorithms`` → ``ops`` / ``reference`` → ``_C``.
+Layers, top to bottom: ``cli`` → ``integrations`` / ``reproduce`` → ``sim`` (the engine) → ``algorithms`` →
+``data`` / ``models`` / ``links`` → ``ops`` / ``reference`` → ``_C`` (``tests/test_layers.py`` checks it).
 """
 
 from __future__ import annotations

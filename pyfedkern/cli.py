@@ -227,7 +227,7 @@ def cmd_compare(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_partition(args: argparse.Namespace, extra: list[str]) -> int:
-    from pyfedkern.sim import datasets, partitions
+    from pyfedkern.data import datasets, partitions
 
     data = datasets.load_dataset(args.dataset, args.data_root)
     part = partitions.make_partition(

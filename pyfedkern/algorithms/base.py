@@ -3,7 +3,7 @@
 An :class:`Algorithm` owns the server state (the global model as one flat vector, per-client state in a
 :class:`ClientStore`) and implements one round as ``participants`` → ``client_update`` for each → ``server_step``;
 methods with a different round shape (FedPBC trains every client, FNR-FL has a second phase) override
-:meth:`Algorithm.round`. Algorithms never import :mod:`pyfedkern.sim`: everything they need from their
+:meth:`Algorithm.round`. Algorithms never import :mod:`pyfedkern.sim` (the engine): everything they need from their
 environment comes through the :class:`FLContext` protocol, which the simulation engine implements and a user's own
 loop (or a Flower client) can implement as well.
 

@@ -1,6 +1,6 @@
 """FedPBC (Xiang, Ioannidis, Yeh, Joe-Wong, Su 2024) and the baselines it is compared with under unreliable uplinks.
 
-In round t the uplink of client i is ON with probability p_i^t (a :class:`~pyfedkern.sim.links.LinkModel`); A^t is
+In round t the uplink of client i is ON with probability p_i^t (a :class:`~pyfedkern.links.LinkModel`); A^t is
 the set of ON links. The downlink never fails.
 
 - ``fedpbc`` (:class:`FedPBC`): every client keeps its own model x_i and trains it every round, ON or OFF; the
@@ -89,7 +89,7 @@ class _LinkAlgorithm(Algorithm):
     batched: bool = True
 
     def __post_init__(self) -> None:
-        from pyfedkern.sim.links import PATTERNS, TIME_VARYING, check_gamma
+        from pyfedkern.links import PATTERNS, TIME_VARYING, check_gamma
 
         if self.links not in PATTERNS:
             raise ValueError(f"unknown link pattern {self.links!r}; valid choices: {', '.join(PATTERNS)}")
@@ -111,7 +111,7 @@ class _LinkAlgorithm(Algorithm):
 
     def setup_links(self, ctx: FLContext) -> None:
         """Build the link model (seeded from ctx.rng) and the batched trainer."""
-        from pyfedkern.sim.links import make_links
+        from pyfedkern.links import make_links
 
         seed = int(ctx.rng(_LINK_SEED).integers(2**62))
         self.link_model = make_links(

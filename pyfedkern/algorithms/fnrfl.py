@@ -104,7 +104,7 @@ def _split_model(module: torch.nn.Module) -> None:
     if not (callable(getattr(module, "features", None)) and isinstance(classifier, torch.nn.Linear)):
         raise TypeError(
             f"FNR-FL needs a model with .features(x) and a Linear .classifier (got {type(module).__qualname__}); "
-            "pyfedkern.sim.models provides them for every classifier"
+            "pyfedkern.models provides them for every classifier"
         )
 
 

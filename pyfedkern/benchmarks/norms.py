@@ -82,7 +82,7 @@ def _norm_cases(quick: bool, device: str) -> list[Case]:
 
 
 def _model(name: str) -> torch.nn.Module:
-    from pyfedkern.sim.models import build_model
+    from pyfedkern.models import build_model
 
     return build_model(name, (1, 28, 28), 10)
 

@@ -24,12 +24,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from pyfedkern import models
 from pyfedkern.algorithms import Algorithm, LocalModel, make_algorithm
 from pyfedkern.algorithms.batched import padding_weights
+from pyfedkern.data import datasets, partitions
+from pyfedkern.data.spec import parse_spec
 from pyfedkern.ops import seeded_permutations
-from pyfedkern.sim import datasets, models, partitions
 from pyfedkern.sim.results import RunWriter, config_differences, is_finished, read_metrics
-from pyfedkern.sim.spec import parse_spec
 
 # Purposes of the random streams (first key after the seed).
 _SAMPLE, _BATCH, _FIXED_ORDER, _NOISE, _PUBLIC, _EVAL_SUBSET = 1, 2, 3, 4, 5, 6

@@ -9,7 +9,7 @@ from torch import nn
 
 from pyfedkern.algorithms.batched import BatchedTrainer, LinearChainGradients, layer_chain, padding_weights
 from pyfedkern.algorithms.local import LocalModel
-from pyfedkern.sim.models import build_model
+from pyfedkern.models import build_model
 
 
 def _nested_sequential() -> nn.Module:

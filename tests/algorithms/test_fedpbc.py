@@ -17,9 +17,9 @@ import torch
 from pyfedkern.algorithms import make_algorithm
 from pyfedkern.algorithms.fedpbc import FedAU
 from pyfedkern.cli import main
+from pyfedkern.links import LinkModel, group_link_probs
+from pyfedkern.reproduce.pbc_quadratic import fedavg_limit, quadratic_targets, simulate_quadratic
 from pyfedkern.sim.engine import ExperimentConfig, Simulation, load_config
-from pyfedkern.sim.links import LinkModel, group_link_probs
-from pyfedkern.sim.pbc_quadratic import fedavg_limit, quadratic_targets, simulate_quadratic
 
 LINK_METHODS = ["fedpbc", "fedavg-links", "fedavg-all", "fedavg-known-p", "fedau", "mifa"]
 

@@ -19,8 +19,8 @@ from pyfedkern.algorithms.fnrfl import (
     selection_count,
 )
 from pyfedkern.algorithms.local import LocalModel
+from pyfedkern.models import build_model
 from pyfedkern.sim.engine import ExperimentConfig, Simulation
-from pyfedkern.sim.models import build_model
 
 
 def _batch(seed: int = 0, B: int = 24, D: int = 7, K: int = 5):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from pyfedkern.sim import datasets
+from pyfedkern.data import datasets
 from pyfedkern.sim.engine import ExperimentConfig, Simulation, load_config, parse_lr_schedule
 from pyfedkern.sim.results import read_metrics
 

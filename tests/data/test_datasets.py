@@ -9,8 +9,8 @@ import pickle
 import numpy as np
 import pytest
 
-from pyfedkern.sim import datasets
-from pyfedkern.sim.datasets import load_dataset, to_parity
+from pyfedkern.data import datasets
+from pyfedkern.data.datasets import load_dataset, to_parity
 
 
 @pytest.fixture(scope="module")

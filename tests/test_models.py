@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from pyfedkern.algorithms import LocalModel
-from pyfedkern.sim.datasets import load_dataset
-from pyfedkern.sim.models import MODELS, build_model
+from pyfedkern.data.datasets import load_dataset
+from pyfedkern.models import MODELS, build_model
 
 SHAPES = {"digits": (1, 8, 8), "mnist": (1, 28, 28), "cifar": (3, 32, 32)}
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pyfedkern.sim.spec import parse_spec
+from pyfedkern.data.spec import parse_spec
 
 # name -> default arguments (and so the number it takes)
 _DEFAULTS: dict[str, tuple[float, ...]] = {

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from pyfedkern import ops
-from pyfedkern.sim.links import LinkModel
+from pyfedkern.links import LinkModel
 
 
 def quadratic_targets(m: int = 100, d: int = 100, seed: int = 0) -> np.ndarray:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pyfedkern.sim.partitions import PARTITIONS, Partition, make_partition, parse_partition
+from pyfedkern.data.partitions import PARTITIONS, Partition, make_partition, parse_partition
 
 # 2,000 samples, 10 classes of 200, in a shuffled order.
 LABELS = np.random.default_rng(7).permutation(np.arange(2000) % 10)

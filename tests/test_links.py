@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pyfedkern.sim.links import (
+from pyfedkern.links import (
     PATTERNS,
     LinkModel,
     group_link_probs,
@@ -32,7 +32,7 @@ def markov_sd(p_t: np.ndarray, rounds: int) -> np.ndarray:
     """Std of a two-state chain's ON frequency over ``rounds`` rounds (an upper bound when p varies over time):
     Var ≈ p(1−p)/n·(1+λ)/(1−λ), λ = 1 − (OFF→ON) − (ON→OFF) the chain's second eigenvalue (its mixing rate), with
     p(1−p) and λ taken at their worst over the rows of p_t ([T, m] or [m])."""
-    from pyfedkern.sim.links import _markov_rates
+    from pyfedkern.links import _markov_rates
 
     p_t = np.atleast_2d(p_t)
     on_off, off_on = _markov_rates(p_t)
@@ -50,7 +50,7 @@ def bernoulli_sd(p_t: np.ndarray, rounds: int) -> np.ndarray:
 def markov_marginal(p_t: np.ndarray) -> np.ndarray:
     """Exact P(ON in round t) of the (non-homogeneous) chain: π_0 = p_0, π_t = π_{t−1}(1 − b_t) + (1 − π_{t−1})a_t
     with b_t, a_t the ON→OFF and OFF→ON rates of round t; [T, m]."""
-    from pyfedkern.sim.links import _markov_rates
+    from pyfedkern.links import _markov_rates
 
     pi = np.empty_like(p_t)
     pi[0] = p_t[0]
@@ -119,7 +119,7 @@ def test_markov_tv_with_gamma_zero_is_the_homogeneous_chain_and_tracks_p_t():
 
 
 def test_markov_transition_rates_give_stationary_p():
-    from pyfedkern.sim.links import _markov_rates
+    from pyfedkern.links import _markov_rates
 
     p = np.array([0.01, 0.04, 0.05, 0.2, 0.8, 1.0])
     on_off, off_on = _markov_rates(p)
@@ -129,7 +129,7 @@ def test_markov_transition_rates_give_stationary_p():
 
 
 def test_markov_chain_switches_at_its_transition_rates():
-    from pyfedkern.sim.links import _markov_rates
+    from pyfedkern.links import _markov_rates
 
     model = LinkModel(P, "markov", seed=9)
     on = np.array([model.active(t) for t in range(20_000)])

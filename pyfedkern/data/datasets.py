@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from pyfedkern.sim.spec import parse_spec
+from pyfedkern.data.spec import parse_spec
 
 DATASETS = ("digits", "synthetic", "mnist", "cifar10", "quadratic")
 NORMALIZATIONS = ("standard", "unit", "none")
