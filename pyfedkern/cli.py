@@ -67,7 +67,7 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
 
 
 def _config_class():
-    from pyfedkern.sim.engine import ExperimentConfig
+    from pyfedkern.sim.config import ExperimentConfig
 
     return ExperimentConfig
 

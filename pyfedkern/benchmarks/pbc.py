@@ -190,7 +190,8 @@ def cases(quick: bool = False, device: str = "cpu") -> list[Case]:
 def round_cases(clients: int, device: str) -> list[Case]:
     """FedPBC engine rounds on digits/MLP with ``clients`` clients: batched vs the per-client loop, and the
     round's matrix products as plain GEMMs (limit)."""
-    from pyfedkern.sim.engine import ExperimentConfig, Simulation, _cpu_threads
+    from pyfedkern.sim.config import ExperimentConfig
+    from pyfedkern.sim.engine import Simulation, _cpu_threads
 
     group = f"fedpbc_round m={clients} digits mlp s=5 B=16 float32 {device}"
     config = ExperimentConfig(

@@ -426,7 +426,8 @@ class _ServerContext:
         self.local_steps = self.config.local_steps
 
     def lr(self, t: int) -> float:
-        from pyfedkern.sim.engine import Simulation, parse_lr_schedule
+        from pyfedkern.sim.config import parse_lr_schedule
+        from pyfedkern.sim.engine import Simulation
 
         view = SimpleNamespace(config=self.config, _lr_schedule=parse_lr_schedule(self.config.lr_schedule))
         return Simulation.lr(view, t)  # the engine's schedule, without loading any data
@@ -641,7 +642,7 @@ def config_from_run_config(run_config: dict[str, Any]) -> Any:
     ``algorithm-params`` and ``model-params`` are JSON objects; ``local-steps = 0`` means unset; other keys are
     ignored (they belong to the app).
     """
-    from pyfedkern.sim.engine import ExperimentConfig
+    from pyfedkern.sim.config import ExperimentConfig
 
     names = {f.name for f in dataclasses.fields(ExperimentConfig)}
     values: dict[str, Any] = {}

@@ -20,7 +20,8 @@ import numpy as np
 
 from pyfedkern.ops.herding import selection_size
 from pyfedkern.reproduce import update_docs_section
-from pyfedkern.sim.engine import ExperimentConfig, Simulation, run_or_reuse
+from pyfedkern.sim.config import ExperimentConfig
+from pyfedkern.sim.engine import Simulation, run_or_reuse
 from pyfedkern.sim.plots import plot_curves
 
 ALPHAS = (0.1, 0.3, 0.5, 0.7, 1.0)

@@ -25,7 +25,8 @@ import numpy as np
 
 from pyfedkern.algorithms.dynamic import transition_accuracy
 from pyfedkern.reproduce import mean_and_se, update_docs_section
-from pyfedkern.sim.engine import ExperimentConfig, run_or_reuse
+from pyfedkern.sim.config import ExperimentConfig
+from pyfedkern.sim.engine import run_or_reuse
 
 METHODS = ("proposed", "previous", "average", "continuous")
 LABELS = {"proposed": "Proposed", "previous": "Previous", "average": "Average", "continuous": "Continuous"}

@@ -27,7 +27,8 @@ import numpy as np
 from pyfedkern.links import PATTERNS, make_links
 from pyfedkern.reproduce import mean_and_se, update_docs_section
 from pyfedkern.reproduce.pbc_quadratic import LATE_BLOCKS, fedavg_limit, quadratic_targets, simulate_quadratic
-from pyfedkern.sim.engine import ExperimentConfig, run_or_reuse
+from pyfedkern.sim.config import ExperimentConfig
+from pyfedkern.sim.engine import run_or_reuse
 
 PROB_PAIRS = ((0.5, 0.5), (0.5, 0.9), (0.1, 0.9))
 METHODS = ("fedpbc", "fedavg-links", "fedavg-all", "fedau", "fedavg-known-p", "mifa")

@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from pyfedkern.reproduce import update_docs_section
-from pyfedkern.sim.engine import ExperimentConfig, run_or_reuse
+from pyfedkern.sim.config import ExperimentConfig
+from pyfedkern.sim.engine import run_or_reuse
 from pyfedkern.sim.plots import plot_curves
 
 BASELINES = ("fedavg", "fedprox", "scaffold", "feddyn", "fedsam")

@@ -26,7 +26,7 @@ import torch
 
 from pyfedkern.reproduce import mean_and_se, update_docs_section
 from pyfedkern.sim.compare import compare
-from pyfedkern.sim.engine import ExperimentConfig
+from pyfedkern.sim.config import ExperimentConfig
 from pyfedkern.sim.plots import plot_curves
 
 PAPER_ROUNDS = 10

@@ -8,7 +8,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from pyfedkern.sim.engine import ExperimentConfig, check_reusable, run_or_reuse
+from pyfedkern.sim.config import ExperimentConfig
+from pyfedkern.sim.engine import check_reusable, run_or_reuse
 from pyfedkern.sim.plots import plot_curves, summary_table
 from pyfedkern.sim.results import summarize
 

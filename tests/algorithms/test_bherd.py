@@ -19,7 +19,8 @@ from pyfedkern.algorithms.base import ClientMessage, local_sgd
 from pyfedkern.algorithms.bherd import GradientRecorder
 from pyfedkern.algorithms.fedavg import FedAvg
 from pyfedkern.cli import main
-from pyfedkern.sim.engine import ExperimentConfig, Simulation
+from pyfedkern.sim.config import ExperimentConfig
+from pyfedkern.sim.engine import Simulation
 
 # F_i(x) = ½‖x − u_i‖², one sample per client: the gradient at step λ is (1 − η)^(λ−1)·(x − u_i) exactly.
 QUAD = ExperimentConfig(

@@ -14,7 +14,8 @@ from pyfedkern import ops
 from pyfedkern.algorithms import make_algorithm
 from pyfedkern.algorithms.dynamic import DynamicInit, SessionContext, parse_host_params, transition_accuracy
 from pyfedkern.algorithms.history import SessionHistory
-from pyfedkern.sim.engine import ExperimentConfig, Simulation
+from pyfedkern.sim.config import ExperimentConfig
+from pyfedkern.sim.engine import Simulation
 
 T = 3  # rounds per session
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from pyfedkern.algorithms import make_algorithm
-from pyfedkern.sim.engine import ExperimentConfig, Simulation
+from pyfedkern.sim.config import ExperimentConfig
+from pyfedkern.sim.engine import Simulation
 
 # Each client holds exactly its u_i, so one full batch gives the exact gradient x − u_i.
 QUAD = ExperimentConfig(

@@ -417,7 +417,8 @@ def test_fedadam_and_fedcm_server_rules():
 
 @pytest.mark.parametrize("name", ["fedspeed", "feddyn", "fedsam", "fedcm", "fedadam"])
 def test_simulation_runs(name, tmp_path):
-    from pyfedkern.sim.engine import ExperimentConfig, Simulation
+    from pyfedkern.sim.config import ExperimentConfig
+    from pyfedkern.sim.engine import Simulation
 
     params = {"fedspeed": dict(lam=10.0, rho=0.1, alpha=0.9375)}.get(name, {})
     cfg = ExperimentConfig(algorithm=name, algorithm_params=params, dataset="digits", model="logreg", clients=4,

@@ -20,7 +20,8 @@ from pyfedkern.algorithms.fnrfl import (
 )
 from pyfedkern.algorithms.local import LocalModel
 from pyfedkern.models import build_model
-from pyfedkern.sim.engine import ExperimentConfig, Simulation
+from pyfedkern.sim.config import ExperimentConfig
+from pyfedkern.sim.engine import Simulation
 
 
 def _batch(seed: int = 0, B: int = 24, D: int = 7, K: int = 5):

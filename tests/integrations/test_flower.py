@@ -23,7 +23,8 @@ from pyfedkern import ops  # noqa: E402
 from pyfedkern.algorithms import make_algorithm  # noqa: E402
 from pyfedkern.algorithms.fedavg import FedAvg as FedAvgAlgorithm  # noqa: E402
 from pyfedkern.integrations import flower as pf  # noqa: E402
-from pyfedkern.sim.engine import ExperimentConfig, Simulation  # noqa: E402
+from pyfedkern.sim.config import ExperimentConfig  # noqa: E402
+from pyfedkern.sim.engine import Simulation  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -5,7 +5,8 @@ import dataclasses
 import pytest
 
 from pyfedkern.sim.compare import compare
-from pyfedkern.sim.engine import ExperimentConfig, run_or_reuse
+from pyfedkern.sim.config import ExperimentConfig
+from pyfedkern.sim.engine import run_or_reuse
 from pyfedkern.sim.results import read_metrics
 
 BASE = ExperimentConfig(clients=4, rounds=2, model="logreg", partition="iid", batch_size=64)
