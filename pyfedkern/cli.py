@@ -3,18 +3,27 @@
 Algorithm hyper-parameters are the fields of each algorithm class and are passed as ``--name value`` after the
 common options (e.g. ``pyfedkern run --algorithm fedprox --mu 0.1``); ``pyfedkern run --algorithm X --help-algorithm``
 lists them.
+
+Parsing, ``--help``, ``--version`` and usage errors import no torch (tests/test_cli.py checks it): each command
+imports what it needs when it runs, and an algorithm's module is imported only when its parameters are needed.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import importlib
 import json
 import sys
-from collections.abc import Sequence
+import textwrap
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
+
+from pyfedkern import __version__
+from pyfedkern.reproduce import REPRODUCTIONS, SUMMARIES
+from pyfedkern.sim.config import ExperimentConfig
 
 # (config field, flag, type, help) of the options shared by `run` and `compare`.
 _COMMON = [
@@ -50,8 +59,15 @@ class CliError(Exception):
     """A usage error reported as `error: ...` with exit status 2."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser with one-line errors (argparse prints the whole usage first)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n")
+
+
 def _add_common(parser: argparse.ArgumentParser) -> None:
-    defaults = {f.name: f.default for f in dataclasses.fields(_config_class()) if f.default is not dataclasses.MISSING}
+    defaults = {f.name: f.default for f in dataclasses.fields(ExperimentConfig) if f.default is not dataclasses.MISSING}
     for name, flag, kind, help_text in _COMMON:
         default = defaults.get(name)
         parser.add_argument(flag, dest=name, type=kind, default=default, help=f"{help_text} (default: {default})")
@@ -64,12 +80,6 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
         help="model keyword argument, e.g. hidden=64,64 (repeatable)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-
-def _config_class():
-    from pyfedkern.sim.config import ExperimentConfig
-
-    return ExperimentConfig
 
 
 def _parse_value(text: str, example: Any) -> Any:
@@ -109,9 +119,9 @@ def _model_params(pairs: Sequence[str]) -> dict[str, Any]:
     return out
 
 
-def _split_extra(extra: Sequence[str]) -> dict[str, str]:
-    """``['--mu', '0.1', '--alpha=0.5']`` → ``{'mu': '0.1', 'alpha': '0.5'}``."""
-    out: dict[str, str] = {}
+def _split_extra(extra: Sequence[str]) -> dict[str, str | None]:
+    """``['--mu', '0.1', '--alpha=0.5', '--beta']`` → ``{'mu': '0.1', 'alpha': '0.5', 'beta': None}``."""
+    out: dict[str, str | None] = {}
     i = 0
     while i < len(extra):
         token = extra[i]
@@ -119,29 +129,46 @@ def _split_extra(extra: Sequence[str]) -> dict[str, str]:
             raise CliError(f"unexpected argument {token!r}")
         key, sep, value = token[2:].partition("=")
         if not sep:
-            if i + 1 >= len(extra) or extra[i + 1].startswith("--"):
-                raise CliError(f"option --{key} needs a value")
-            value = extra[i + 1]
-            i += 1
+            has_value = i + 1 < len(extra) and not extra[i + 1].startswith("--")
+            value = extra[i + 1] if has_value else None
+            i += has_value
         out[key.replace("-", "_")] = value
         i += 1
     return out
 
 
-def _algorithm_params(algorithms: Sequence[str], extra: dict[str, str]) -> dict[str, dict[str, Any]]:
-    """Assign each extra option to every selected algorithm that has a field of that name."""
+def _long_options(parser: argparse.ArgumentParser) -> list[str]:
+    return [flag for action in parser._actions for flag in action.option_strings if flag.startswith("--")]
+
+
+def _did_you_mean(flag: str, options: Iterable[str]) -> str:
+    """`` (did you mean --rounds?)`` for the option nearest to ``flag``, or an empty string when none is near."""
+    near = difflib.get_close_matches(flag, list(options), n=1, cutoff=0.6)
+    return f" (did you mean {near[0]}?)" if near else ""
+
+
+def _algorithm_params(
+    algorithms: Sequence[str], extra: dict[str, str | None], parser: argparse.ArgumentParser
+) -> dict[str, dict[str, Any]]:
+    """Assign each extra option to every selected algorithm that has a field of that name; an unknown option is
+    reported with the nearest of the command's own options and the algorithms' parameters."""
+    if not extra:
+        return {name: {} for name in algorithms}
     from pyfedkern.algorithms import algorithm_class
 
     fields = {name: algorithm_class(name).hyperparameters() for name in algorithms}
     params: dict[str, dict[str, Any]] = {name: {} for name in algorithms}
     for key, text in extra.items():
+        flag = f"--{key.replace('_', '-')}"
         takers = [name for name in algorithms if key in fields[name]]
         if not takers:
             valid = sorted({f"--{k.replace('_', '-')}" for fs in fields.values() for k in fs})
             raise CliError(
-                f"unknown option --{key.replace('_', '-')} for algorithm(s) {', '.join(algorithms)}; "
-                f"their parameters: {', '.join(valid) or 'none'}"
+                f"unknown option {flag}{_did_you_mean(flag, [*_long_options(parser), *valid])}; "
+                f"parameters of {', '.join(algorithms)}: {', '.join(valid) or 'none'}"
             )
+        if text is None:
+            raise CliError(f"option {flag} needs a value")
         for name in takers:
             field = fields[name][key]
             example = field.default if field.default is not dataclasses.MISSING else None
@@ -152,15 +179,14 @@ def _algorithm_params(algorithms: Sequence[str], extra: dict[str, str]) -> dict[
     return params
 
 
-def _base_config(args: argparse.Namespace):
-    cfg_cls = _config_class()
+def _base_config(args: argparse.Namespace) -> ExperimentConfig:
     values = {name: getattr(args, name) for name, *_ in _COMMON}
-    return cfg_cls(**values, parity=args.parity, model_params=_model_params(args.model_param))
+    return ExperimentConfig(**values, parity=args.parity, model_params=_model_params(args.model_param))
 
 
 def _changed_common_options(args: argparse.Namespace) -> list[str]:
     """The flags of the options shared by run and compare that were given a non-default value."""
-    defaults = {f.name: f.default for f in dataclasses.fields(_config_class())}
+    defaults = {f.name: f.default for f in dataclasses.fields(ExperimentConfig)}
     changed = [flag for name, flag, *_ in _COMMON if getattr(args, name) != defaults[name]]
     if args.parity:
         changed.append("--parity")
@@ -198,7 +224,7 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
         config = dataclasses.replace(
             _base_config(args),
             algorithm=args.algorithm,
-            algorithm_params=_algorithm_params([args.algorithm], _split_extra(extra))[args.algorithm],
+            algorithm_params=_algorithm_params([args.algorithm], _split_extra(extra), args.parser)[args.algorithm],
         )
     metrics = Simulation(config).run(args.out, resume=args.resume, progress=not args.no_progress)
     last = next((m for m in reversed(metrics) if "test_acc" in m), metrics[-1])
@@ -212,7 +238,7 @@ def cmd_compare(args: argparse.Namespace, extra: list[str]) -> int:
     from pyfedkern.sim.compare import compare
 
     algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
-    params = _algorithm_params(algorithms, _split_extra(extra))
+    params = _algorithm_params(algorithms, _split_extra(extra), args.parser)
     result = compare(
         _base_config(args),
         algorithms,
@@ -271,18 +297,36 @@ def cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_reproduce(args: argparse.Namespace, extra: list[str]) -> int:
-    from pyfedkern.reproduce import REPRODUCTIONS
-
+    if args.name is None:
+        if args.help:
+            args.parser.print_help()
+            return 0
+        raise CliError(f"name a reproduction: {', '.join(REPRODUCTIONS)} (`pyfedkern reproduce --help` says more)")
     if args.name not in REPRODUCTIONS:
-        raise CliError(f"unknown reproduction {args.name!r}; valid choices: {', '.join(sorted(REPRODUCTIONS))}")
+        raise CliError(f"unknown reproduction {args.name!r}; valid choices: {', '.join(REPRODUCTIONS)}")
     module = importlib.import_module(REPRODUCTIONS[args.name])
+    if args.help:  # the options above, then the reproduction's own (its parser prints them and exits)
+        args.parser.print_usage()
+        extra = ["--help"]
     return int(
         module.main(extra, out=Path(args.out or f"reproductions/{args.name}"), quick=args.quick, docs=args.docs) or 0
     )
 
 
+def _reproduce_epilog() -> str:
+    lines = ["reproductions (on the bundled digits; MNIST or CIFAR-10 too where --data-root holds their files):"]
+    for name in REPRODUCTIONS:
+        wrap = textwrap.TextWrapper(100, initial_indent=f"  {name:<10}", subsequent_indent=" " * 12)
+        lines += wrap.wrap(SUMMARIES[name])
+    lines.append("")
+    lines.append("`pyfedkern reproduce NAME --help` lists NAME's own options (--seeds, --rounds, ...);")
+    lines.append("docs/reproductions.md has what was measured.")
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pyfedkern", description="Fast federated-learning kernels and experiments.")
+    parser = _Parser(prog="pyfedkern", description="Fast federated-learning kernels and experiments.")
+    parser.add_argument("--version", action="version", version=f"pyfedkern {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run one FL experiment", allow_abbrev=False)
@@ -291,7 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", action="store_true", help="continue the interrupted run in --out")
     run.add_argument("--help-algorithm", action="store_true", help="list the algorithm's parameters and exit")
     _add_common(run)
-    run.set_defaults(handler=cmd_run, takes_extra=True)
+    run.set_defaults(parser=run, handler=cmd_run, takes_extra=True)
 
     cmp = sub.add_parser(
         "compare", allow_abbrev=False, help="run several algorithms on the same split; plot and tabulate"
@@ -300,7 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--out", required=True, help="output directory (one sub-directory per algorithm)")
     cmp.add_argument("--target", type=float, default=None, help="accuracy target for rounds-to-target, e.g. 0.85")
     _add_common(cmp)
-    cmp.set_defaults(handler=cmd_compare, takes_extra=True)
+    cmp.set_defaults(parser=cmp, handler=cmd_compare, takes_extra=True)
 
     part = sub.add_parser("partition", help="print (and plot) how a partition splits a dataset")
     part.add_argument("--dataset", default="digits")
@@ -309,24 +353,33 @@ def build_parser() -> argparse.ArgumentParser:
     part.add_argument("--clients", type=int, default=20)
     part.add_argument("--seed", type=int, default=0)
     part.add_argument("--plot", default=None, help="write a PNG of the per-client class counts")
-    part.set_defaults(handler=cmd_partition)
+    part.set_defaults(parser=part, handler=cmd_partition)
 
-    rep = sub.add_parser("reproduce", help="reproduce a paper's experiments (bherd, fedspeed, fnrfl, dynamic, fedpbc)")
-    rep.add_argument("name")
+    rep = sub.add_parser(
+        "reproduce",
+        help=f"reproduce a paper's experiments ({', '.join(REPRODUCTIONS)})",
+        description="Re-run a paper's experiments and write a report (report.md, plots) into --out.",
+        epilog=_reproduce_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        add_help=False,
+        allow_abbrev=False,
+    )
+    rep.add_argument("name", nargs="?", metavar="NAME", help=f"one of {', '.join(REPRODUCTIONS)}")
+    rep.add_argument("-h", "--help", action="store_true", help="show this help (with NAME: NAME's own options too)")
     rep.add_argument("--out", default=None, help="output directory (default: reproductions/NAME)")
     rep.add_argument("--quick", action="store_true", help="a reduced run (fewer seeds/rounds) for a smoke check")
     rep.add_argument("--docs", default=None, help="update this markdown file's section (docs/reproductions.md)")
-    rep.set_defaults(handler=cmd_reproduce, takes_extra=True)
+    rep.set_defaults(parser=rep, handler=cmd_reproduce, takes_extra=True)
 
     bench = sub.add_parser("bench", help="quick kernel benchmarks: speedups over the usual PyTorch/NumPy way")
     bench.add_argument("--family", default="aggregate", help="op family or 'all'")
     bench.add_argument("--full", action="store_true", help="all sizes (slow), not the quick subset")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
-    bench.set_defaults(handler=cmd_bench)
+    bench.set_defaults(parser=bench, handler=cmd_bench)
 
     info = sub.add_parser("info", help="build info, CUDA availability, threads and versions")
     info.add_argument("--json", action="store_true")
-    info.set_defaults(handler=cmd_info)
+    info.set_defaults(parser=info, handler=cmd_info)
     return parser
 
 
@@ -336,7 +389,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     try:
         if extra and not getattr(args, "takes_extra", False):
-            raise CliError(f"unexpected argument(s): {' '.join(extra)}")
+            hint = _did_you_mean(extra[0], _long_options(args.parser)) if extra[0].startswith("--") else ""
+            raise CliError(f"unexpected argument(s): {' '.join(extra)}{hint}")
         return args.handler(args, extra)
     except (CliError, ValueError, TypeError, FileNotFoundError, FileExistsError) as exc:
         print(f"pyfedkern {args.command}: error: {exc}", file=sys.stderr)

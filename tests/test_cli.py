@@ -13,6 +13,7 @@ import pytest
 
 import pyfedkern
 from pyfedkern.cli import main
+from pyfedkern.reproduce import REPRODUCTIONS, SUMMARIES
 from pyfedkern.sim.engine import Simulation, load_config
 from pyfedkern.sim.results import read_metrics
 
@@ -159,3 +160,75 @@ def test_bad_names_and_values_are_reported_before_any_work(argv, message, capsys
 def test_usage_errors_exit_2_with_a_message(argv, message, capsys):
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def _python_m_pyfedkern(argv, cwd):
+    """Run ``python -X importtime -m pyfedkern ARGV`` in a fresh interpreter from ``cwd``; return the exit code,
+    stdout, stderr without the import-time lines, and the names of the modules it imported."""
+    root = str(Path(pyfedkern.__file__).parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "pyfedkern", *argv],
+        env=env,
+        cwd=cwd,  # outside the checkout: `python -m` puts the cwd first on sys.path, and the source tree has no _C
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    lines = proc.stderr.splitlines()
+    imported = {line.rpartition("|")[2].strip() for line in lines if line.startswith("import time:")}
+    err = "\n".join(line for line in lines if not line.startswith("import time:"))
+    return proc.returncode, proc.stdout, err, imported
+
+
+@pytest.mark.parametrize(
+    ("argv", "code", "expected"),
+    [
+        (["--help"], 0, ["run", "compare", "partition", "reproduce", "bench", "info", "--version"]),
+        (["--version"], 0, [f"pyfedkern {pyfedkern.__version__}"]),
+        (["run", "--help"], 0, ["--rounds", "(default: 50)", "--help-algorithm"]),
+        (["compare", "--help"], 0, ["--algorithms", "--target"]),
+        (["reproduce", "--help"], 0, [*REPRODUCTIONS, SUMMARIES["bherd"][:40], "NAME --help"]),
+        (["run", "--rounds", "abc"], 2, ["--rounds: invalid int value: 'abc'"]),
+        (["frobnicate"], 2, ["pyfedkern: error: argument command: invalid choice: 'frobnicate'"]),
+        ([], 2, ["pyfedkern: error: the following arguments are required: command"]),
+        (["compare", "--rounds", "3"], 2, ["required: --algorithms"]),
+        (["bench", "--famly", "all"], 2, ["unexpected argument(s): --famly all (did you mean --family?)"]),
+        (["reproduce"], 2, ["name a reproduction: bherd, dynamic, fedpbc, fedspeed, fnrfl"]),
+        (["reproduce", "nope"], 2, ["unknown reproduction 'nope'"]),
+    ],
+)
+def test_help_version_and_usage_errors_answer_without_importing_torch(argv, code, expected, tmp_path):
+    returncode, out, err, imported = _python_m_pyfedkern(argv, tmp_path)
+    assert returncode == code, err
+    for text in expected:
+        assert text in (out if code == 0 else err), text
+    if code == 2:
+        assert len(err.strip().splitlines()) == 1, err
+    assert "pyfedkern.cli" in imported
+    assert not {"torch", "pyfedkern.sim.engine", "pyfedkern.algorithms", "matplotlib", "sklearn"} & imported
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["run", "--rouns", "5"], "unknown option --rouns (did you mean --rounds?); parameters of fedavg:"),
+        (["run", "--no-progres"], "unknown option --no-progres (did you mean --no-progress?)"),
+        (["run", "--algorithm", "fedprox", "--mu"], "option --mu needs a value"),
+        (["compare", "--algorithms", "fedavg,fedprox", "--out", "x", "--m", "1"], "--m (did you mean --mu?)"),
+        (["run", "--algorithm", "fedprox", "--muu", "1"], "--muu (did you mean --mu?); parameters of fedprox: --mu"),
+    ],
+)
+def test_misspelled_options_suggest_the_nearest_general_or_algorithm_option(argv, message, tmp_path):
+    returncode, _, err, _ = _python_m_pyfedkern(argv, tmp_path)
+    assert returncode == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"pyfedkern {argv[0]}: error: ") and message in lines[0], err
+    assert not (tmp_path / "x").exists()
+
+
+def test_reproduce_help_with_a_name_lists_its_own_options(tmp_path):
+    returncode, out, err, _ = _python_m_pyfedkern(["reproduce", "bherd", "--help"], tmp_path)
+    assert returncode == 0, err
+    assert "--quick" in out and "--seeds" in out and "MNIST" in out
+    assert set(SUMMARIES) == set(REPRODUCTIONS)

@@ -1,8 +1,9 @@
 """Reproductions of the five papers' experiments (``pyfedkern reproduce NAME``).
 
-Each module listed in ``REPRODUCTIONS`` exposes ``main(argv, *, out, quick, docs) -> int``: it runs its experiments
-into ``out`` (resuming finished sub-runs), writes ``out/report.md`` with the measured numbers and plots, and, when
-``docs`` names a markdown file, replaces that paper's section in it (see :func:`update_docs_section`).
+Each module listed in ``REPRODUCTIONS`` (what it runs: ``SUMMARIES``) exposes
+``main(argv, *, out, quick, docs) -> int``: it runs its experiments into ``out`` (resuming finished sub-runs), writes
+``out/report.md`` with the measured numbers and plots, and, when ``docs`` names a markdown file, replaces that
+paper's section in it (see :func:`update_docs_section`).
 """
 
 from __future__ import annotations
@@ -11,14 +12,26 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
-
 REPRODUCTIONS: dict[str, str] = {
     "bherd": "pyfedkern.reproduce.bherd",
     "dynamic": "pyfedkern.reproduce.dynamic",
     "fedpbc": "pyfedkern.reproduce.fedpbc",
     "fedspeed": "pyfedkern.reproduce.fedspeed",
     "fnrfl": "pyfedkern.reproduce.fnrfl",
+}
+
+# One line each for `pyfedkern reproduce --help` (which must not import the modules: they import torch).
+SUMMARIES: dict[str, str] = {
+    "bherd": "BHerd Fig. 3a: FedAvg, BHerd-FedAvg (α = 0.1 … 1) and GraB-FedAvg on the even/odd SVM, "
+    "5 clients, data Cases 1-3, 10 seeds",
+    "dynamic": "clients arriving and leaving: accuracy after each session change with the similarity-weighted "
+    "initial model vs the previous, average and continuous ones; FedAvg and FedProx hosts, 3 seeds",
+    "fedpbc": "FedPBC: the quadratic bias experiment (FedAvg's biased limit vs FedPBC) and a table of link "
+    "patterns × FedPBC, FedAvg, FedAvg-all, FedAU, known-p and MIFA, 100 clients, 3 seeds",
+    "fedspeed": "FedSpeed: rounds to target and final accuracy of FedAvg, FedProx, SCAFFOLD, FedDyn, FedSAM and "
+    "FedSpeed (3 variants), 20 clients at 25% participation, 3 seeds",
+    "fnrfl": "FNR-FL vs FedAvg and FedProx under feature, label and quantity skew, with an ablation of its "
+    "regularizer, 10 clients, 5 seeds",
 }
 
 
@@ -35,6 +48,8 @@ def update_docs_section(path: str | Path, name: str, markdown: str) -> None:
 
 def mean_and_se(values: Sequence[float]) -> tuple[float, float]:
     """Mean and standard error of the mean (NaN for fewer than two values), e.g. of seed-paired differences."""
+    import numpy as np
+
     arr = np.asarray(values, dtype=np.float64)
     se = float(arr.std(ddof=1) / np.sqrt(arr.size)) if arr.size > 1 else float("nan")
     return float(arr.mean()), se
