@@ -2,6 +2,8 @@
 // One pass over memory: the columns are cut into tiles that stay in L1 while every row streams through once.
 #include "aggregate.h"
 
+#include <pybind11/numpy.h>
+
 #include <vector>
 
 #include "bindings.h"
@@ -116,37 +118,58 @@ void weighted_sum_cpu(DType dtype, int64_t d, void* out, int64_t out_stride, con
 
 namespace {
 
-// Entry point from Python: pointers and strides (in elements) of out and of each row, one weight per row.
-void weighted_sum(int device, uintptr_t stream, const std::string& dtype_name, int64_t d, uintptr_t out,
-                  int64_t out_stride, const std::vector<uintptr_t>& ptrs, const std::vector<int64_t>& strides,
-                  const std::vector<double>& weights, bool accumulate) {
+// Entry point from Python: out and the rows (a list of pointers/strides, or a stack: see make_rows), with host
+// weights (float64, one per row) or, on a GPU, device weights (a pointer to K accumulator-typed values). Returns 0,
+// or the bytes of device scratch a CUDA call needs (see Scratch).
+size_t weighted_sum(int device, uintptr_t stream, const std::string& dtype_name, int64_t d, uintptr_t out,
+                    int64_t out_stride, const std::vector<uintptr_t>& ptrs, const std::vector<int64_t>& strides,
+                    uintptr_t base, int64_t step_bytes, int64_t count, int64_t col_stride,
+                    const py::array_t<double, py::array::c_style>& weights, uintptr_t device_weights, bool accumulate,
+                    uintptr_t scratch, size_t scratch_bytes) {
   const DType dtype = dtype_from_name(dtype_name);
   if (d < 1) throw ArgumentError("weighted_sum: d must be >= 1");
-  if (ptrs.size() != strides.size() || ptrs.size() != weights.size())
-    throw ArgumentError("weighted_sum: ptrs, strides and weights must have the same length");
   if (out == 0) throw ArgumentError("weighted_sum: out is a null pointer");
-  std::vector<WeightedRow> rows;
-  rows.reserve(ptrs.size());
-  for (size_t k = 0; k < ptrs.size(); ++k) {
-    if (weights[k] == 0.0) continue;  // a zero weight means the row is not read at all
-    if (ptrs[k] == 0) throw ArgumentError("weighted_sum: row pointer is null");
-    rows.push_back({reinterpret_cast<const void*>(ptrs[k]), strides[k], weights[k]});
-  }
+  const std::vector<RowRef> all = make_rows(ptrs, strides, base, step_bytes, count, col_stride);
+  const double* w = weights.data();
+  if (device_weights == 0 && static_cast<size_t>(weights.size()) != all.size())
+    throw ArgumentError("weighted_sum: one weight per row is needed");
+  if (device_weights != 0 && device < 0) throw ArgumentError("weighted_sum: device weights need a CUDA device");
   void* o = reinterpret_cast<void*>(out);
   if (device < 0) {
+    std::vector<WeightedRow> rows;
+    rows.reserve(all.size());
+    for (size_t k = 0; k < all.size(); ++k)
+      if (w[k] != 0.0) rows.push_back({all[k].ptr, all[k].stride, w[k]});  // a zero weight: the row is not read
     weighted_sum_cpu(dtype, d, o, out_stride, rows, accumulate);
-  } else {
-    PFK_CUDA_CALL(cuda::weighted_sum(device, stream, dtype, d, o, out_stride, rows, accumulate));
+    return 0;
   }
+  cuda::WeightedSumCall call;
+  call.d = d;
+  call.out = o;
+  call.out_stride = out_stride;
+  call.accumulate = accumulate;
+  if (device_weights != 0) {
+    call.rows = all;
+    call.device_weights = reinterpret_cast<const void*>(device_weights);
+  } else {
+    for (size_t k = 0; k < all.size(); ++k) {
+      if (w[k] == 0.0) continue;
+      call.rows.push_back(all[k]);
+      call.weights.push_back(w[k]);
+    }
+  }
+  return PFK_CUDA_CALL(cuda::weighted_sum(device, stream, dtype, call, as_scratch(scratch, scratch_bytes)));
 }
 
 }  // namespace
 
 void bind_aggregate(py::module_& m) {
   m.def("weighted_sum", &weighted_sum, py::arg("device"), py::arg("stream"), py::arg("dtype"), py::arg("d"),
-        py::arg("out"), py::arg("out_stride"), py::arg("ptrs"), py::arg("strides"), py::arg("weights"),
-        py::arg("accumulate"), py::call_guard<py::gil_scoped_release>(),
-        "out = (accumulate ? out : 0) + sum_k weights[k] * row_k; rows with weight 0 are skipped.");
+        py::arg("out"), py::arg("out_stride"), py::arg("ptrs"), py::arg("strides"), py::arg("base"),
+        py::arg("step_bytes"), py::arg("count"), py::arg("col_stride"), py::arg("weights"), py::arg("device_weights"),
+        py::arg("accumulate"), py::arg("scratch"), py::arg("scratch_bytes"), py::call_guard<py::gil_scoped_release>(),
+        "out = (accumulate ? out : 0) + sum_k weights[k] * row_k; rows with weight 0 are skipped. Returns 0, or the "
+        "device scratch bytes a CUDA call needs.");
 }
 
 }  // namespace pfk

@@ -65,9 +65,9 @@ void greedy_one(const double* gram, int64_t ld, int64_t tau, int64_t k, int64_t 
   *sq_norm = s2;
 }
 
-void herding_greedy(int device, uintptr_t stream, uintptr_t gram, int64_t ld, const std::vector<int64_t>& taus,
-                    const std::vector<int64_t>& ks, double rel_tol, uintptr_t order, int64_t kmax, uintptr_t mask,
-                    uintptr_t sq_norm) {
+size_t herding_greedy(int device, uintptr_t stream, uintptr_t gram, int64_t ld, const std::vector<int64_t>& taus,
+                      const std::vector<int64_t>& ks, double rel_tol, uintptr_t order, int64_t kmax, uintptr_t mask,
+                      uintptr_t sq_norm, uintptr_t scratch, size_t scratch_bytes) {
   const int64_t n = static_cast<int64_t>(taus.size());
   if (n < 1 || static_cast<int64_t>(ks.size()) != n) throw ArgumentError("herding_greedy: need one k per client");
   if (gram == 0 || order == 0 || mask == 0 || sq_norm == 0) throw ArgumentError("herding_greedy: null pointer");
@@ -80,15 +80,15 @@ void herding_greedy(int device, uintptr_t stream, uintptr_t gram, int64_t ld, co
   int64_t* o = reinterpret_cast<int64_t*>(order);
   uint8_t* mk = reinterpret_cast<uint8_t*>(mask);
   double* sq = reinterpret_cast<double*>(sq_norm);
-  if (device >= 0) {
-    PFK_CUDA_CALL(cuda::herding_greedy(device, stream, g, ld, taus, ks, rel_tol, o, kmax, mk, sq));
-    return;
-  }
+  if (device >= 0)
+    return PFK_CUDA_CALL(cuda::herding_greedy(device, stream, g, ld, taus, ks, rel_tol, o, kmax, mk, sq,
+                                              as_scratch(scratch, scratch_bytes)));
   parallel_chunks(n, 1, [&](int64_t, int64_t begin, int64_t end) {
     std::vector<double> c;
     for (int64_t i = begin; i < end; ++i)
       greedy_one(g + i * ld * ld, ld, taus[i], ks[i], kmax, rel_tol, o + i * kmax, mk + i * ld, sq + i, c);
   });
+  return 0;
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -136,11 +136,11 @@ void masked_sum_cpu_typed(int64_t d, const std::vector<MatrixView>& clients, con
   });
 }
 
-void herding_masked_sum(int device, uintptr_t stream, const std::string& dtype_name, int64_t d,
-                        const std::vector<uintptr_t>& ptrs, const std::vector<int64_t>& taus,
-                        const std::vector<int64_t>& row_strides, const std::vector<int64_t>& col_strides,
-                        uintptr_t mask, int64_t mask_stride, uintptr_t out, int64_t out_row_stride,
-                        int64_t out_col_stride) {
+size_t herding_masked_sum(int device, uintptr_t stream, const std::string& dtype_name, int64_t d,
+                          const std::vector<uintptr_t>& ptrs, const std::vector<int64_t>& taus,
+                          const std::vector<int64_t>& row_strides, const std::vector<int64_t>& col_strides,
+                          uintptr_t mask, int64_t mask_stride, uintptr_t out, int64_t out_row_stride,
+                          int64_t out_col_stride, uintptr_t scratch, size_t scratch_bytes) {
   const DType dtype = dtype_from_name(dtype_name);
   const size_t n = ptrs.size();
   if (d < 1 || n < 1) throw ArgumentError("herding_masked_sum: need d >= 1 and at least one client");
@@ -156,21 +156,24 @@ void herding_masked_sum(int device, uintptr_t stream, const std::string& dtype_n
   }
   const uint8_t* mk = reinterpret_cast<const uint8_t*>(mask);
   void* o = reinterpret_cast<void*>(out);
-  if (device >= 0) {
-    PFK_CUDA_CALL(cuda::herding_masked_sum(device, stream, dtype, d, clients, mk, mask_stride, o, out_row_stride,
-                                           out_col_stride));
-    return;
-  }
+  if (device >= 0)
+    return PFK_CUDA_CALL(cuda::herding_masked_sum(device, stream, dtype, d, clients, mk, mask_stride, o, out_row_stride,
+                                                  out_col_stride, as_scratch(scratch, scratch_bytes)));
   switch (dtype) {
     case DType::F32:
-      return masked_sum_cpu_typed(d, clients, mk, mask_stride, static_cast<float*>(o), out_row_stride, out_col_stride);
+      masked_sum_cpu_typed(d, clients, mk, mask_stride, static_cast<float*>(o), out_row_stride, out_col_stride);
+      break;
     case DType::F64:
-      return masked_sum_cpu_typed(d, clients, mk, mask_stride, static_cast<double*>(o), out_row_stride, out_col_stride);
+      masked_sum_cpu_typed(d, clients, mk, mask_stride, static_cast<double*>(o), out_row_stride, out_col_stride);
+      break;
     case DType::F16:
-      return masked_sum_cpu_typed(d, clients, mk, mask_stride, static_cast<f16_t*>(o), out_row_stride, out_col_stride);
+      masked_sum_cpu_typed(d, clients, mk, mask_stride, static_cast<f16_t*>(o), out_row_stride, out_col_stride);
+      break;
     case DType::BF16:
-      return masked_sum_cpu_typed(d, clients, mk, mask_stride, static_cast<bf16_t*>(o), out_row_stride, out_col_stride);
+      masked_sum_cpu_typed(d, clients, mk, mask_stride, static_cast<bf16_t*>(o), out_row_stride, out_col_stride);
+      break;
   }
+  return 0;
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -218,9 +221,9 @@ void grab_cpu_typed(const MatrixView& y, int64_t d, typename AccOf<T>::type* mea
   }
 }
 
-void grab_steps(int device, uintptr_t stream, const std::string& dtype_name, int64_t rows, int64_t d, uintptr_t y,
-                int64_t row_stride, int64_t col_stride, uintptr_t mean, uintptr_t s, uintptr_t g, uintptr_t picked,
-                int64_t first_step, int64_t tau, bool running_mean) {
+size_t grab_steps(int device, uintptr_t stream, const std::string& dtype_name, int64_t rows, int64_t d, uintptr_t y,
+                  int64_t row_stride, int64_t col_stride, uintptr_t mean, uintptr_t s, uintptr_t g, uintptr_t picked,
+                  int64_t first_step, int64_t tau, bool running_mean, uintptr_t scratch, size_t scratch_bytes) {
   const DType dtype = dtype_from_name(dtype_name);
   if (rows < 1 || d < 1) throw ArgumentError("grab_steps: need rows >= 1 and d >= 1");
   if (first_step < 1 || tau < 1) throw ArgumentError("grab_steps: first_step and tau must be >= 1");
@@ -230,22 +233,26 @@ void grab_steps(int device, uintptr_t stream, const std::string& dtype_name, int
   void* mu = reinterpret_cast<void*>(mean);
   void* sp = reinterpret_cast<void*>(s);
   void* gp = reinterpret_cast<void*>(g);
-  if (device >= 0) {
-    PFK_CUDA_CALL(cuda::grab_steps(device, stream, dtype, view, d, mu, sp, gp, pk, first_step, tau, running_mean));
-    return;
-  }
+  if (device >= 0)
+    return PFK_CUDA_CALL(cuda::grab_steps(device, stream, dtype, view, d, mu, sp, gp, pk, first_step, tau, running_mean,
+                                          as_scratch(scratch, scratch_bytes)));
   auto f = [](void* p) { return static_cast<float*>(p); };
   switch (dtype) {
     case DType::F32:
-      return grab_cpu_typed<float>(view, d, f(mu), f(sp), f(gp), pk, first_step, tau, running_mean);
+      grab_cpu_typed<float>(view, d, f(mu), f(sp), f(gp), pk, first_step, tau, running_mean);
+      break;
     case DType::F64:
-      return grab_cpu_typed<double>(view, d, static_cast<double*>(mu), static_cast<double*>(sp),
-                                    static_cast<double*>(gp), pk, first_step, tau, running_mean);
+      grab_cpu_typed<double>(view, d, static_cast<double*>(mu), static_cast<double*>(sp), static_cast<double*>(gp), pk,
+                             first_step, tau, running_mean);
+      break;
     case DType::F16:
-      return grab_cpu_typed<f16_t>(view, d, f(mu), f(sp), f(gp), pk, first_step, tau, running_mean);
+      grab_cpu_typed<f16_t>(view, d, f(mu), f(sp), f(gp), pk, first_step, tau, running_mean);
+      break;
     case DType::BF16:
-      return grab_cpu_typed<bf16_t>(view, d, f(mu), f(sp), f(gp), pk, first_step, tau, running_mean);
+      grab_cpu_typed<bf16_t>(view, d, f(mu), f(sp), f(gp), pk, first_step, tau, running_mean);
+      break;
   }
+  return 0;
 }
 
 }  // namespace
@@ -253,18 +260,18 @@ void grab_steps(int device, uintptr_t stream, const std::string& dtype_name, int
 void bind_herding(py::module_& m) {
   m.def("herding_greedy", &herding_greedy, py::arg("device"), py::arg("stream"), py::arg("gram"), py::arg("ld"),
         py::arg("taus"), py::arg("ks"), py::arg("rel_tol"), py::arg("order"), py::arg("kmax"), py::arg("mask"),
-        py::arg("sq_norm"), py::call_guard<py::gil_scoped_release>(),
+        py::arg("sq_norm"), py::arg("scratch"), py::arg("scratch_bytes"), py::call_guard<py::gil_scoped_release>(),
         "Greedy herding order on float64 Gram matrices [n, ld, ld]: order int64 [n, kmax] (-1 padded), "
         "mask uint8 [n, ld], sq_norm float64 [n] (squared norm of the centred selected sum).");
   m.def("herding_masked_sum", &herding_masked_sum, py::arg("device"), py::arg("stream"), py::arg("dtype"), py::arg("d"),
         py::arg("ptrs"), py::arg("taus"), py::arg("row_strides"), py::arg("col_strides"), py::arg("mask"),
         py::arg("mask_stride"), py::arg("out"), py::arg("out_row_stride"), py::arg("out_col_stride"),
-        py::call_guard<py::gil_scoped_release>(),
+        py::arg("scratch"), py::arg("scratch_bytes"), py::call_guard<py::gil_scoped_release>(),
         "out[n] = sum of the rows of client n whose mask byte is set, in ascending row order.");
   m.def("grab_steps", &grab_steps, py::arg("device"), py::arg("stream"), py::arg("dtype"), py::arg("rows"),
         py::arg("d"), py::arg("y"), py::arg("row_stride"), py::arg("col_stride"), py::arg("mean"), py::arg("s"),
         py::arg("g"), py::arg("picked"), py::arg("first_step"), py::arg("tau"), py::arg("running_mean"),
-        py::call_guard<py::gil_scoped_release>(),
+        py::arg("scratch"), py::arg("scratch_bytes"), py::call_guard<py::gil_scoped_release>(),
         "GraB balancing of `rows` gradients in order, updating mean/s/g (accumulation dtype) in place.");
 }
 

@@ -18,35 +18,44 @@ namespace {
 
 constexpr int kLanes = 16;  // partial sums per row: vector-friendly, fixed order on every ISA
 
-// Σ x_j² over n elements at stride s (s == 1 is the vectorised path), lane l summing j ≡ l (mod 16), then a
-// fixed pairwise tree over the lanes.
+constexpr int64_t kBlock = 4096;  // elements per block: each lane adds 256 squares in Acc before they go to double
+
+// Σ x_j² over n elements at stride s (s == 1 is the vectorised path), in blocks of kBlock elements: within a block
+// lane l sums j ≡ l (mod 16) in the accumulator type, a fixed pairwise tree adds the lanes, and the block sums are
+// added in double, so the result stays accurate at any length (a float sum stops growing at 2^24 of its terms).
 template <typename T, bool Contiguous>
-PFK_ALWAYS_INLINE typename AccOf<T>::type row_sumsq_body(const T* __restrict__ x, int64_t n, int64_t s) {
+PFK_ALWAYS_INLINE double row_sumsq_body(const T* __restrict__ x, int64_t n, int64_t s) {
   using Acc = typename AccOf<T>::type;
-  Acc acc[kLanes];
-  for (int l = 0; l < kLanes; ++l) acc[l] = Acc(0);
-  int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes) {
-    for (int l = 0; l < kLanes; ++l) {
+  double total = 0.0;
+  for (int64_t begin = 0; begin < n; begin += kBlock) {
+    const int64_t end = begin + kBlock < n ? begin + kBlock : n;
+    Acc acc[kLanes];
+    for (int l = 0; l < kLanes; ++l) acc[l] = Acc(0);
+    int64_t j = begin;
+    for (; j + kLanes <= end; j += kLanes) {
+      for (int l = 0; l < kLanes; ++l) {
+        const Acc v = to_acc(x[(j + l) * (Contiguous ? 1 : s)]);
+        acc[l] = acc[l] + v * v;
+      }
+    }
+    for (int l = 0; j + l < end; ++l) {
       const Acc v = to_acc(x[(j + l) * (Contiguous ? 1 : s)]);
       acc[l] = acc[l] + v * v;
     }
+    for (int w = kLanes / 2; w >= 1; w /= 2)
+      for (int l = 0; l < w; ++l) acc[l] = acc[l] + acc[l + w];
+    total += static_cast<double>(acc[0]);
   }
-  for (int l = 0; j + l < n; ++l) {
-    const Acc v = to_acc(x[(j + l) * (Contiguous ? 1 : s)]);
-    acc[l] = acc[l] + v * v;
-  }
-  for (int w = kLanes / 2; w >= 1; w /= 2)
-    for (int l = 0; l < w; ++l) acc[l] = acc[l] + acc[l + w];
-  return acc[0];
+  return total;
 }
 
-PFK_ISA_DISPATCH(template <typename T PFK_COMMA bool Contiguous>, <T PFK_COMMA Contiguous>, typename AccOf<T>::type,
-                 row_sumsq, (const T* x, int64_t n, int64_t s), (x, n, s), row_sumsq_body)
+PFK_ISA_DISPATCH(template <typename T PFK_COMMA bool Contiguous>, <T PFK_COMMA Contiguous>, double, row_sumsq,
+                 (const T* x, int64_t n, int64_t s), (x, n, s), row_sumsq_body)
 
 template <typename T>
 typename AccOf<T>::type row_norm(const T* x, int64_t n, int64_t s) {
-  return std::sqrt(s == 1 ? row_sumsq<T, true>(x, n, 1) : row_sumsq<T, false>(x, n, s));
+  using Acc = typename AccOf<T>::type;
+  return static_cast<Acc>(std::sqrt(s == 1 ? row_sumsq<T, true>(x, n, 1) : row_sumsq<T, false>(x, n, s)));
 }
 
 // out[j] = scale * x[j * s] for one row.
@@ -195,11 +204,12 @@ void with_types(DType dtype, const std::string& label_dtype, Fn&& fn) {
   }
 }
 
-void class_feature_norms(int device, uintptr_t stream, const std::string& dtype_name, int64_t B, int64_t D,
-                         uintptr_t features, int64_t f_stride0, int64_t f_stride1, uintptr_t labels,
-                         const std::string& label_dtype, int64_t label_stride, int64_t num_classes, uintptr_t logits,
-                         int64_t logit_stride0, int64_t logit_stride1, uintptr_t norms, uintptr_t class_sum,
-                         uintptr_t class_mean, uintptr_t counts, uintptr_t correct) {
+size_t class_feature_norms(int device, uintptr_t stream, const std::string& dtype_name, int64_t B, int64_t D,
+                           uintptr_t features, int64_t f_stride0, int64_t f_stride1, uintptr_t labels,
+                           const std::string& label_dtype, int64_t label_stride, int64_t num_classes, uintptr_t logits,
+                           int64_t logit_stride0, int64_t logit_stride1, uintptr_t norms, uintptr_t class_sum,
+                           uintptr_t class_mean, uintptr_t counts, uintptr_t correct, uintptr_t scratch,
+                           size_t scratch_bytes) {
   const DType dtype = dtype_from_name(dtype_name);
   if (B < 1 || D < 1) throw ArgumentError("class_feature_norms: need B >= 1 and D >= 1");
   if (features == 0 || norms == 0) throw ArgumentError("class_feature_norms: null features or norms pointer");
@@ -210,12 +220,11 @@ void class_feature_norms(int device, uintptr_t stream, const std::string& dtype_
   const Matrix f{reinterpret_cast<const void*>(features), f_stride0, f_stride1};
   const Matrix lg{reinterpret_cast<const void*>(logits), logit_stride0, logit_stride1};
   if (device >= 0) {
-    PFK_CUDA_CALL(cuda::class_feature_norms(device, stream, dtype, label_dtype == "int32", B, D, f.ptr, f_stride0,
-                                            f_stride1, reinterpret_cast<const void*>(labels), label_stride, num_classes,
-                                            lg.ptr, logit_stride0, logit_stride1, reinterpret_cast<void*>(norms),
-                                            reinterpret_cast<void*>(class_sum), reinterpret_cast<void*>(class_mean),
-                                            reinterpret_cast<int64_t*>(counts), reinterpret_cast<int64_t*>(correct)));
-    return;
+    return PFK_CUDA_CALL(cuda::class_feature_norms(
+        device, stream, dtype, label_dtype == "int32", B, D, f.ptr, f_stride0, f_stride1,
+        reinterpret_cast<const void*>(labels), label_stride, num_classes, lg.ptr, logit_stride0, logit_stride1,
+        reinterpret_cast<void*>(norms), reinterpret_cast<void*>(class_sum), reinterpret_cast<void*>(class_mean),
+        reinterpret_cast<int64_t*>(counts), reinterpret_cast<int64_t*>(correct), as_scratch(scratch, scratch_bytes)));
   }
   with_types(dtype, label_dtype, [&](auto t, auto l) {
     using T = decltype(t);
@@ -224,6 +233,7 @@ void class_feature_norms(int device, uintptr_t stream, const std::string& dtype_
                       reinterpret_cast<T*>(norms), reinterpret_cast<T*>(class_sum), reinterpret_cast<T*>(class_mean),
                       reinterpret_cast<int64_t*>(counts), reinterpret_cast<int64_t*>(correct));
   });
+  return 0;
 }
 
 void class_feature_norms_backward(int device, uintptr_t stream, const std::string& dtype_name, int64_t B, int64_t D,
@@ -239,7 +249,7 @@ void class_feature_norms_backward(int device, uintptr_t stream, const std::strin
   if (device >= 0) {
     PFK_CUDA_CALL(cuda::class_feature_norms_backward(
         device, stream, dtype, label_dtype == "int32", B, D, f.ptr, f_stride0, f_stride1,
-        reinterpret_cast<const void*>(labels), label_stride, reinterpret_cast<const void*>(grad_norms),
+        reinterpret_cast<const void*>(labels), label_stride, num_classes, reinterpret_cast<const void*>(grad_norms),
         reinterpret_cast<const void*>(class_coef), reinterpret_cast<void*>(grad_features)));
     return;
   }
@@ -260,7 +270,8 @@ void bind_norms(py::module_& m) {
         py::arg("B"), py::arg("D"), py::arg("features"), py::arg("f_stride0"), py::arg("f_stride1"), py::arg("labels"),
         py::arg("label_dtype"), py::arg("label_stride"), py::arg("num_classes"), py::arg("logits"),
         py::arg("logit_stride0"), py::arg("logit_stride1"), py::arg("norms"), py::arg("class_sum"),
-        py::arg("class_mean"), py::arg("counts"), py::arg("correct"), py::call_guard<py::gil_scoped_release>(),
+        py::arg("class_mean"), py::arg("counts"), py::arg("correct"), py::arg("scratch"), py::arg("scratch_bytes"),
+        py::call_guard<py::gil_scoped_release>(),
         "Row L2 norms of a [B, D] matrix; with labels, per-class sums/means/counts of the norms; with logits, the "
         "number of rows whose argmax equals the label. Null (0) pointers switch parts off.");
   m.def("class_feature_norms_backward", &class_feature_norms_backward, py::arg("device"), py::arg("stream"),

@@ -274,23 +274,24 @@ void check_common(const char* op, int64_t d, uintptr_t out) {
   if (out == 0) throw ArgumentError(std::string(op) + ": output pointer is null");
 }
 
-void pbc_agg_bcast(int device, uintptr_t stream, const std::string& dtype_name, int64_t d, uintptr_t server,
-                   int64_t server_stride, const std::vector<uintptr_t>& ptrs, const std::vector<int64_t>& strides) {
+size_t pbc_agg_bcast(int device, uintptr_t stream, const std::string& dtype_name, int64_t d, uintptr_t server,
+                     int64_t server_stride, const std::vector<uintptr_t>& ptrs, const std::vector<int64_t>& strides,
+                     uintptr_t scratch, size_t scratch_bytes) {
   const DType dtype = dtype_from_name(dtype_name);
   check_common("pbc_agg_bcast", d, server);
   const std::vector<PbcRow> rows = make_rows("pbc_agg_bcast", ptrs, strides);
-  if (rows.empty()) return;  // no active client: nothing changes
+  if (rows.empty()) return 0;  // no active client: nothing changes
   void* s = reinterpret_cast<void*>(server);
-  if (device < 0) {
-    by_dtype<AggBcastCpu>(dtype, d, rows, s, server_stride);
-  } else {
-    PFK_CUDA_CALL(cuda::pbc_agg_bcast(device, stream, dtype, d, rows, s, server_stride));
-  }
+  if (device >= 0)
+    return PFK_CUDA_CALL(
+        cuda::pbc_agg_bcast(device, stream, dtype, d, rows, s, server_stride, as_scratch(scratch, scratch_bytes)));
+  by_dtype<AggBcastCpu>(dtype, d, rows, s, server_stride);
+  return 0;
 }
 
-void weighted_delta(int device, uintptr_t stream, const std::string& dtype_name, int64_t d, uintptr_t x,
-                    int64_t x_stride, const std::vector<uintptr_t>& ptrs, const std::vector<int64_t>& strides,
-                    const std::vector<double>& weights) {
+size_t weighted_delta(int device, uintptr_t stream, const std::string& dtype_name, int64_t d, uintptr_t x,
+                      int64_t x_stride, const std::vector<uintptr_t>& ptrs, const std::vector<int64_t>& strides,
+                      const std::vector<double>& weights, uintptr_t scratch, size_t scratch_bytes) {
   const DType dtype = dtype_from_name(dtype_name);
   check_common("weighted_delta", d, x);
   if (weights.size() != ptrs.size()) throw ArgumentError("weighted_delta: weights and rows differ in length");
@@ -304,20 +305,21 @@ void weighted_delta(int device, uintptr_t stream, const std::string& dtype_name,
     kept_weights.push_back(weights[k]);
   }
   const std::vector<PbcRow> rows = make_rows("weighted_delta", kept_ptrs, kept_strides);
-  if (rows.empty()) return;
+  if (rows.empty()) return 0;
   void* xp = reinterpret_cast<void*>(x);
-  if (device < 0) {
-    by_dtype<WeightedDeltaCpu>(dtype, d, rows, kept_weights, xp, x_stride);
-  } else {
-    PFK_CUDA_CALL(cuda::weighted_delta(device, stream, dtype, d, rows, kept_weights, xp, x_stride));
-  }
+  if (device >= 0)
+    return PFK_CUDA_CALL(cuda::weighted_delta(device, stream, dtype, d, rows, kept_weights, xp, x_stride,
+                                              as_scratch(scratch, scratch_bytes)));
+  by_dtype<WeightedDeltaCpu>(dtype, d, rows, kept_weights, xp, x_stride);
+  return 0;
 }
 
-void mifa_update(int device, uintptr_t stream, const std::string& dtype_name, int64_t d, uintptr_t x, int64_t x_stride,
-                 uintptr_t total, int64_t total_stride, const std::vector<uintptr_t>& update_ptrs,
-                 const std::vector<int64_t>& update_strides, const std::vector<uintptr_t>& memory_ptrs,
-                 const std::vector<int64_t>& memory_strides, const std::vector<uintptr_t>& all_memory_ptrs,
-                 const std::vector<int64_t>& all_memory_strides, double coef, bool subtract_x) {
+size_t mifa_update(int device, uintptr_t stream, const std::string& dtype_name, int64_t d, uintptr_t x,
+                   int64_t x_stride, uintptr_t total, int64_t total_stride, const std::vector<uintptr_t>& update_ptrs,
+                   const std::vector<int64_t>& update_strides, const std::vector<uintptr_t>& memory_ptrs,
+                   const std::vector<int64_t>& memory_strides, const std::vector<uintptr_t>& all_memory_ptrs,
+                   const std::vector<int64_t>& all_memory_strides, double coef, bool subtract_x, uintptr_t scratch,
+                   size_t scratch_bytes) {
   const DType dtype = dtype_from_name(dtype_name);
   check_common("mifa_update", d, x);
   if (total == 0) throw ArgumentError("mifa_update: total is a null pointer");
@@ -330,26 +332,28 @@ void mifa_update(int device, uintptr_t stream, const std::string& dtype_name, in
   if (a.updates.size() != a.memory.size()) throw ArgumentError("mifa_update: updates and memory rows differ in count");
   a.coef = coef;
   a.subtract_x = subtract_x;
-  if (device < 0) {
-    by_dtype<MifaCpu>(dtype, d, a);
-  } else {
-    PFK_CUDA_CALL(cuda::mifa_update(device, stream, dtype, d, a));
-  }
+  if (device >= 0)
+    return PFK_CUDA_CALL(cuda::mifa_update(device, stream, dtype, d, a, as_scratch(scratch, scratch_bytes)));
+  by_dtype<MifaCpu>(dtype, d, a);
+  return 0;
 }
 
 }  // namespace
 
 void bind_pbc(py::module_& m) {
   m.def("pbc_agg_bcast", &pbc_agg_bcast, py::arg("device"), py::arg("stream"), py::arg("dtype"), py::arg("d"),
-        py::arg("server"), py::arg("server_stride"), py::arg("ptrs"), py::arg("strides"),
-        py::call_guard<py::gil_scoped_release>(), "server = mean of the rows; every row = server (no rows: no-op).");
+        py::arg("server"), py::arg("server_stride"), py::arg("ptrs"), py::arg("strides"), py::arg("scratch"),
+        py::arg("scratch_bytes"), py::call_guard<py::gil_scoped_release>(),
+        "server = mean of the rows; every row = server (no rows: no-op).");
   m.def("weighted_delta", &weighted_delta, py::arg("device"), py::arg("stream"), py::arg("dtype"), py::arg("d"),
-        py::arg("x"), py::arg("x_stride"), py::arg("ptrs"), py::arg("strides"), py::arg("weights"),
-        py::call_guard<py::gil_scoped_release>(), "x += sum_r weights[r] * (row_r - x); zero-weight rows skipped.");
+        py::arg("x"), py::arg("x_stride"), py::arg("ptrs"), py::arg("strides"), py::arg("weights"), py::arg("scratch"),
+        py::arg("scratch_bytes"), py::call_guard<py::gil_scoped_release>(),
+        "x += sum_r weights[r] * (row_r - x); zero-weight rows skipped.");
   m.def("mifa_update", &mifa_update, py::arg("device"), py::arg("stream"), py::arg("dtype"), py::arg("d"), py::arg("x"),
         py::arg("x_stride"), py::arg("total"), py::arg("total_stride"), py::arg("update_ptrs"),
         py::arg("update_strides"), py::arg("memory_ptrs"), py::arg("memory_strides"), py::arg("all_memory_ptrs"),
-        py::arg("all_memory_strides"), py::arg("coef"), py::arg("subtract_x"), py::call_guard<py::gil_scoped_release>(),
+        py::arg("all_memory_strides"), py::arg("coef"), py::arg("subtract_x"), py::arg("scratch"),
+        py::arg("scratch_bytes"), py::call_guard<py::gil_scoped_release>(),
         "MIFA: per row, S += delta - U, U = delta (delta = update - x if subtract_x); optional re-sum; x += coef*S.");
 }
 

@@ -44,6 +44,26 @@ DType dtype_from_name(const std::string& name) {
   throw ArgumentError("unsupported dtype '" + name + "' (expected float32, float64, float16 or bfloat16)");
 }
 
+std::vector<RowRef> make_rows(const std::vector<uintptr_t>& ptrs, const std::vector<int64_t>& strides, uintptr_t base,
+                              int64_t step_bytes, int64_t count, int64_t col_stride) {
+  std::vector<RowRef> rows;
+  if (!ptrs.empty()) {
+    if (ptrs.size() != strides.size()) throw ArgumentError("row pointers and strides must have the same length");
+    rows.reserve(ptrs.size());
+    for (size_t k = 0; k < ptrs.size(); ++k) {
+      if (ptrs[k] == 0) throw ArgumentError("row pointer is null");
+      rows.push_back({reinterpret_cast<const void*>(ptrs[k]), strides[k]});
+    }
+    return rows;
+  }
+  if (count < 0) throw ArgumentError("negative row count");
+  if (count > 0 && base == 0) throw ArgumentError("row stack pointer is null");
+  rows.reserve(static_cast<size_t>(count));
+  for (int64_t r = 0; r < count; ++r)
+    rows.push_back({reinterpret_cast<const void*>(base + r * step_bytes), col_stride});
+  return rows;
+}
+
 const char* dtype_name(DType dt) {
   switch (dt) {
     case DType::F32:

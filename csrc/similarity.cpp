@@ -277,19 +277,29 @@ SimilarityCall check_call(int device, uintptr_t stream, const std::string& dtype
   return call;
 }
 
-// The weights (and scores) of a checked call; returns the weights in double on the host.
-std::vector<double> run_weights(const SimilarityCall& c) {
+// The CUDA form of a checked call (the segments' tables, the outputs; no blend).
+cuda::SimilarityArgs device_args(const SimilarityCall& c) {
+  cuda::SimilarityArgs a;
+  a.dtype = c.dtype;
+  a.out_dtype = c.out_dtype;
+  a.query = c.query;
+  a.query_stride = c.query_stride;
+  for (size_t k = 0; k < c.bank_ptrs.size(); ++k)
+    a.bank.push_back({reinterpret_cast<const void*>(c.bank_ptrs[k]), c.bank_strides[k]});
+  a.seg_begin = c.seg_begin;
+  a.seg_end = c.seg_end;
+  a.metric = c.metric;
+  a.scale = c.scale;
+  a.eps = c.eps;
+  a.weights = reinterpret_cast<void*>(c.weights);
+  a.scores = reinterpret_cast<void*>(c.scores);
+  return a;
+}
+
+// The weights (and scores) of a checked call on the CPU; returns the weights in double.
+std::vector<double> run_weights_cpu(const SimilarityCall& c) {
   const int64_t K = static_cast<int64_t>(c.bank_ptrs.size());
   std::vector<double> alpha(K);
-  if (c.device >= 0) {
-    PFK_CUDA_CALL(cuda::similarity_weights(c.device, c.stream, c.dtype, c.query, c.query_stride, c.bank_ptrs,
-                                           c.bank_strides, c.seg_begin, c.seg_end, c.metric, c.scale, c.eps,
-                                           c.out_dtype, reinterpret_cast<void*>(c.weights),
-                                           reinterpret_cast<void*>(c.scores), alpha.data()));
-    for (double a : alpha)
-      if (!std::isfinite(a)) throw ArgumentError("similarity: the query or the bank holds non-finite values");
-    return alpha;
-  }
   std::vector<Row> bank(K);
   for (int64_t k = 0; k < K; ++k) bank[k] = {reinterpret_cast<const void*>(c.bank_ptrs[k]), c.bank_strides[k]};
   const std::vector<double> stats =
@@ -311,51 +321,74 @@ std::vector<double> run_weights(const SimilarityCall& c) {
   return alpha;
 }
 
-void similarity_weights(int device, uintptr_t stream, const std::string& dtype, int64_t d, uintptr_t query,
-                        int64_t query_stride, const std::vector<uintptr_t>& bank_ptrs,
-                        const std::vector<int64_t>& bank_strides, const std::vector<int64_t>& offsets,
-                        const std::vector<bool>& include, int metric, double scale, double eps,
-                        const std::string& out_dtype, uintptr_t weights, uintptr_t scores) {
+// Returns 0, or the device scratch bytes a CUDA call needs (see Scratch).
+size_t similarity_weights(int device, uintptr_t stream, const std::string& dtype, int64_t d, uintptr_t query,
+                          int64_t query_stride, const std::vector<uintptr_t>& bank_ptrs,
+                          const std::vector<int64_t>& bank_strides, const std::vector<int64_t>& offsets,
+                          const std::vector<bool>& include, int metric, double scale, double eps,
+                          const std::string& out_dtype, uintptr_t weights, uintptr_t scores, uintptr_t scratch,
+                          size_t scratch_bytes) {
   const SimilarityCall call = check_call(device, stream, dtype, d, query, query_stride, bank_ptrs, bank_strides,
                                          offsets, include, metric, scale, eps, out_dtype, weights, scores);
-  if (device >= 0) {
-    // Weights stay on the device: no host copy, no wait.
-    PFK_CUDA_CALL(cuda::similarity_weights(device, stream, call.dtype, call.query, query_stride, bank_ptrs,
-                                           bank_strides, call.seg_begin, call.seg_end, metric, scale, eps,
-                                           call.out_dtype, reinterpret_cast<void*>(weights),
-                                           reinterpret_cast<void*>(scores), nullptr));
-    return;
-  }
-  run_weights(call);
+  if (device >= 0)  // the weights stay on the device: no host copy, no wait
+    return PFK_CUDA_CALL(
+        cuda::similarity_weights(device, stream, device_args(call), as_scratch(scratch, scratch_bytes)));
+  run_weights_cpu(call);
+  return 0;
 }
 
-void similarity_combine(int device, uintptr_t stream, const std::string& dtype, int64_t d, uintptr_t query,
-                        int64_t query_stride, const std::vector<uintptr_t>& bank_ptrs,
-                        const std::vector<int64_t>& bank_strides, const std::vector<int64_t>& offsets,
-                        const std::vector<bool>& include, int metric, double scale, double eps,
-                        const std::string& out_dtype, uintptr_t weights, uintptr_t scores,
-                        const std::string& models_dtype, int64_t model_dim, uintptr_t out, int64_t out_stride,
-                        const std::vector<uintptr_t>& model_ptrs, const std::vector<int64_t>& model_strides) {
+size_t similarity_combine(int device, uintptr_t stream, const std::string& dtype, int64_t d, uintptr_t query,
+                          int64_t query_stride, const std::vector<uintptr_t>& bank_ptrs,
+                          const std::vector<int64_t>& bank_strides, const std::vector<int64_t>& offsets,
+                          const std::vector<bool>& include, int metric, double scale, double eps,
+                          const std::string& out_dtype, uintptr_t weights, uintptr_t scores,
+                          const std::string& models_dtype, int64_t model_dim, uintptr_t out, int64_t out_stride,
+                          const std::vector<uintptr_t>& model_ptrs, const std::vector<int64_t>& model_strides,
+                          uintptr_t scratch, size_t scratch_bytes) {
   const SimilarityCall call = check_call(device, stream, dtype, d, query, query_stride, bank_ptrs, bank_strides,
                                          offsets, include, metric, scale, eps, out_dtype, weights, scores);
   if (model_dim < 1) throw ArgumentError("similarity_combine: model_dim must be >= 1");
   if (model_ptrs.size() != bank_ptrs.size() || model_strides.size() != model_ptrs.size())
     throw ArgumentError("similarity_combine: need one model row per bank row");
   if (out == 0) throw ArgumentError("similarity_combine: out is a null pointer");
-  const std::vector<double> alpha = run_weights(call);
-  std::vector<WeightedRow> rows;
-  for (size_t k = 0; k < model_ptrs.size(); ++k) {
-    if (alpha[k] == 0.0) continue;  // an underflowed weight: that model is not read
-    if (model_ptrs[k] == 0) throw ArgumentError("similarity_combine: null model row pointer");
-    rows.push_back({reinterpret_cast<const void*>(model_ptrs[k]), model_strides[k], alpha[k]});
-  }
+  for (uintptr_t p : model_ptrs)
+    if (p == 0) throw ArgumentError("similarity_combine: null model row pointer");
   const DType mdt = dtype_from_name(models_dtype);
   void* o = reinterpret_cast<void*>(out);
   if (device < 0) {
+    const std::vector<double> alpha = run_weights_cpu(call);
+    std::vector<WeightedRow> rows;
+    for (size_t k = 0; k < model_ptrs.size(); ++k)
+      if (alpha[k] != 0.0)  // an underflowed weight: that model is not read
+        rows.push_back({reinterpret_cast<const void*>(model_ptrs[k]), model_strides[k], alpha[k]});
     weighted_sum_cpu(mdt, model_dim, o, out_stride, rows, false);
-  } else {
-    PFK_CUDA_CALL(cuda::weighted_sum(device, stream, mdt, model_dim, o, out_stride, rows, false));
+    return 0;
   }
+#ifdef PYFEDKERN_WITH_CUDA
+  // The blend reads the weights on the device (a row whose weight underflows to 0 is not read): one scratch holds
+  // the weights pass's work, the weights in the models' accumulator type, and the blend's tables.
+  cuda::SimilarityArgs a = device_args(call);
+  cuda::WeightedSumCall blend;
+  blend.d = model_dim;
+  blend.out = o;
+  blend.out_stride = out_stride;
+  for (size_t k = 0; k < model_ptrs.size(); ++k)
+    blend.rows.push_back({reinterpret_cast<const void*>(model_ptrs[k]), model_strides[k]});
+  const size_t align = 256;
+  const size_t sim_bytes = (cuda::similarity_scratch_bytes(a) + align - 1) / align * align;
+  const size_t weight_bytes = (model_ptrs.size() * sizeof(double) + align - 1) / align * align;
+  blend.device_weights = reinterpret_cast<void*>(scratch + sim_bytes);  // written by the weights pass
+  const size_t need = sim_bytes + weight_bytes + cuda::weighted_sum_scratch_bytes(mdt, blend);
+  if (scratch_bytes < need) return need;
+  unsigned char* base = reinterpret_cast<unsigned char*>(scratch);
+  a.blend_weights = base + sim_bytes;
+  a.blend_weights_f64 = mdt == DType::F64;
+  cuda::similarity_weights(device, stream, a, {base, sim_bytes});
+  return cuda::weighted_sum(device, stream, mdt, blend,
+                            {base + sim_bytes + weight_bytes, need - sim_bytes - weight_bytes});
+#else
+  return PFK_CUDA_CALL(0);
+#endif
 }
 
 }  // namespace
@@ -364,14 +397,15 @@ void bind_similarity(py::module_& m) {
   m.def("similarity_weights", &similarity_weights, py::arg("device"), py::arg("stream"), py::arg("dtype"), py::arg("d"),
         py::arg("query"), py::arg("query_stride"), py::arg("bank_ptrs"), py::arg("bank_strides"), py::arg("offsets"),
         py::arg("include"), py::arg("metric"), py::arg("scale"), py::arg("eps"), py::arg("out_dtype"),
-        py::arg("weights"), py::arg("scores"), py::call_guard<py::gil_scoped_release>(),
+        py::arg("weights"), py::arg("scores"), py::arg("scratch"), py::arg("scratch_bytes"),
+        py::call_guard<py::gil_scoped_release>(),
         "Softmax weights over the bank rows of -scale*distance (+scale*cosine) to the query; see similarity.h.");
   m.def("similarity_combine", &similarity_combine, py::arg("device"), py::arg("stream"), py::arg("dtype"), py::arg("d"),
         py::arg("query"), py::arg("query_stride"), py::arg("bank_ptrs"), py::arg("bank_strides"), py::arg("offsets"),
         py::arg("include"), py::arg("metric"), py::arg("scale"), py::arg("eps"), py::arg("out_dtype"),
         py::arg("weights"), py::arg("scores"), py::arg("models_dtype"), py::arg("model_dim"), py::arg("out"),
-        py::arg("out_stride"), py::arg("model_ptrs"), py::arg("model_strides"),
-        py::call_guard<py::gil_scoped_release>(),
+        py::arg("out_stride"), py::arg("model_ptrs"), py::arg("model_strides"), py::arg("scratch"),
+        py::arg("scratch_bytes"), py::call_guard<py::gil_scoped_release>(),
         "similarity_weights, then out = sum_k weights[k] * model_k with the aggregation kernel.");
 }
 

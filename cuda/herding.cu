@@ -1,6 +1,7 @@
 // CUDA herding kernels: the greedy herding order on float64 Gram matrices (one block per client, the running
 // inner products c in shared memory), the masked row sum that forms each client's message, and GraB's online
-// balancing (two kernels per gradient, the decision read on the device: no host synchronisation).
+// balancing (two kernels per gradient, the decision read on the device: no host synchronisation). Per-client tables
+// travel in the kernel parameters and scratch comes from the caller's library (cuda_common.cuh).
 #include <math_constants.h>
 
 #include <cmath>
@@ -17,25 +18,6 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int64_t kSharedGramLimit = 4096;  // clients with ld <= this keep c (8 * ld bytes) in shared memory
 constexpr int64_t kGrabChunk = 4096;        // elements per block in the GraB kernels (fixed: deterministic sums)
-
-// Uninitialised device scratch allocated and freed in stream order.
-template <typename T>
-class StreamScratch {
- public:
-  StreamScratch(size_t n, cudaStream_t stream) : stream_(stream) {
-    if (n) check(cudaMallocAsync(reinterpret_cast<void**>(&ptr_), n * sizeof(T), stream), "cudaMallocAsync");
-  }
-  ~StreamScratch() {
-    if (ptr_) cudaFreeAsync(ptr_, stream_);
-  }
-  StreamScratch(const StreamScratch&) = delete;
-  StreamScratch& operator=(const StreamScratch&) = delete;
-  T* get() const { return ptr_; }
-
- private:
-  T* ptr_ = nullptr;
-  cudaStream_t stream_;
-};
 
 // Block-wide minimum of one double per thread (NaN ignored), returned to every thread.
 __device__ __forceinline__ double block_min(double v, double* scratch) {
@@ -69,17 +51,25 @@ __device__ __forceinline__ int block_min(int v, int* scratch) {
 
 // One client per block: k greedy steps, each a minimum over the remaining scores 2 c_m + G_mm, then the lowest
 // index within tie_tolerance of it (the same rule as the CPU loop), then c += G[j, :].
-template <bool SharedC>
-__global__ void greedy_kernel(const double* __restrict__ gram, int64_t ld, const int64_t* __restrict__ taus,
-                              const int64_t* __restrict__ ks, double rel_tol, int64_t* __restrict__ order, int64_t kmax,
-                              uint8_t* __restrict__ mask, double* __restrict__ sq_norm, double* __restrict__ c_global) {
+// Offsets of the greedy kernel's tables: one tau and one k per client.
+struct GreedyTables {
+  int64_t taus;
+  int64_t ks;
+};
+
+template <bool SharedC, size_t NB>
+__global__ void greedy_kernel(const __grid_constant__ ArgBlock<NB> block, const void* global, GreedyTables t,
+                              const double* __restrict__ gram, int64_t ld, double rel_tol, int64_t* __restrict__ order,
+                              int64_t kmax, uint8_t* __restrict__ mask, double* __restrict__ sq_norm,
+                              double* __restrict__ c_global) {
   extern __shared__ double c_shared[];
   __shared__ double dscratch[kWarps];
   __shared__ int iscratch[kWarps];
   constexpr int kNone = 0x7fffffff;
+  const unsigned char* base = table_base(block, global);
   const int64_t client = blockIdx.x;
-  const int tau = static_cast<int>(taus[client]);
-  const int64_t k = ks[client];
+  const int tau = static_cast<int>(table_at<int64_t>(base, t.taus)[client]);
+  const int64_t k = table_at<int64_t>(base, t.ks)[client];
   const double* G = gram + client * ld * ld;
   uint8_t* taken = mask + client * ld;
   double* c = SharedC ? c_shared : c_global + client * ld;
@@ -118,26 +108,18 @@ __global__ void greedy_kernel(const double* __restrict__ gram, int64_t ld, const
   if (tid == 0) sq_norm[client] = s2;
 }
 
-template <typename T>
-struct DeviceMatrix {
-  const T* ptr;
-  int64_t rows;
-  int64_t row_stride;
-  int64_t col_stride;
-};
-
-template <typename T>
-__global__ void masked_sum_kernel(const DeviceMatrix<T>* __restrict__ clients, const uint8_t* __restrict__ mask,
-                                  int64_t mask_stride, int64_t d, T* __restrict__ out, int64_t out_row_stride,
-                                  int64_t out_col_stride) {
+template <typename T, size_t NB>
+__global__ void masked_sum_kernel(const __grid_constant__ ArgBlock<NB> block, const void* global,
+                                  int64_t clients_offset, const uint8_t* __restrict__ mask, int64_t mask_stride,
+                                  int64_t d, T* __restrict__ out, int64_t out_row_stride, int64_t out_col_stride) {
   using Acc = typename AccOf<T>::type;
-  const DeviceMatrix<T> y = clients[blockIdx.y];
+  const MatrixView y = table_at<MatrixView>(table_base(block, global), clients_offset)[blockIdx.y];
   const uint8_t* mk = mask + static_cast<int64_t>(blockIdx.y) * mask_stride;
   T* o = out + static_cast<int64_t>(blockIdx.y) * out_row_stride;
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < d; j += step) {
     Acc acc = Acc(0);
-    const T* col = y.ptr + j * y.col_stride;
+    const T* col = static_cast<const T*>(y.ptr) + j * y.col_stride;
     for (int64_t r = 0; r < y.rows; ++r) {
       if (mk[r]) acc = acc + to_acc(col[r * y.row_stride]);
     }
@@ -204,25 +186,28 @@ __global__ void grab_update_kernel(const T* __restrict__ row, int64_t cs, int64_
 }
 
 template <typename T>
-void launch_masked_sum(int device, cudaStream_t stream, int64_t d, const std::vector<MatrixView>& clients,
-                       const uint8_t* mask, int64_t mask_stride, void* out, int64_t out_row_stride,
-                       int64_t out_col_stride) {
-  std::vector<DeviceMatrix<T>> table;
-  table.reserve(clients.size());
-  for (const auto& c : clients) table.push_back({static_cast<const T*>(c.ptr), c.rows, c.row_stride, c.col_stride});
-  StreamCopy<DeviceMatrix<T>> device_table(table.data(), table.size(), stream);
+size_t launch_masked_sum(int device, cudaStream_t stream, int64_t d, const std::vector<MatrixView>& clients,
+                         const uint8_t* mask, int64_t mask_stride, void* out, int64_t out_row_stride,
+                         int64_t out_col_stride, Scratch scratch) {
+  ArgPack pack;
+  const int64_t offset = pack.add(clients);
+  if (const size_t need = tables_scratch_bytes(pack); need > scratch.bytes) return need;
   const dim3 grid(grid_for(device, d, kThreads), static_cast<unsigned>(clients.size()));
-  masked_sum_kernel<T><<<grid, kThreads, 0, stream>>>(device_table.get(), mask, mask_stride, d, static_cast<T*>(out),
-                                                      out_row_stride, out_col_stride);
+  with_tables(pack, stream, scratch, "herding masked sum", [&](const auto& block, const void* global) {
+    masked_sum_kernel<T><<<grid, kThreads, 0, stream>>>(block, global, offset, mask, mask_stride, d,
+                                                        static_cast<T*>(out), out_row_stride, out_col_stride);
+  });
   check(cudaGetLastError(), "herding masked sum kernel launch");
+  return 0;
 }
 
 template <typename T>
-void launch_grab(cudaStream_t stream, const MatrixView& y, int64_t d, void* mean, void* s, void* g, uint8_t* picked,
-                 int64_t first_step, int64_t tau, bool running_mean) {
+size_t launch_grab(cudaStream_t stream, const MatrixView& y, int64_t d, void* mean, void* s, void* g, uint8_t* picked,
+                   int64_t first_step, int64_t tau, bool running_mean, Scratch scratch) {
   using Acc = typename AccOf<T>::type;
   const int64_t nparts = (d + kGrabChunk - 1) / kGrabChunk;
-  StreamScratch<double> partial(static_cast<size_t>(nparts), stream);
+  if (const size_t need = static_cast<size_t>(nparts) * sizeof(double); need > scratch.bytes) return need;
+  double* partial = static_cast<double*>(scratch.ptr);
   Acc* mu = static_cast<Acc*>(mean);
   Acc* sp = static_cast<Acc*>(s);
   Acc* gp = static_cast<Acc*>(g);
@@ -231,71 +216,83 @@ void launch_grab(cudaStream_t stream, const MatrixView& y, int64_t d, void* mean
     const T* row = base + r * y.row_stride;
     const Acc divisor = running_mean ? Acc(first_step + r) : Acc(tau);
     grab_dot_kernel<T><<<static_cast<unsigned>(nparts), kThreads, 0, stream>>>(row, y.col_stride, d, mu, sp, divisor,
-                                                                               running_mean, partial.get());
+                                                                               running_mean, partial);
     grab_update_kernel<T><<<static_cast<unsigned>(nparts), kThreads, 0, stream>>>(
-        row, y.col_stride, d, mu, sp, gp, partial.get(), static_cast<int>(nparts), picked + r);
+        row, y.col_stride, d, mu, sp, gp, partial, static_cast<int>(nparts), picked + r);
   }
   check(cudaGetLastError(), "GraB kernel launch");
+  return 0;
 }
 
 }  // namespace
 
-void herding_greedy(int device, uintptr_t stream_handle, const double* gram, int64_t ld,
-                    const std::vector<int64_t>& taus, const std::vector<int64_t>& ks, double rel_tol, int64_t* order,
-                    int64_t kmax, uint8_t* mask, double* sq_norm) {
+size_t herding_greedy(int device, uintptr_t stream_handle, const double* gram, int64_t ld,
+                      const std::vector<int64_t>& taus, const std::vector<int64_t>& ks, double rel_tol, int64_t* order,
+                      int64_t kmax, uint8_t* mask, double* sq_norm, Scratch scratch) {
+  const size_t n = taus.size();
+  ArgPack pack;
+  GreedyTables t{};
+  t.taus = pack.add(taus);
+  t.ks = pack.add(ks);
+  const size_t tables = tables_scratch_bytes(pack);
+  const bool shared_c = ld <= kSharedGramLimit;
+  const size_t need = tables + (shared_c ? 0 : n * static_cast<size_t>(ld) * sizeof(double));
+  if (need > scratch.bytes) return need;
   DeviceGuard guard(device);
   const cudaStream_t stream = as_stream(stream_handle);
-  const size_t n = taus.size();
-  StreamCopy<int64_t> device_taus(taus.data(), n, stream);
-  StreamCopy<int64_t> device_ks(ks.data(), n, stream);
   const unsigned blocks = static_cast<unsigned>(n);
-  if (ld <= kSharedGramLimit) {
-    const size_t shared = static_cast<size_t>(ld) * sizeof(double);
-    greedy_kernel<true><<<blocks, kThreads, shared, stream>>>(gram, ld, device_taus.get(), device_ks.get(), rel_tol,
-                                                              order, kmax, mask, sq_norm, nullptr);
-  } else {
-    StreamScratch<double> c(n * static_cast<size_t>(ld), stream);
-    greedy_kernel<false><<<blocks, kThreads, 0, stream>>>(gram, ld, device_taus.get(), device_ks.get(), rel_tol, order,
-                                                          kmax, mask, sq_norm, c.get());
-  }
+  double* c = reinterpret_cast<double*>(static_cast<unsigned char*>(scratch.ptr) + tables);
+  with_tables(pack, stream, scratch, "herding greedy", [&](const auto& block, const void* global) {
+    if (shared_c) {
+      const size_t shared = static_cast<size_t>(ld) * sizeof(double);
+      greedy_kernel<true><<<blocks, kThreads, shared, stream>>>(block, global, t, gram, ld, rel_tol, order, kmax, mask,
+                                                                sq_norm, nullptr);
+    } else {
+      greedy_kernel<false>
+          <<<blocks, kThreads, 0, stream>>>(block, global, t, gram, ld, rel_tol, order, kmax, mask, sq_norm, c);
+    }
+  });
   check(cudaGetLastError(), "herding greedy kernel launch");
+  return 0;
 }
 
-void herding_masked_sum(int device, uintptr_t stream_handle, DType dtype, int64_t d,
-                        const std::vector<MatrixView>& clients, const uint8_t* mask, int64_t mask_stride, void* out,
-                        int64_t out_row_stride, int64_t out_col_stride) {
+size_t herding_masked_sum(int device, uintptr_t stream_handle, DType dtype, int64_t d,
+                          const std::vector<MatrixView>& clients, const uint8_t* mask, int64_t mask_stride, void* out,
+                          int64_t out_row_stride, int64_t out_col_stride, Scratch scratch) {
   DeviceGuard guard(device);
   const cudaStream_t stream = as_stream(stream_handle);
   switch (dtype) {
     case DType::F32:
       return launch_masked_sum<float>(device, stream, d, clients, mask, mask_stride, out, out_row_stride,
-                                      out_col_stride);
+                                      out_col_stride, scratch);
     case DType::F64:
       return launch_masked_sum<double>(device, stream, d, clients, mask, mask_stride, out, out_row_stride,
-                                       out_col_stride);
+                                       out_col_stride, scratch);
     case DType::F16:
       return launch_masked_sum<f16_t>(device, stream, d, clients, mask, mask_stride, out, out_row_stride,
-                                      out_col_stride);
+                                      out_col_stride, scratch);
     case DType::BF16:
       return launch_masked_sum<bf16_t>(device, stream, d, clients, mask, mask_stride, out, out_row_stride,
-                                       out_col_stride);
+                                       out_col_stride, scratch);
   }
+  return 0;
 }
 
-void grab_steps(int device, uintptr_t stream_handle, DType dtype, const MatrixView& y, int64_t d, void* mean, void* s,
-                void* g, uint8_t* picked, int64_t first_step, int64_t tau, bool running_mean) {
+size_t grab_steps(int device, uintptr_t stream_handle, DType dtype, const MatrixView& y, int64_t d, void* mean, void* s,
+                  void* g, uint8_t* picked, int64_t first_step, int64_t tau, bool running_mean, Scratch scratch) {
   DeviceGuard guard(device);
   const cudaStream_t stream = as_stream(stream_handle);
   switch (dtype) {
     case DType::F32:
-      return launch_grab<float>(stream, y, d, mean, s, g, picked, first_step, tau, running_mean);
+      return launch_grab<float>(stream, y, d, mean, s, g, picked, first_step, tau, running_mean, scratch);
     case DType::F64:
-      return launch_grab<double>(stream, y, d, mean, s, g, picked, first_step, tau, running_mean);
+      return launch_grab<double>(stream, y, d, mean, s, g, picked, first_step, tau, running_mean, scratch);
     case DType::F16:
-      return launch_grab<f16_t>(stream, y, d, mean, s, g, picked, first_step, tau, running_mean);
+      return launch_grab<f16_t>(stream, y, d, mean, s, g, picked, first_step, tau, running_mean, scratch);
     case DType::BF16:
-      return launch_grab<bf16_t>(stream, y, d, mean, s, g, picked, first_step, tau, running_mean);
+      return launch_grab<bf16_t>(stream, y, d, mean, s, g, picked, first_step, tau, running_mean, scratch);
   }
+  return 0;
 }
 
 }  // namespace pfk::cuda

@@ -1,5 +1,7 @@
 // CUDA feature-norm kernels: one warp per row computes the row's L2 norm (and the argmax of its logits); a second
 // kernel reduces the norms per class, one block per class, in a fixed order (deterministic, no float atomics).
+// Scratch comes from the caller's library and labels are checked on the device, so a call neither allocates nor
+// synchronises: an out-of-range label turns every class sum and mean into NaN and every count into -1.
 #include <cmath>
 
 #include "cuda_common.cuh"
@@ -12,27 +14,6 @@ namespace {
 constexpr int kWarp = 32;
 constexpr int kThreads = 256;
 
-// Scratch memory allocated and freed in stream order.
-class StreamBuffer {
- public:
-  StreamBuffer(size_t bytes, cudaStream_t stream) : stream_(stream) {
-    if (bytes > 0) check(cudaMallocAsync(&ptr_, bytes, stream), "cudaMallocAsync");
-  }
-  ~StreamBuffer() {
-    if (ptr_) cudaFreeAsync(ptr_, stream_);
-  }
-  StreamBuffer(const StreamBuffer&) = delete;
-  StreamBuffer& operator=(const StreamBuffer&) = delete;
-  template <typename U>
-  U* as() const {
-    return static_cast<U*>(ptr_);
-  }
-
- private:
-  void* ptr_ = nullptr;
-  cudaStream_t stream_;
-};
-
 template <typename Acc>
 __device__ __forceinline__ Acc warp_sum(Acc v) {
 #pragma unroll
@@ -40,16 +21,18 @@ __device__ __forceinline__ Acc warp_sum(Acc v) {
   return v;
 }
 
+// The sum of squares is accumulated in double, so it stays exact enough at any row length (a float sum stops
+// growing once it reaches 2^24 times the squares' size).
 template <typename T>
 __device__ __forceinline__ typename AccOf<T>::type warp_row_norm(const T* __restrict__ row, int64_t D, int64_t s,
                                                                  int lane) {
   using Acc = typename AccOf<T>::type;
-  Acc acc = Acc(0);
+  double acc = 0.0;
   for (int64_t j = lane; j < D; j += kWarp) {
-    const Acc v = to_acc(row[j * s]);
+    const double v = static_cast<double>(to_acc(row[j * s]));
     acc += v * v;
   }
-  return sqrt(warp_sum(acc));
+  return static_cast<Acc>(sqrt(warp_sum(acc)));
 }
 
 // Whether (v, i) beats (bv, bi) as an argmax: NaN first, then the larger value, then the lower index.
@@ -113,19 +96,31 @@ __global__ void class_reduce_kernel(int64_t B, const void* labels, int64_t label
   const int64_t c = blockIdx.x;
   double s = 0.0;
   long long n = 0;
-  if (c < C) {
-    for (int64_t r = threadIdx.x; r < B; r += blockDim.x) {
-      if (label_at<L>(labels, r, label_stride) == c) {
-        s += static_cast<double>(acc_norms[r]);
-        ++n;
-      }
+  int bad = 0;  // an out-of-range label seen by this thread
+  for (int64_t r = threadIdx.x; r < B; r += blockDim.x) {
+    const int64_t label = label_at<L>(labels, r, label_stride);
+    bad |= label < 0 || label >= C;
+    if (c == C) {
+      n += hits[r];
+    } else if (label == c) {
+      s += static_cast<double>(acc_norms[r]);
+      ++n;
     }
-  } else {
-    for (int64_t r = threadIdx.x; r < B; r += blockDim.x) n += hits[r];
   }
   sums[threadIdx.x] = s;
   cnts[threadIdx.x] = n;
-  __syncthreads();
+  if (__syncthreads_or(bad)) {
+    if (threadIdx.x != 0) return;
+    using Acc = typename AccOf<T>::type;
+    if (c < C) {
+      class_sum[c] = Store<T>::from(static_cast<Acc>(NAN));
+      class_mean[c] = Store<T>::from(static_cast<Acc>(NAN));
+      counts[c] = -1;
+    } else {
+      *correct = -1;
+    }
+    return;
+  }
   for (int w = blockDim.x / 2; w >= 1; w /= 2) {
     if (threadIdx.x < w) {
       sums[threadIdx.x] += sums[threadIdx.x + w];
@@ -146,7 +141,7 @@ __global__ void class_reduce_kernel(int64_t B, const void* labels, int64_t label
 
 template <typename T, typename L>
 __global__ void backward_kernel(int64_t B, int64_t D, const T* __restrict__ f, int64_t fs0, int64_t fs1,
-                                const void* labels, int64_t label_stride,
+                                const void* labels, int64_t label_stride, int64_t C,
                                 const typename AccOf<T>::type* __restrict__ grad_norms,
                                 const typename AccOf<T>::type* __restrict__ class_coef, T* __restrict__ grad) {
   using Acc = typename AccOf<T>::type;
@@ -156,46 +151,64 @@ __global__ void backward_kernel(int64_t B, int64_t D, const T* __restrict__ f, i
     const T* row = f + r * fs0;
     const Acc nrm = warp_row_norm(row, D, fs1, lane);
     Acc coef = grad_norms != nullptr ? grad_norms[r] : Acc(0);
-    if (class_coef != nullptr) coef += class_coef[label_at<L>(labels, r, label_stride)];
+    if (class_coef != nullptr) {
+      const int64_t label = label_at<L>(labels, r, label_stride);
+      coef += label >= 0 && label < C ? class_coef[label] : static_cast<Acc>(NAN);  // an out-of-range label: NaN
+    }
     const Acc scale = nrm > Acc(0) ? coef / nrm : Acc(0);
     for (int64_t j = lane; j < D; j += kWarp) grad[r * D + j] = Store<T>::from(scale * to_acc(row[j * fs1]));
   }
 }
 
+// Scratch of a forward call: the norms in the accumulator type (for the class reduction), then the hit flags.
+template <typename T>
+size_t forward_scratch(int64_t B, bool with_classes, bool with_logits, size_t* hits_offset) {
+  const size_t norms = with_classes ? (B * sizeof(typename AccOf<T>::type) + 255) / 256 * 256 : 0;
+  *hits_offset = norms;
+  return norms + (with_logits ? B * sizeof(int) : 0);
+}
+
 template <typename T, typename L>
-void forward(int device, cudaStream_t stream, int64_t B, int64_t D, const void* features, int64_t fs0, int64_t fs1,
-             const void* labels, int64_t label_stride, int64_t C, const void* logits, int64_t ls0, int64_t ls1,
-             void* norms, void* class_sum, void* class_mean, int64_t* counts, int64_t* correct) {
+size_t forward(int device, cudaStream_t stream, int64_t B, int64_t D, const void* features, int64_t fs0, int64_t fs1,
+               const void* labels, int64_t label_stride, int64_t C, const void* logits, int64_t ls0, int64_t ls1,
+               void* norms, void* class_sum, void* class_mean, int64_t* counts, int64_t* correct, Scratch scratch) {
   using Acc = typename AccOf<T>::type;
   const bool with_classes = labels != nullptr;
-  StreamBuffer acc_norms(with_classes ? B * sizeof(Acc) : 0, stream);
-  StreamBuffer hits(logits != nullptr ? B * sizeof(int) : 0, stream);
+  size_t hits_offset = 0;
+  const size_t need = forward_scratch<T>(B, with_classes, logits != nullptr, &hits_offset);
+  if (need > scratch.bytes) return need;
+  Acc* acc_norms = with_classes ? static_cast<Acc*>(scratch.ptr) : nullptr;
+  int* hits =
+      logits != nullptr ? reinterpret_cast<int*>(static_cast<unsigned char*>(scratch.ptr) + hits_offset) : nullptr;
   const unsigned grid = grid_for(device, B * kWarp, kThreads);
   row_norms_kernel<T, L><<<grid, kThreads, 0, stream>>>(B, D, static_cast<const T*>(features), fs0, fs1, labels,
                                                         label_stride, C, static_cast<const T*>(logits), ls0, ls1,
-                                                        static_cast<T*>(norms), acc_norms.as<Acc>(), hits.as<int>());
+                                                        static_cast<T*>(norms), acc_norms, hits);
   check(cudaGetLastError(), "class_feature_norms row kernel launch");
-  if (!with_classes) return;
+  if (!with_classes) return 0;
   const unsigned blocks = static_cast<unsigned>(C + (logits != nullptr ? 1 : 0));
-  class_reduce_kernel<T, L><<<blocks, kThreads, 0, stream>>>(B, labels, label_stride, C, acc_norms.as<Acc>(),
-                                                             hits.as<int>(), static_cast<T*>(class_sum),
-                                                             static_cast<T*>(class_mean), counts, correct);
+  class_reduce_kernel<T, L><<<blocks, kThreads, 0, stream>>>(B, labels, label_stride, C, acc_norms, hits,
+                                                             static_cast<T*>(class_sum), static_cast<T*>(class_mean),
+                                                             counts, correct);
   check(cudaGetLastError(), "class_feature_norms class kernel launch");
+  return 0;
 }
 
 template <typename T, typename L>
-void backward(int device, cudaStream_t stream, int64_t B, int64_t D, const void* features, int64_t fs0, int64_t fs1,
-              const void* labels, int64_t label_stride, const void* grad_norms, const void* class_coef, void* grad) {
+size_t backward(int device, cudaStream_t stream, int64_t B, int64_t D, const void* features, int64_t fs0, int64_t fs1,
+                const void* labels, int64_t label_stride, int64_t C, const void* grad_norms, const void* class_coef,
+                void* grad) {
   using Acc = typename AccOf<T>::type;
   const unsigned grid = grid_for(device, B * kWarp, kThreads);
   backward_kernel<T, L><<<grid, kThreads, 0, stream>>>(B, D, static_cast<const T*>(features), fs0, fs1, labels,
-                                                       label_stride, static_cast<const Acc*>(grad_norms),
+                                                       label_stride, C, static_cast<const Acc*>(grad_norms),
                                                        static_cast<const Acc*>(class_coef), static_cast<T*>(grad));
   check(cudaGetLastError(), "class_feature_norms backward kernel launch");
+  return 0;
 }
 
 template <template <typename, typename> class Op, typename... Args>
-void dispatch(DType dtype, bool labels_int32, Args&&... args) {
+size_t dispatch(DType dtype, bool labels_int32, Args&&... args) {
   auto by_label = [&](auto tag) {
     using T = decltype(tag);
     if (labels_int32) return Op<T, int32_t>::run(args...);
@@ -211,43 +224,45 @@ void dispatch(DType dtype, bool labels_int32, Args&&... args) {
     case DType::BF16:
       return by_label(bf16_t{});
   }
+  return size_t{0};
 }
 
 template <typename T, typename L>
 struct ForwardOp {
   template <typename... Args>
-  static void run(Args&&... args) {
-    forward<T, L>(args...);
+  static size_t run(Args&&... args) {
+    return forward<T, L>(args...);
   }
 };
 
 template <typename T, typename L>
 struct BackwardOp {
   template <typename... Args>
-  static void run(Args&&... args) {
-    backward<T, L>(args...);
+  static size_t run(Args&&... args) {
+    return backward<T, L>(args...);
   }
 };
 
 }  // namespace
 
-void class_feature_norms(int device, uintptr_t stream, DType dtype, bool labels_int32, int64_t B, int64_t D,
-                         const void* features, int64_t f_stride0, int64_t f_stride1, const void* labels,
-                         int64_t label_stride, int64_t C, const void* logits, int64_t logit_stride0,
-                         int64_t logit_stride1, void* norms, void* class_sum, void* class_mean, int64_t* counts,
-                         int64_t* correct) {
+size_t class_feature_norms(int device, uintptr_t stream, DType dtype, bool labels_int32, int64_t B, int64_t D,
+                           const void* features, int64_t f_stride0, int64_t f_stride1, const void* labels,
+                           int64_t label_stride, int64_t C, const void* logits, int64_t logit_stride0,
+                           int64_t logit_stride1, void* norms, void* class_sum, void* class_mean, int64_t* counts,
+                           int64_t* correct, Scratch scratch) {
   DeviceGuard guard(device);
-  dispatch<ForwardOp>(dtype, labels_int32, device, as_stream(stream), B, D, features, f_stride0, f_stride1, labels,
-                      label_stride, C, logits, logit_stride0, logit_stride1, norms, class_sum, class_mean, counts,
-                      correct);
+  return dispatch<ForwardOp>(dtype, labels_int32, device, as_stream(stream), B, D, features, f_stride0, f_stride1,
+                             labels, label_stride, C, logits, logit_stride0, logit_stride1, norms, class_sum,
+                             class_mean, counts, correct, scratch);
 }
 
 void class_feature_norms_backward(int device, uintptr_t stream, DType dtype, bool labels_int32, int64_t B, int64_t D,
                                   const void* features, int64_t f_stride0, int64_t f_stride1, const void* labels,
-                                  int64_t label_stride, const void* grad_norms, const void* class_coef, void* grad) {
+                                  int64_t label_stride, int64_t C, const void* grad_norms, const void* class_coef,
+                                  void* grad) {
   DeviceGuard guard(device);
   dispatch<BackwardOp>(dtype, labels_int32, device, as_stream(stream), B, D, features, f_stride0, f_stride1, labels,
-                       label_stride, grad_norms, class_coef, grad);
+                       label_stride, C, grad_norms, class_coef, grad);
 }
 
 }  // namespace pfk::cuda

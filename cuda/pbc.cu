@@ -1,5 +1,7 @@
-// CUDA FedPBC server kernels (see csrc/pbc.cpp): one thread per column element in a grid-stride loop; each
-// element walks its rows in the order given, so results are deterministic. fp32 accumulation for 16-bit storage.
+// CUDA FedPBC server kernels (see csrc/pbc.cpp): one thread per column element (or per 16 bytes of columns when
+// every row is contiguous and 16-byte aligned) in a grid-stride loop; each element walks its rows in the order
+// given, so results are deterministic. fp32 accumulation for 16-bit storage. Row tables travel in the kernel
+// parameters (cuda_common.cuh).
 #include <vector>
 
 #include "cuda_common.cuh"
@@ -9,23 +11,51 @@
 namespace pfk::cuda {
 namespace {
 
-struct DevRow {
-  void* ptr;
-  int64_t stride;
+constexpr int kThreads = 256;
+
+template <typename T, int N>
+struct alignas(16) Pack {
+  T v[N];
 };
 
+// Element j of row r (rows are written through the same table they are read from).
 template <typename T>
-__device__ __forceinline__ T& at(const DevRow& r, int64_t j) {
-  return static_cast<T*>(r.ptr)[j * r.stride];
+__device__ __forceinline__ T& at(const RowRef& r, int64_t j) {
+  return const_cast<T*>(static_cast<const T*>(r.ptr))[j * r.stride];
 }
 
 template <typename T>
-__global__ void agg_bcast_kernel(const DevRow* __restrict__ rows, int K, int64_t d, T* __restrict__ server,
-                                 int64_t server_stride) {
+__device__ __forceinline__ Pack<T, 16 / sizeof(T)>& pack_at(const RowRef& r, int64_t v) {
+  return const_cast<Pack<T, 16 / sizeof(T)>*>(static_cast<const Pack<T, 16 / sizeof(T)>*>(r.ptr))[v];
+}
+
+template <typename T, size_t NB>
+__global__ void agg_bcast_kernel(const __grid_constant__ ArgBlock<NB> block, const void* global, RowTables t, int64_t d,
+                                 T* __restrict__ server, int64_t server_stride, int64_t nvec) {
   using Acc = typename AccOf<T>::type;
+  constexpr int N = 16 / sizeof(T);
+  const RowRef* rows = table_at<RowRef>(table_base(block, global), t.rows);
+  const int K = static_cast<int>(t.count);
   const Acc inv_k = Acc(1) / Acc(K);
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < d; j += step) {
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (int64_t v = first; v < nvec; v += step) {
+    Acc acc[N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) acc[i] = Acc(0);
+#pragma unroll 4
+    for (int k = 0; k < K; ++k) {
+      const Pack<T, N> p = pack_at<T>(rows[k], v);
+#pragma unroll
+      for (int i = 0; i < N; ++i) acc[i] = acc[i] + to_acc(p.v[i]);
+    }
+    Pack<T, N> mean;
+#pragma unroll
+    for (int i = 0; i < N; ++i) mean.v[i] = Store<T>::from(acc[i] * inv_k);
+    reinterpret_cast<Pack<T, N>*>(server)[v] = mean;
+    for (int k = 0; k < K; ++k) pack_at<T>(rows[k], v) = mean;
+  }
+  for (int64_t j = nvec * N + first; j < d; j += step) {
     Acc acc = Acc(0);
     for (int k = 0; k < K; ++k) acc = acc + to_acc(at<T>(rows[k], j));
     const T mean = Store<T>::from(acc * inv_k);
@@ -34,24 +64,60 @@ __global__ void agg_bcast_kernel(const DevRow* __restrict__ rows, int K, int64_t
   }
 }
 
-template <typename T>
-__global__ void weighted_delta_kernel(const DevRow* __restrict__ rows, const double* __restrict__ weights, int K,
-                                      int64_t d, T* __restrict__ x, int64_t x_stride) {
+template <typename T, size_t NB>
+__global__ void weighted_delta_kernel(const __grid_constant__ ArgBlock<NB> block, const void* global, RowTables t,
+                                      int64_t d, T* __restrict__ x, int64_t x_stride, int64_t nvec) {
   using Acc = typename AccOf<T>::type;
+  constexpr int N = 16 / sizeof(T);
+  const unsigned char* base = table_base(block, global);
+  const RowRef* rows = table_at<RowRef>(base, t.rows);
+  const Acc* weights = table_at<Acc>(base, t.weights);
+  const int K = static_cast<int>(t.count);
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < d; j += step) {
-    const Acc base = to_acc(x[j * x_stride]);
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (int64_t v = first; v < nvec; v += step) {
+    const Pack<T, N> xp = reinterpret_cast<const Pack<T, N>*>(x)[v];
+    Acc xb[N], acc[N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) xb[i] = to_acc(xp.v[i]), acc[i] = Acc(0);
+#pragma unroll 4
+    for (int k = 0; k < K; ++k) {
+      const Acc w = weights[k];
+      const Pack<T, N> p = pack_at<T>(rows[k], v);
+#pragma unroll
+      for (int i = 0; i < N; ++i) acc[i] = acc[i] + w * (to_acc(p.v[i]) - xb[i]);
+    }
+    Pack<T, N> r;
+#pragma unroll
+    for (int i = 0; i < N; ++i) r.v[i] = Store<T>::from(xb[i] + acc[i]);
+    reinterpret_cast<Pack<T, N>*>(x)[v] = r;
+  }
+  for (int64_t j = nvec * N + first; j < d; j += step) {
+    const Acc base_x = to_acc(x[j * x_stride]);
     Acc acc = Acc(0);
-    for (int k = 0; k < K; ++k) acc = acc + Acc(weights[k]) * (to_acc(at<T>(rows[k], j)) - base);
-    x[j * x_stride] = Store<T>::from(base + acc);
+    for (int k = 0; k < K; ++k) acc = acc + weights[k] * (to_acc(at<T>(rows[k], j)) - base_x);
+    x[j * x_stride] = Store<T>::from(base_x + acc);
   }
 }
 
-template <typename T>
-__global__ void mifa_kernel(DevRow x, DevRow total, const DevRow* __restrict__ updates,
-                            const DevRow* __restrict__ memory, int K, const DevRow* __restrict__ all_memory, int M,
-                            int64_t d, double coef, bool subtract_x) {
+// Offsets of MIFA's tables: `count` update rows, `count` memory rows, then `all_count` rows to re-sum.
+struct MifaTables {
+  int64_t count;
+  int64_t updates;
+  int64_t memory;
+  int64_t all_count;
+  int64_t all;
+};
+
+template <typename T, size_t NB>
+__global__ void mifa_kernel(const __grid_constant__ ArgBlock<NB> block, const void* global, MifaTables t, RowRef x,
+                            RowRef total, int64_t d, double coef, bool subtract_x) {
   using Acc = typename AccOf<T>::type;
+  const unsigned char* base = table_base(block, global);
+  const RowRef* updates = table_at<RowRef>(base, t.updates);
+  const RowRef* memory = table_at<RowRef>(base, t.memory);
+  const RowRef* all_memory = table_at<RowRef>(base, t.all);
+  const int K = static_cast<int>(t.count), M = static_cast<int>(t.all_count);
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < d; j += step) {
     const Acc xv = to_acc(at<T>(x, j));
@@ -73,95 +139,131 @@ __global__ void mifa_kernel(DevRow x, DevRow total, const DevRow* __restrict__ u
   }
 }
 
-std::vector<DevRow> to_dev(const std::vector<PbcRow>& rows) {
-  std::vector<DevRow> out;
+std::vector<RowRef> to_refs(const std::vector<PbcRow>& rows) {
+  std::vector<RowRef> out;
   out.reserve(rows.size());
   for (const auto& r : rows) out.push_back({r.ptr, r.stride});
   return out;
 }
 
-constexpr int kThreads = 256;
+// Packs of 16 bytes a kernel may process vectorised: all of d when every row and the output are contiguous and
+// 16-byte aligned, else none.
+template <typename T>
+int64_t vector_packs(const std::vector<PbcRow>& rows, const void* out, int64_t out_stride, int64_t d) {
+  bool ok = out_stride == 1 && aligned16(out);
+  for (const auto& r : rows) ok = ok && r.stride == 1 && aligned16(r.ptr);
+  return ok ? d / static_cast<int64_t>(16 / sizeof(T)) : 0;
+}
+
+unsigned grid_of(int device, int64_t d, int64_t nvec, size_t elem) {
+  const int64_t work = nvec > 0 ? nvec + (d - nvec * static_cast<int64_t>(16 / elem)) : d;
+  return grid_for(device, work, kThreads);
+}
 
 template <typename T>
-void launch_agg_bcast(int device, cudaStream_t stream, int64_t d, const std::vector<PbcRow>& rows, void* server,
-                      int64_t server_stride) {
-  const std::vector<DevRow> table = to_dev(rows);
-  StreamCopy<DevRow> dev_rows(table.data(), table.size(), stream);
-  agg_bcast_kernel<T><<<grid_for(device, d, kThreads), kThreads, 0, stream>>>(
-      dev_rows.get(), static_cast<int>(table.size()), d, static_cast<T*>(server), server_stride);
+size_t launch_agg_bcast(int device, cudaStream_t stream, int64_t d, const std::vector<PbcRow>& rows, void* server,
+                        int64_t server_stride, Scratch scratch) {
+  ArgPack pack;
+  RowTables t{};
+  t.count = static_cast<int64_t>(rows.size());
+  t.rows = pack.add(to_refs(rows));
+  if (const size_t need = tables_scratch_bytes(pack); need > scratch.bytes) return need;
+  const int64_t nvec = vector_packs<T>(rows, server, server_stride, d);
+  with_tables(pack, stream, scratch, "pbc_agg_bcast", [&](const auto& block, const void* global) {
+    agg_bcast_kernel<T><<<grid_of(device, d, nvec, sizeof(T)), kThreads, 0, stream>>>(
+        block, global, t, d, static_cast<T*>(server), server_stride, nvec);
+  });
   check(cudaGetLastError(), "pbc_agg_bcast kernel launch");
+  return 0;
 }
 
 template <typename T>
-void launch_weighted_delta(int device, cudaStream_t stream, int64_t d, const std::vector<PbcRow>& rows,
-                           const std::vector<double>& weights, void* x, int64_t x_stride) {
-  const std::vector<DevRow> table = to_dev(rows);
-  StreamCopy<DevRow> dev_rows(table.data(), table.size(), stream);
-  StreamCopy<double> dev_weights(weights.data(), weights.size(), stream);
-  weighted_delta_kernel<T><<<grid_for(device, d, kThreads), kThreads, 0, stream>>>(
-      dev_rows.get(), dev_weights.get(), static_cast<int>(table.size()), d, static_cast<T*>(x), x_stride);
+size_t launch_weighted_delta(int device, cudaStream_t stream, int64_t d, const std::vector<PbcRow>& rows,
+                             const std::vector<double>& weights, void* x, int64_t x_stride, Scratch scratch) {
+  using Acc = typename AccOf<T>::type;
+  ArgPack pack;
+  RowTables t{};
+  t.count = static_cast<int64_t>(rows.size());
+  t.rows = pack.add(to_refs(rows));
+  t.weights = pack.add(std::vector<Acc>(weights.begin(), weights.end()));
+  if (const size_t need = tables_scratch_bytes(pack); need > scratch.bytes) return need;
+  const int64_t nvec = vector_packs<T>(rows, x, x_stride, d);
+  with_tables(pack, stream, scratch, "weighted_delta", [&](const auto& block, const void* global) {
+    weighted_delta_kernel<T><<<grid_of(device, d, nvec, sizeof(T)), kThreads, 0, stream>>>(
+        block, global, t, d, static_cast<T*>(x), x_stride, nvec);
+  });
   check(cudaGetLastError(), "weighted_delta kernel launch");
+  return 0;
 }
 
 template <typename T>
-void launch_mifa(int device, cudaStream_t stream, int64_t d, const MifaArgs& a) {
-  const std::vector<DevRow> upd = to_dev(a.updates), mem = to_dev(a.memory), all = to_dev(a.all_memory);
-  StreamCopy<DevRow> dev_upd(upd.data(), upd.size(), stream);
-  StreamCopy<DevRow> dev_mem(mem.data(), mem.size(), stream);
-  StreamCopy<DevRow> dev_all(all.data(), all.size(), stream);
-  mifa_kernel<T><<<grid_for(device, d, kThreads), kThreads, 0, stream>>>(
-      DevRow{a.x.ptr, a.x.stride}, DevRow{a.total.ptr, a.total.stride}, dev_upd.get(), dev_mem.get(),
-      static_cast<int>(upd.size()), dev_all.get(), static_cast<int>(all.size()), d, a.coef, a.subtract_x);
+size_t launch_mifa(int device, cudaStream_t stream, int64_t d, const MifaArgs& a, Scratch scratch) {
+  ArgPack pack;
+  MifaTables t{};
+  t.count = static_cast<int64_t>(a.updates.size());
+  t.updates = pack.add(to_refs(a.updates));
+  t.memory = pack.add(to_refs(a.memory));
+  t.all_count = static_cast<int64_t>(a.all_memory.size());
+  t.all = pack.add(to_refs(a.all_memory));
+  if (const size_t need = tables_scratch_bytes(pack); need > scratch.bytes) return need;
+  with_tables(pack, stream, scratch, "mifa_update", [&](const auto& block, const void* global) {
+    mifa_kernel<T><<<grid_for(device, d, kThreads), kThreads, 0, stream>>>(
+        block, global, t, RowRef{a.x.ptr, a.x.stride}, RowRef{a.total.ptr, a.total.stride}, d, a.coef, a.subtract_x);
+  });
   check(cudaGetLastError(), "mifa_update kernel launch");
+  return 0;
 }
 
 }  // namespace
 
-void pbc_agg_bcast(int device, uintptr_t stream_handle, DType dtype, int64_t d, const std::vector<PbcRow>& rows,
-                   void* server, int64_t server_stride) {
+size_t pbc_agg_bcast(int device, uintptr_t stream_handle, DType dtype, int64_t d, const std::vector<PbcRow>& rows,
+                     void* server, int64_t server_stride, Scratch scratch) {
   DeviceGuard guard(device);
   const cudaStream_t stream = as_stream(stream_handle);
   switch (dtype) {
     case DType::F32:
-      return launch_agg_bcast<float>(device, stream, d, rows, server, server_stride);
+      return launch_agg_bcast<float>(device, stream, d, rows, server, server_stride, scratch);
     case DType::F64:
-      return launch_agg_bcast<double>(device, stream, d, rows, server, server_stride);
+      return launch_agg_bcast<double>(device, stream, d, rows, server, server_stride, scratch);
     case DType::F16:
-      return launch_agg_bcast<f16_t>(device, stream, d, rows, server, server_stride);
+      return launch_agg_bcast<f16_t>(device, stream, d, rows, server, server_stride, scratch);
     case DType::BF16:
-      return launch_agg_bcast<bf16_t>(device, stream, d, rows, server, server_stride);
+      return launch_agg_bcast<bf16_t>(device, stream, d, rows, server, server_stride, scratch);
   }
+  return 0;
 }
 
-void weighted_delta(int device, uintptr_t stream_handle, DType dtype, int64_t d, const std::vector<PbcRow>& rows,
-                    const std::vector<double>& weights, void* x, int64_t x_stride) {
+size_t weighted_delta(int device, uintptr_t stream_handle, DType dtype, int64_t d, const std::vector<PbcRow>& rows,
+                      const std::vector<double>& weights, void* x, int64_t x_stride, Scratch scratch) {
   DeviceGuard guard(device);
   const cudaStream_t stream = as_stream(stream_handle);
   switch (dtype) {
     case DType::F32:
-      return launch_weighted_delta<float>(device, stream, d, rows, weights, x, x_stride);
+      return launch_weighted_delta<float>(device, stream, d, rows, weights, x, x_stride, scratch);
     case DType::F64:
-      return launch_weighted_delta<double>(device, stream, d, rows, weights, x, x_stride);
+      return launch_weighted_delta<double>(device, stream, d, rows, weights, x, x_stride, scratch);
     case DType::F16:
-      return launch_weighted_delta<f16_t>(device, stream, d, rows, weights, x, x_stride);
+      return launch_weighted_delta<f16_t>(device, stream, d, rows, weights, x, x_stride, scratch);
     case DType::BF16:
-      return launch_weighted_delta<bf16_t>(device, stream, d, rows, weights, x, x_stride);
+      return launch_weighted_delta<bf16_t>(device, stream, d, rows, weights, x, x_stride, scratch);
   }
+  return 0;
 }
 
-void mifa_update(int device, uintptr_t stream_handle, DType dtype, int64_t d, const MifaArgs& args) {
+size_t mifa_update(int device, uintptr_t stream_handle, DType dtype, int64_t d, const MifaArgs& args, Scratch scratch) {
   DeviceGuard guard(device);
   const cudaStream_t stream = as_stream(stream_handle);
   switch (dtype) {
     case DType::F32:
-      return launch_mifa<float>(device, stream, d, args);
+      return launch_mifa<float>(device, stream, d, args, scratch);
     case DType::F64:
-      return launch_mifa<double>(device, stream, d, args);
+      return launch_mifa<double>(device, stream, d, args, scratch);
     case DType::F16:
-      return launch_mifa<f16_t>(device, stream, d, args);
+      return launch_mifa<f16_t>(device, stream, d, args, scratch);
     case DType::BF16:
-      return launch_mifa<bf16_t>(device, stream, d, args);
+      return launch_mifa<bf16_t>(device, stream, d, args, scratch);
   }
+  return 0;
 }
 
 }  // namespace pfk::cuda

@@ -1,50 +1,55 @@
 """Aggregation ops: weighted sums of model-sized vectors (FedAvg and every server step).
 
-Both ops read strided inputs in place (no copies), run on the caller's current CUDA stream for GPU arrays, release
-the GIL, accumulate float16/bfloat16 in float32 and give the same bits for any number of CPU threads (each output
-element sums its rows in row order). They are not differentiable: torch tensors are read as data.
+Both ops read strided inputs in place (no copies), run on the caller's current CUDA stream for GPU arrays without
+allocating device memory or synchronising, release the GIL, accumulate float16/bfloat16 in float32 and give the
+same bits for any number of CPU threads (each output element sums its rows in row order). They are not
+differentiable: torch tensors are read as data, and an output that requires grad is refused while grad mode is on.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
+import numpy as np
+
 from pyfedkern import _arrays
-from pyfedkern._arrays import ArrayRef
+from pyfedkern._arrays import ArrayRef, RowSet
 from pyfedkern._runtime import native
 
 A = TypeVar("A")
 
+_NO_WEIGHTS = np.zeros(0)
 
-def _update_rows(updates: Any) -> tuple[list[ArrayRef], ArrayRef | None]:
-    """One 1-D ref per update, checked for a common library, device, dtype and length, and the [K, d] stack's own
-    ref (None for a list)."""
-    stack = None
+
+def _update_rows(updates: Any) -> RowSet:
+    """The updates as a :class:`RowSet`, checked for a common library, device, dtype and length."""
     if _arrays.is_array(updates):
         stack = _arrays.describe(updates, "updates")
         if len(stack.shape) != 2:
             raise ValueError(f"updates must be a 2-D [K, d] array or a list of K 1-D vectors, got shape {stack.shape}")
         _arrays.check_float_dtype(stack, "updates")
-        rows = [stack.row(k) for k in range(stack.shape[0])]
+        rows = RowSet(stack, stack, [], stack.shape[0], stack.shape[1])
     elif isinstance(updates, Sequence) and not isinstance(updates, (str, bytes)):
-        rows = [_arrays.describe(u, f"updates[{k}]") for k, u in enumerate(updates)]
-        for k, r in enumerate(rows):
+        refs = [_arrays.describe(u, f"updates[{k}]") for k, u in enumerate(updates)]
+        for k, r in enumerate(refs):
             if len(r.shape) != 1:
                 raise ValueError(f"updates[{k}] must be a 1-D vector, got shape {r.shape} (flatten it first)")
-        if rows:
-            _arrays.check_float_dtype(rows[0], "updates[0]")
-        for k, r in enumerate(rows[1:], start=1):
-            _arrays.check_same(r, rows[0], f"updates[{k}]", "updates[0]")
-            if r.shape != rows[0].shape:
-                raise ValueError(f"updates[{k}] has length {r.shape[0]}, expected {rows[0].shape[0]} (updates[0])")
+        if refs:
+            _arrays.check_float_dtype(refs[0], "updates[0]")
+        for k, r in enumerate(refs[1:], start=1):
+            _arrays.check_same(r, refs[0], f"updates[{k}]", "updates[0]")
+            if r.shape != refs[0].shape:
+                raise ValueError(f"updates[{k}] has length {r.shape[0]}, expected {refs[0].shape[0]} (updates[0])")
+        rows = RowSet(refs[0] if refs else None, None, refs, len(refs), refs[0].shape[0] if refs else 0)
     else:
         raise TypeError(f"updates must be a 2-D array or a list of 1-D arrays, got {type(updates).__qualname__}")
-    if not rows:
+    if rows.count == 0:
         raise ValueError("updates is empty: need at least one update (K >= 1)")
-    if rows[0].shape[0] == 0:
+    if rows.d == 0:
         raise ValueError("updates are empty vectors (d = 0)")
-    return rows, stack
+    return rows
 
 
 def _check_output(out: Any, name: str, like: ArrayRef, d: int) -> ArrayRef:
@@ -52,10 +57,7 @@ def _check_output(out: Any, name: str, like: ArrayRef, d: int) -> ArrayRef:
     _arrays.check_same(ref, like, name, "updates")
     if ref.shape != (d,):
         raise ValueError(f"{name} must have shape ({d},), got {ref.shape}")
-    if not ref.writeable:
-        raise ValueError(f"{name} is read-only")
-    if d > 1 and ref.strides[0] == 0:
-        raise ValueError(f"{name} has stride 0 (a broadcast view); it must be writeable element by element")
+    _arrays.check_output(ref, name)
     return ref
 
 
@@ -64,19 +66,38 @@ def _same_view(a: ArrayRef, b: ArrayRef) -> bool:
     return a.ptr == b.ptr and a.strides == b.strides and a.shape == b.shape
 
 
-def _run(out: ArrayRef, rows: list[ArrayRef], weights: Sequence[float], accumulate: bool) -> None:
-    native().weighted_sum(
+def _weights(weights: Any, like: ArrayRef, count: int) -> tuple[np.ndarray, int, Any]:
+    """(host float64 weights, device pointer, device array to keep alive): weights on like's GPU stay there."""
+    if like.device >= 0 and _arrays.is_array(weights):
+        ref = _arrays.describe(weights, "weights")
+        if ref.device >= 0:
+            if ref.lib != like.lib or ref.device != like.device:
+                raise ValueError(f"weights is a {ref.where} array but updates is a {like.where} array")
+            if len(ref.shape) != 1 or ref.shape[0] != count:
+                raise ValueError(f"weights must have shape ({count},), got {ref.shape}")
+            if ref.dtype not in _arrays.FLOAT_DTYPES:
+                raise TypeError(f"weights has dtype {ref.dtype}; expected a float dtype")
+            acc = _arrays.as_contiguous(weights, "float64" if like.dtype == "float64" else "float32")
+            return _NO_WEIGHTS, _arrays.data_ptr(acc), acc
+    return _arrays.host_float64(weights, "weights", length=count), 0, None
+
+
+def _run(out: ArrayRef, rows: RowSet, host_weights: np.ndarray, device_weights: int, accumulate: bool) -> None:
+    _arrays.call_native(
+        native().weighted_sum,
+        out,
         out.device,
         _arrays.stream_handle(out),
         out.dtype,
         out.shape[0],
         out.ptr,
         out.strides[0],
-        [r.ptr for r in rows],
-        [r.strides[0] for r in rows],
-        [float(w) for w in weights],
+        *rows.native_args(),
+        host_weights,
+        device_weights,
         accumulate,
     )
+    _arrays.mark_written(out)
 
 
 def weighted_sum(updates: Any, weights: Any, out: A | None = None) -> A:
@@ -86,28 +107,32 @@ def weighted_sum(updates: Any, weights: Any, out: A | None = None) -> A:
         updates: a [K, d] array or a list of K 1-D arrays of length d (numpy, torch CPU/CUDA or cupy; float32,
             float64, float16 or bfloat16; all the same library, device and dtype). Rows whose weight is exactly 0
             are never read, which is how a masked / active-set average is expressed.
-        weights: K finite real numbers (a sequence or an array on any device; GPU weights are copied to the host).
+        weights: K finite real numbers: a sequence or a host array (checked finite), or a float array on the
+            updates' GPU, read there without a host synchronisation (not checked: a non-finite device weight gives
+            non-finite outputs).
         out: optional [d] output of the same library, device and dtype. It may be one of the updates itself
             (same memory, same stride: ``x ← a·x + Σ b_k u_k`` in place) but must not partially overlap any.
 
     Returns:
         ``out``, or a new [d] array of the caller's library, device and dtype.
     """
-    rows, stack = _update_rows(updates)
-    w = _arrays.host_float64(weights, "weights", length=len(rows))
-    d = rows[0].shape[0]
+    rows = _update_rows(updates)
+    first, d = rows.first, rows.d
+    w, device_w, keep = _weights(weights, first, rows.count)
     if out is None:
-        out = _arrays.empty_like_lib(rows[0], (d,))
+        out = _arrays.empty_like_lib(first, (d,))
         out_ref = _arrays.describe(out, "out")
     else:
-        out_ref = _check_output(out, "out", rows[0], d)
-        may_overlap = rows if stack is None or out_ref.overlaps(stack) else []
-        lo, hi = out_ref.byte_span()
-        for k, r in enumerate(may_overlap):
-            r_lo, r_hi = r.byte_span()
-            if w[k] != 0 and r_lo < hi and lo < r_hi and not _same_view(out_ref, r):
-                raise ValueError(f"out partially overlaps updates[{k}]; pass a separate output array")
-    _run(out_ref, rows, w, accumulate=False)
+        out_ref = _check_output(out, "out", first, d)
+        if rows.stack is None or out_ref.overlaps(rows.stack):
+            lo, hi = out_ref.byte_span()
+            for k, r in enumerate(rows.row_refs()):
+                r_lo, r_hi = r.byte_span()
+                zero = device_w == 0 and w[k] == 0
+                if not zero and r_lo < hi and lo < r_hi and not _same_view(out_ref, r):
+                    raise ValueError(f"out partially overlaps updates[{k}]; pass a separate output array")
+    _run(out_ref, rows, w, device_w, accumulate=False)
+    del keep  # device weights: read in stream order, and their memory is reused only in that order
     return out
 
 
@@ -118,7 +143,8 @@ def accumulate_(acc: A, update: Any, weight: Any) -> A:
         acc: a 1-D float array (numpy, torch or cupy), updated in place.
         update: a 1-D array of acc's length, library, device and dtype; it may be ``acc`` itself but must not
             partially overlap it.
-        weight: a finite real number (or one-element array).
+        weight: a finite real number or one-element array; a one-element array on acc's GPU is read there without
+            a host synchronisation.
 
     Returns:
         ``acc``.
@@ -135,12 +161,15 @@ def accumulate_(acc: A, update: Any, weight: Any) -> A:
     _arrays.check_same(upd, acc_ref, "update", "acc")
     if upd.shape != acc_ref.shape:
         raise ValueError(f"update has length {upd.shape[0]}, expected {acc_ref.shape[0]} (the length of acc)")
-    if not acc_ref.writeable:
-        raise ValueError("acc is read-only")
-    if acc_ref.shape[0] > 1 and acc_ref.strides[0] == 0:
-        raise ValueError("acc has stride 0 (a broadcast view); it must be writeable element by element")
+    _arrays.check_output(acc_ref, "acc")
     if acc_ref.overlaps(upd) and not _same_view(acc_ref, upd):
         raise ValueError("update partially overlaps acc; pass acc itself or a separate array")
-    w = _arrays.host_scalar(weight, "weight")
-    _run(acc_ref, [upd], [w], accumulate=True)
+    if acc_ref.device >= 0 and _arrays.is_array(weight) and _arrays.describe(weight, "weight").device >= 0:
+        if math.prod(weight.shape) != 1:
+            raise ValueError(f"weight must be a single number, got shape {tuple(weight.shape)}")
+        w, device_w, keep = _weights(weight.reshape(1), acc_ref, 1)  # read on the device
+    else:
+        w, device_w, keep = np.array([_arrays.host_scalar(weight, "weight")]), 0, None
+    _run(acc_ref, RowSet(upd, None, [upd], 1, upd.shape[0]), w, device_w, accumulate=True)
+    del keep
     return acc

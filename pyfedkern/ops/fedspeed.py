@@ -10,7 +10,8 @@ storage with float32 arithmetic), read strided views in place, release the GIL a
 number of CPU threads (norms: double-precision partial sums over fixed chunks, added in order). On the GPU they
 run on the caller's current stream and the norms stay on the device (``norm_out``): no host synchronisation.
 Norm outputs are one-element arrays of the accumulation dtype (float64 for float64 inputs, else float32).
-Torch tensors are read and written as data (no autograd).
+Torch tensors are read and written as data: an output that requires grad is refused while grad mode is on, and
+written tensors get their autograd version bumped (as torch's own in-place ops).
 """
 
 from __future__ import annotations
@@ -40,13 +41,6 @@ def _like(x: Any, name: str, like: ArrayRef, like_name: str) -> ArrayRef:
     if ref.shape != like.shape:
         raise ValueError(f"{name} has length {ref.shape[0]}, expected {like.shape[0]} (the length of {like_name})")
     return ref
-
-
-def _writeable(ref: ArrayRef, name: str) -> None:
-    if not ref.writeable:
-        raise ValueError(f"{name} is read-only")
-    if ref.shape[0] > 1 and ref.strides[0] == 0:
-        raise ValueError(f"{name} has stride 0 (a broadcast view); it must be writeable element by element")
 
 
 def _same_view(a: ArrayRef, b: ArrayRef) -> bool:
@@ -83,8 +77,7 @@ def _norm_target(norm_out: Any, like: ArrayRef, name: str = "norm_out") -> Array
         raise TypeError(f"{name} has dtype {ref.dtype}, expected {want} (the accumulation dtype of {like.dtype})")
     if ref.size != 1:
         raise ValueError(f"{name} must hold exactly one element, got shape {ref.shape}")
-    if not ref.writeable:
-        raise ValueError(f"{name} is read-only")
+    _arrays.check_output(ref, name)
     return ref
 
 
@@ -143,7 +136,7 @@ def sam_perturb(
         outr = _arrays.describe(out, "out")
     else:
         outr = _like(out, "out", xr, "x")
-        _writeable(outr, "out")
+        _arrays.check_output(outr, "out")
         _disjoint(outr, "out", {"grad": gr})
         if outr.overlaps(xr) and not _same_view(outr, xr):
             raise ValueError("out partially overlaps x; pass x itself or a separate array")
@@ -168,6 +161,7 @@ def sam_perturb(
         ws_len,
     )
     del keep
+    _arrays.mark_written(outr, *([norm] if norm is not None else []))
     return out
 
 
@@ -206,7 +200,7 @@ def fedspeed_update_(
     The inputs must not overlap x. Returns ``x``.
     """
     xr = _vector(x, "x")
-    _writeable(xr, "x")
+    _arrays.check_output(xr, "x")
     g2r = _like(g2, "g2", xr, "x")
     eta = _scalar(lr, "lr", low=0.0)
     a = _scalar(alpha, "alpha", low=0.0, high=1.0)
@@ -252,6 +246,7 @@ def fedspeed_update_(
         ws_len,
     )
     del keep
+    _arrays.mark_written(xr, *([norm] if norm is not None else []))
     return x
 
 
@@ -279,7 +274,7 @@ def fedspeed_round_end_(
     Outputs must not overlap each other or the inputs. Returns ``h``.
     """
     hr = _vector(h, "h")
-    _writeable(hr, "h")
+    _arrays.check_output(hr, "h")
     xl = _like(x_local, "x_local", hr, "h")
     xg = _like(x_global, "x_global", hr, "h")
     w = _scalar(acc_weight, "acc_weight")
@@ -289,7 +284,7 @@ def fedspeed_round_end_(
     for name, value in (("acc", acc), ("h_sum", h_sum)):
         if value is not None:
             ref = _like(value, name, hr, "h")
-            _writeable(ref, name)
+            _arrays.check_output(ref, name)
             outs[name] = ref
     names = list(outs)
     for i, name in enumerate(names):
@@ -313,4 +308,5 @@ def fedspeed_round_end_(
         w,
         include_h,
     )
+    _arrays.mark_written(*outs.values())
     return h

@@ -319,7 +319,9 @@ def _herd(cl: _Clients, ks: list[int]) -> _Herd:
     mask = _arrays.empty_like_lib(like, (n, big), "uint8")
     sq_norm = _arrays.empty_like_lib(like, (n,), "float64")
     gram_ref = _arrays.describe(gram, "gram")
-    native().herding_greedy(
+    _arrays.call_native(
+        native().herding_greedy,
+        like,
         like.device,
         _arrays.stream_handle(like),
         gram_ref.ptr,
@@ -340,7 +342,9 @@ def _masked_sum(cl: _Clients, mask: Any) -> Any:
     out = _arrays.empty_like_lib(like, (len(cl.taus), cl.d))
     out_ref = _arrays.describe(out, "out")
     mask_ref = _arrays.describe(mask, "mask")
-    native().herding_masked_sum(
+    _arrays.call_native(
+        native().herding_masked_sum,
+        like,
         like.device,
         _arrays.stream_handle(like),
         like.dtype,
@@ -481,7 +485,9 @@ class GrabBalancer:
         if self.steps + rows > self.tau:
             raise ValueError(f"GrabBalancer got {self.steps + rows} gradients, more than tau = {self.tau}")
         picked = _arrays.describe(self.picked, "picked")
-        native().grab_steps(
+        _arrays.call_native(
+            native().grab_steps,
+            ref,
             ref.device,
             _arrays.stream_handle(ref),
             ref.dtype,

@@ -39,10 +39,7 @@ def _vector(x: Any, name: str, *, like: ArrayRef | None = None, d: int | None = 
     if d is not None and ref.shape[0] != d:
         raise ValueError(f"{name} has length {ref.shape[0]}, expected {d}")
     if writeable:
-        if not ref.writeable:
-            raise ValueError(f"{name} is read-only")
-        if ref.shape[0] > 1 and ref.strides[0] == 0:
-            raise ValueError(f"{name} has stride 0 (a broadcast view); it must be writeable element by element")
+        _arrays.check_output(ref, name)
     return ref
 
 
@@ -57,10 +54,7 @@ def _store(store: Any, name: str, *, like: ArrayRef | None = None, writeable: bo
     if ref.shape[0] == 0 or ref.shape[1] == 0:
         raise ValueError(f"{name} is empty (shape {ref.shape}); need m >= 1 and d >= 1")
     if writeable:
-        if not ref.writeable:
-            raise ValueError(f"{name} is read-only")
-        if (ref.shape[0] > 1 and ref.strides[0] == 0) or (ref.shape[1] > 1 and ref.strides[1] == 0):
-            raise ValueError(f"{name} has a stride of 0 (a broadcast view); its rows must be distinct memory")
+        _arrays.check_output(ref, name)
         if _rows_overlap(ref):
             raise ValueError(f"{name}'s rows overlap each other in memory (strides {ref.strides})")
     return ref
@@ -111,7 +105,7 @@ def _indices(active: Any, m: int, name: str) -> np.ndarray:
 
 def _row_ptrs(ref: ArrayRef, rows: np.ndarray) -> tuple[list[int], list[int]]:
     step = ref.strides[0] * ref.itemsize
-    return [ref.ptr + int(r) * step for r in rows], [ref.strides[1]] * len(rows)
+    return (ref.ptr + rows.astype(np.int64) * step).tolist(), [ref.strides[1]] * len(rows)
 
 
 def _check_disjoint(a: ArrayRef, b: ArrayRef, a_name: str, b_name: str) -> None:
@@ -141,7 +135,9 @@ def pbc_agg_bcast_(store: Any, server: A, active: Any) -> A:
     if rows.size == 0:
         return server
     ptrs, strides = _row_ptrs(s, rows)
-    native().pbc_agg_bcast(s.device, _arrays.stream_handle(s), s.dtype, d, srv.ptr, srv.strides[0], ptrs, strides)
+    stream = _arrays.stream_handle(s)
+    _arrays.call_native(native().pbc_agg_bcast, s, s.device, stream, s.dtype, d, srv.ptr, srv.strides[0], ptrs, strides)
+    _arrays.mark_written(s, srv)
     return server
 
 
@@ -187,9 +183,10 @@ def weighted_delta_(x: A, models: Any, weights: Any, scale: float = 1.0, rows: A
     c = _arrays.host_scalar(scale, "scale")
     if not ptrs:
         return x
-    native().weighted_delta(
-        xr.device, _arrays.stream_handle(xr), xr.dtype, xr.shape[0], xr.ptr, xr.strides[0], ptrs, strides, list(w * c)
-    )
+    stream = _arrays.stream_handle(xr)
+    args = (xr.device, stream, xr.dtype, xr.shape[0], xr.ptr, xr.strides[0], ptrs, strides, list(w * c))
+    _arrays.call_native(native().weighted_delta, xr, *args)
+    _arrays.mark_written(xr)
     return x
 
 
@@ -248,7 +245,9 @@ def mifa_update_(
     coef = _arrays.host_scalar(server_lr, "server_lr") / m
     mptrs, mstrides = _row_ptrs(mem, idx)
     aptrs, astrides = _row_ptrs(mem, np.arange(m)) if resum else ([], [])
-    native().mifa_update(
+    _arrays.call_native(
+        native().mifa_update,
+        xr,
         xr.device,
         _arrays.stream_handle(xr),
         xr.dtype,
@@ -266,4 +265,5 @@ def mifa_update_(
         coef,
         updates_are == "models",
     )
+    _arrays.mark_written(xr, mem, tot)
     return x

@@ -170,8 +170,8 @@ def similarity_weights(
         α [K] (float64 for float64 input, float32 otherwise) of the caller's library and device, summing to 1;
         ``(α, s)`` with ``return_scores``.
     """
-    _, _, args, weights, scores = _prepare(query, bank, scale, metric, segments, include, eps)
-    native().similarity_weights(*args)
+    q, _, args, weights, scores = _prepare(query, bank, scale, metric, segments, include, eps)
+    _arrays.call_native(native().similarity_weights, q, *args)
     return (weights, scores) if return_scores else weights
 
 
@@ -191,8 +191,9 @@ def similarity_combine(
     """Σ_k α_k·models_k with α = :func:`similarity_weights` (query, bank, ...), in one native call.
 
     The weights pass and the blend pass (the aggregation kernel of :func:`pyfedkern.ops.weighted_sum`) run back
-    to back without returning to Python; models whose weight underflows to 0 are not read. On a GPU the weights
-    are brought to the host between the passes (one wait on the current stream).
+    to back without returning to Python; models whose weight underflows to 0 are not read. On a GPU the blend
+    reads the weights on the device: no host synchronisation (non-finite inputs then give NaN weights and a NaN
+    blend instead of the CPU's ValueError).
 
     Args:
         query, bank, scale, metric, segments, include, eps: as in :func:`similarity_weights`.
@@ -221,14 +222,13 @@ def similarity_combine(
         _arrays.check_same(out_ref, mrows[0], "out", "models")
         if out_ref.shape != (dim,):
             raise ValueError(f"out must have shape ({dim},), got {out_ref.shape}")
-        if not out_ref.writeable:
-            raise ValueError("out is read-only")
-        if dim > 1 and out_ref.strides[0] == 0:
-            raise ValueError("out has stride 0 (a broadcast view); it must be writeable element by element")
+        _arrays.check_output(out_ref, "out")
         for k, r in enumerate(mrows):
             if out_ref.overlaps(r):
                 raise ValueError(f"out overlaps models[{k}]; pass a separate output array")
-    native().similarity_combine(
+    _arrays.call_native(
+        native().similarity_combine,
+        q,
         *args,
         mrows[0].dtype,
         dim,
@@ -237,4 +237,5 @@ def similarity_combine(
         [r.ptr for r in mrows],
         [r.strides[0] for r in mrows],
     )
+    _arrays.mark_written(out_ref)
     return (out, weights) if return_weights else out
