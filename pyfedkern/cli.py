@@ -17,6 +17,7 @@ import importlib
 import json
 import sys
 import textwrap
+import warnings
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -184,15 +185,47 @@ def _base_config(args: argparse.Namespace) -> ExperimentConfig:
     return ExperimentConfig(**values, parity=args.parity, model_params=_model_params(args.model_param))
 
 
-def _changed_common_options(args: argparse.Namespace) -> list[str]:
-    """The flags of the options shared by run and compare that were given a non-default value."""
-    defaults = {f.name: f.default for f in dataclasses.fields(ExperimentConfig)}
-    changed = [flag for name, flag, *_ in _COMMON if getattr(args, name) != defaults[name]]
-    if args.parity:
-        changed.append("--parity")
-    if args.model_param:
-        changed.append("--model-param")
-    return changed
+def _resume_config(args: argparse.Namespace, extra: list[str]):
+    """The config stored in --out, checked to agree with every option given on the command line besides it."""
+    from pyfedkern.algorithms import make_algorithm
+    from pyfedkern.sim.engine import load_config
+
+    stored = load_config(args.out)
+    asked = dataclasses.replace(_base_config(args), algorithm=args.algorithm)
+    options = [(name, flag) for name, flag, *_ in _COMMON]
+    options += [("algorithm", "--algorithm"), ("parity", "--parity"), ("model_params", "--model-param")]
+    clashes = []
+    for name, flag in options:
+        value, have = getattr(asked, name), getattr(stored, name)
+        if flag in args.flags and _plain(value) != _plain(have):
+            if flag == "--model-param":
+                option = " ".join(f"{flag} {pair}" for pair in args.model_param)
+            else:
+                option = flag if flag == "--parity" else f"{flag} {_shown(value)}"
+            clashes.append(f"{option} (the run has {name}={_shown(have)})")
+    if asked.algorithm == stored.algorithm or "--algorithm" not in args.flags:
+        algorithm = make_algorithm(stored.algorithm, **stored.algorithm_params)
+        for key, value in _algorithm_params([stored.algorithm], _split_extra(extra))[stored.algorithm].items():
+            have = getattr(algorithm, key)
+            if _plain(value) != _plain(have):
+                clashes.append(f"--{key.replace('_', '-')} {_shown(value)} (the run has {key}={_shown(have)})")
+    elif extra:
+        clashes.append(" ".join(extra))
+    if clashes:
+        raise CliError(
+            f"--resume continues the run in {args.out} with the config stored there, and these options contradict "
+            f"it: {', '.join(clashes)}; drop them, or start a new run in another --out directory"
+        )
+    return stored
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as config.json stores it (tuples become lists)."""
+    return json.loads(json.dumps(value))
+
+
+def _shown(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(_plain(value))
 
 
 def _help_algorithm(name: str) -> int:
@@ -206,20 +239,15 @@ def _help_algorithm(name: str) -> int:
 
 
 def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
-    from pyfedkern.sim.engine import Simulation, load_config
+    from pyfedkern.sim.engine import Simulation, check_resumable
 
     if args.help_algorithm:
         return _help_algorithm(args.algorithm)
     if args.resume:
         if args.out is None:
             raise CliError("--resume needs --out DIR (the run to continue)")
-        ignored = [*_changed_common_options(args), *extra]
-        if ignored:
-            raise CliError(
-                f"--resume continues the run with the config stored in {args.out}; "
-                f"remove the other options ({' '.join(ignored)})"
-            )
-        config = load_config(args.out)
+        config = _resume_config(args, extra)
+        check_resumable(config, args.out)  # before the data is loaded
     else:
         config = dataclasses.replace(
             _base_config(args),
@@ -383,16 +411,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line_warnings(command: str):
+    """A ``warnings.showwarning`` that prints ``pyfedkern COMMAND: warning: MESSAGE`` (no source line)."""
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        print(f"pyfedkern {command}: warning: {message}", file=sys.stderr)
+
+    return show
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     # Unknown options are algorithm parameters (run, compare) or go to the reproduction (reproduce).
+    argv = sys.argv[1:] if argv is None else list(argv)
     args, extra = parser.parse_known_args(argv)
+    args.flags = {token.partition("=")[0] for token in argv if token.startswith("--")}  # the options given
     try:
-        if extra and not getattr(args, "takes_extra", False):
-            hint = _did_you_mean(extra[0], _long_options(args.parser)) if extra[0].startswith("--") else ""
-            raise CliError(f"unexpected argument(s): {' '.join(extra)}{hint}")
-        return args.handler(args, extra)
-    except (CliError, ValueError, TypeError, FileNotFoundError, FileExistsError) as exc:
+        with warnings.catch_warnings():
+            warnings.showwarning = _one_line_warnings(args.command)
+            if extra and not getattr(args, "takes_extra", False):
+                hint = _did_you_mean(extra[0], _long_options(args.parser)) if extra[0].startswith("--") else ""
+                raise CliError(f"unexpected argument(s): {' '.join(extra)}{hint}")
+            return args.handler(args, extra)
+    except (CliError, ValueError, TypeError, OSError) as exc:
         print(f"pyfedkern {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

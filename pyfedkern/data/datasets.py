@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gzip
 import pickle
+import zlib
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -328,8 +329,8 @@ def _read_idx(path: Path, magic: int) -> np.ndarray:
     try:
         with opener(path, "rb") as f:
             raw = f.read()
-    except (OSError, EOFError) as err:
-        raise ValueError(f"cannot read IDX file {path}: {err}") from err
+    except (OSError, EOFError, zlib.error) as err:  # a damaged .gz raises any of the three
+        raise ValueError(f"cannot read IDX file {path}: {err}") from None
     ndim = 3 if magic == 2051 else 1
     header = 4 + 4 * ndim
     if len(raw) < header:
@@ -387,13 +388,13 @@ class _ArrayUnpickler(pickle.Unpickler):
 
 def _load_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
     """One CIFAR-10 python batch: images uint8 [n, 3, 32, 32] and labels int64 [n]."""
-    with open(path, "rb") as f:
-        try:
+    try:
+        with open(path, "rb") as f:
             batch = _ArrayUnpickler(f, encoding="bytes").load()
-        except pickle.UnpicklingError as err:
-            raise pickle.UnpicklingError(f"CIFAR-10 batch {path}: {err}") from None
-        except Exception as err:
-            raise ValueError(f"CIFAR-10 batch {path} is not a readable pickle: {err}") from err
+    except pickle.UnpicklingError as err:  # refused globals included
+        raise ValueError(f"CIFAR-10 batch {path}: {err}") from None
+    except Exception as err:  # whatever else a damaged pickle raises (EOFError, TypeError, ...)
+        raise ValueError(f"CIFAR-10 batch {path} is not a readable pickle ({type(err).__name__}: {err})") from None
     if not isinstance(batch, dict) or b"data" not in batch or b"labels" not in batch:
         raise ValueError(f"CIFAR-10 batch {path}: expected a dict with keys b'data' and b'labels'")
     data = batch[b"data"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +74,14 @@ class ExperimentConfig:
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
             return value
 
+        for name in ("algorithm", "dataset", "normalize", "partition", "model", "lr_schedule", "device"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} must be a string, got {getattr(self, name)!r}")
+        for name in ("algorithm_params", "model_params"):
+            if not isinstance(getattr(self, name), dict):
+                raise ValueError(f"{name} must be a dict, got {getattr(self, name)!r}")
+        if not isinstance(self.parity, bool):
+            raise ValueError(f"parity must be true or false, got {self.parity!r}")
         for name in ("clients", "rounds", "batch_size", "eval_every", "checkpoint_every", "eval_train_max"):
             positive_int(name, getattr(self, name))
         for name in ("local_steps", "threads"):
@@ -91,8 +100,7 @@ class ExperimentConfig:
         if self.momentum >= 1:
             raise ValueError(f"momentum must be < 1, got {self.momentum}")
         parse_lr_schedule(self.lr_schedule)
-        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        check_device(self.device)
         if self.normalize not in datasets.NORMALIZATIONS:
             raise ValueError(f"normalize must be one of {', '.join(datasets.NORMALIZATIONS)}, got {self.normalize!r}")
         samples = datasets.train_size(self.dataset)
@@ -121,6 +129,43 @@ def check_client_count(clients: int, samples: int, dataset: str) -> None:
         raise ValueError(
             f"clients={clients} is more than the {samples} training samples of dataset {dataset!r}; use fewer clients"
         )
+
+
+def check_device(device: str) -> None:
+    """ValueError unless ``device`` is "cpu", or "cuda" / "cuda:N" and usable here (see :func:`device_problems`)."""
+    if not isinstance(device, str) or not re.fullmatch(r"cpu|cuda(:[0-9]+)?", device):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N' (N = 0, 1, ... a GPU index), got {device!r}")
+    if device == "cpu":
+        return
+    import torch
+
+    from pyfedkern._runtime import build_info
+
+    problems = device_problems(
+        device,
+        torch_cuda=torch.backends.cuda.is_built(),
+        gpus=torch.cuda.device_count(),
+        pyfedkern_cuda=bool(build_info()["cuda"]),
+    )
+    if problems:
+        raise ValueError(f"device {device!r} cannot be used here: {'; '.join(problems)}")
+
+
+def device_problems(device: str, *, torch_cuda: bool, gpus: int, pyfedkern_cuda: bool) -> list[str]:
+    """Why the CUDA device ``device`` ("cuda" or "cuda:N") cannot run an experiment, given the facts: whether the
+    installed torch was built with CUDA, how many GPUs it sees, and whether pyfedkern was built with CUDA. Empty
+    when it can."""
+    problems = []
+    if not torch_cuda:
+        problems.append("the installed torch was built without CUDA (install a CUDA build of torch)")
+    if not pyfedkern_cuda:
+        problems.append("pyfedkern was built without CUDA (reinstall it with PYFEDKERN_CUDA=ON where nvcc is found)")
+    index = int(device.partition(":")[2] or 0)
+    if torch_cuda and gpus == 0:
+        problems.append("no CUDA GPU is visible (torch.cuda.device_count() is 0)")
+    elif torch_cuda and index >= gpus:
+        problems.append(f"GPU index {index} is out of range: {gpus} GPU(s) visible, cuda:0 to cuda:{gpus - 1}")
+    return problems
 
 
 def parse_lr_schedule(text: str) -> tuple[str, float]:

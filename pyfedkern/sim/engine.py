@@ -13,7 +13,6 @@ continues exactly as an uninterrupted one would.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import time
 from collections.abc import Iterator
@@ -29,7 +28,7 @@ from pyfedkern.algorithms.batched import padding_weights
 from pyfedkern.data import datasets, partitions
 from pyfedkern.ops import seeded_permutations
 from pyfedkern.sim.config import ExperimentConfig, check_client_count, parse_lr_schedule
-from pyfedkern.sim.results import RunWriter, config_differences, is_finished, read_metrics
+from pyfedkern.sim.results import RunWriter, config_differences, is_finished, read_config, read_metrics
 
 # Purposes of the random streams (first key after the seed).
 _SAMPLE, _BATCH, _FIXED_ORDER, _NOISE, _PUBLIC, _EVAL_SUBSET = 1, 2, 3, 4, 5, 6
@@ -316,16 +315,13 @@ class Simulation:
         algo.setup(self, self.initial_vector)
         metrics: list[dict[str, Any]] = []
         start = 0
-        checkpoint = writer.load_checkpoint() if writer is not None and resume else None
-        if checkpoint is not None:
-            algo.load_state_dict(checkpoint["algorithm"])
-            self.active_clients = np.asarray(checkpoint["active_clients"], dtype=np.int64)
-            self.eval_labels = checkpoint["eval_labels"]
-            start = int(checkpoint["round"])
-            metrics = writer.truncate_metrics(start)
-        else:
-            if writer is not None and resume:
-                writer.truncate_metrics(-1)  # interrupted before its first checkpoint: start over
+        if writer is not None and resume:
+            point = writer.resume_point()  # everything checked before any file changes
+            if point.state is not None:
+                self._restore(point.checkpoint, point.state)
+            start = point.round
+            metrics = writer.start_from(point)
+        if start == 0:  # a new run, or one interrupted before its first checkpoint
             record = {"round": 0, **self._timed_evaluation(algo.global_model())}
             metrics.append(record)
             if writer is not None:
@@ -366,12 +362,39 @@ class Simulation:
         return metrics
 
     def _checkpoint(self, rounds_done: int) -> dict[str, Any]:
+        """The state after ``rounds_done`` rounds, with the config it was made under (checked on resume)."""
         return {
             "round": rounds_done,
+            "config": self.config.to_dict(),
             "algorithm": self.algorithm.state_dict(),
             "active_clients": self.active_clients,
             "eval_labels": self.eval_labels,
         }
+
+    def _restore(self, path: Path, state: dict[str, Any]) -> None:
+        """Load the state of checkpoint ``path`` (already checked for integrity and config by the run writer);
+        ValueError naming the file when it does not fit this simulation."""
+
+        def labels(value: Any, bound: int) -> bool:
+            ints = isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in "iu"
+            return ints and (value.size == 0 or (value.min() >= 0 and value.max() < bound))
+
+        active, eval_labels = state.get("active_clients"), state.get("eval_labels")
+        if not labels(active, self.num_clients):
+            raise ValueError(f"checkpoint {path}: active_clients must be client ids in 0..{self.num_clients - 1}")
+        if eval_labels is not None and not labels(eval_labels, self.data.num_classes):
+            raise ValueError(
+                f"checkpoint {path}: eval_labels must be None or classes in 0..{self.data.num_classes - 1}"
+            )
+        try:
+            self.algorithm.load_state_dict(state["algorithm"])
+        except (AttributeError, IndexError, KeyError, RuntimeError, TypeError, ValueError) as err:
+            raise ValueError(
+                f"checkpoint {path}: its algorithm state does not fit {self.config.algorithm} "
+                f"({type(err).__name__}: {err})"
+            ) from None
+        self.active_clients = active.astype(np.int64)
+        self.eval_labels = eval_labels
 
     def _timed_evaluation(self, vector: torch.Tensor) -> dict[str, float]:
         start = time.perf_counter()
@@ -423,6 +446,12 @@ def run_experiment(
     return Simulation(config).run(out_dir, resume=resume, progress=progress)
 
 
+def check_resumable(config: ExperimentConfig, run_dir: str | Path) -> None:
+    """Raise what ``Simulation(config).run(run_dir, resume=True)`` would raise about the run directory (a changed
+    config, a finished run, damaged files, ...), without building the simulation or changing any file."""
+    RunWriter(run_dir, config.to_dict(), resume=True).resume_point()
+
+
 def check_reusable(config: ExperimentConfig, run_dir: str | Path) -> None:
     """Raise ValueError if ``run_dir`` holds a run (finished or interrupted) of a config other than ``config``."""
     run_dir = Path(run_dir)
@@ -446,8 +475,11 @@ def run_or_reuse(config: ExperimentConfig, run_dir: str | Path, *, progress: boo
 
 
 def load_config(out_dir: str | Path) -> ExperimentConfig:
-    """The config of a run directory (to resume it)."""
-    path = Path(out_dir) / "config.json"
-    if not path.exists():
-        raise FileNotFoundError(f"no config.json in {out_dir}: not a pyfedkern run directory")
-    return ExperimentConfig.from_dict(json.loads(path.read_text()))
+    """The config of a run directory (to resume it), checked; ValueError naming config.json when it is not valid."""
+    data = read_config(out_dir)
+    try:
+        config = ExperimentConfig.from_dict(data)
+        config.validate()
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{Path(out_dir) / 'config.json'}: {err}") from None
+    return config

@@ -1,17 +1,33 @@
-"""On-disk results of a run: what is written, as it is made, so no work is lost.
+"""On-disk results of a run: what is written, as it is made, so that no work is lost and damage is found.
 
-A run directory holds ``config.json``; ``metrics.jsonl`` (one JSON object per round, appended and flushed each
-round; undefined values are NaN, as Python's json module writes them); ``checkpoints/round_NNNNNN.pt`` (the
-latest two, written atomically); and at the end ``summary.json`` and ``model.pt`` (the final global vector).
-Checkpoints hold only tensors, numbers, strings, lists and dicts, and load with ``torch.load(weights_only=True)``:
-no pickled code runs when a run is resumed.
+A run directory holds
+
+- ``config.json``: the run's :class:`~pyfedkern.sim.config.ExperimentConfig`, written when the run starts;
+- ``metrics.jsonl``: one JSON object per round, rounds 0, 1, 2, ... in order (round 0 is the initial model),
+  appended and flushed as each round ends; undefined values are NaN, as Python's json module writes them;
+- ``checkpoints/round_NNNNNN.pt``: the state after round N, every ``checkpoint_every`` rounds, the newest two kept,
+  each with ``round_NNNNNN.pt.sha256`` beside it (the SHA-256 of the checkpoint, in ``sha256sum`` format). A
+  checkpoint holds its round, the config it was made under and the algorithm's state: tensors, numbers, strings,
+  lists and dicts only, loaded with ``torch.load(weights_only=True)``, so no pickled code runs on resume;
+- at the end ``model.pt`` (the final global vector) and ``summary.json`` (written last: it marks the run finished).
+
+Every file but metrics.jsonl is written whole to a temporary name and renamed into place, so a killed run leaves
+the old file or the new one, never half of one (a checksum is written before its checkpoint: a stop between the two
+leaves a checksum without a checkpoint, which is ignored). Resuming reads and checks all of it before it changes
+any file (:meth:`RunWriter.resume_point`, then :meth:`RunWriter.start_from`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
+import itertools
 import json
 import math
 import os
+import re
+import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +35,32 @@ import numpy as np
 import torch
 
 _KEEP_CHECKPOINTS = 2
+_CHECKPOINT = re.compile(r"round_(\d{6,})\.pt")
+_CHECKSUM_LINE = re.compile(r"([0-9a-f]{64})  (\S+)\n?")
+
+#: Config fields that config.json may change between a checkpoint and its resume: where the data is read from and
+#: how often checkpoints are made change no recorded number (the thread count does, in the last bits of a loss).
+#: ``rounds`` may also change, but not below the last recorded round.
+RESUME_FREE_FIELDS = ("checkpoint_every", "data_root", "rounds")
 
 
-def _atomic_write(path: Path, write) -> None:
+def _atomic_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file, synced to disk, then renamed over ``path``."""
     tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def _json_bytes(value: Any, indent: int | None = None) -> bytes:
+    return (json.dumps(value, indent=indent) + "\n").encode()
+
+
+def _plain(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` as JSON gives it back (tuples become lists), so configs compare equal however they were made."""
+    return json.loads(json.dumps(config))
 
 
 def _encode(value: Any) -> Any:
@@ -44,22 +80,42 @@ def _encode(value: Any) -> Any:
     raise TypeError(f"checkpoint state may hold tensors, arrays, numbers, strings, lists and dicts, not {type(value)}")
 
 
-def _decode(value: Any, device: torch.device | str) -> Any:
+def _decode(value: Any) -> Any:
     if isinstance(value, dict):
-        if set(value) == {"__ndarray__"}:
+        if set(value) == {"__ndarray__"} and isinstance(value["__ndarray__"], torch.Tensor):
             return value["__ndarray__"].numpy()
-        return {k: _decode(v, device) for k, v in value.items()}
+        return {k: _decode(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_decode(v, device) for v in value]
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
+        return [_decode(v) for v in value]
     return value
+
+
+_JSON_TYPES = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean"}
+
+
+def read_config(run_dir: str | Path) -> dict[str, Any]:
+    """The config.json of ``run_dir`` as a dict (FileNotFoundError when there is none; ValueError naming the file
+    and line when it is not a JSON object)."""
+    path = Path(run_dir) / "config.json"
+    if not path.exists():
+        raise FileNotFoundError(f"no config.json in {run_dir}: not a pyfedkern run directory")
+    if not path.is_file():
+        raise ValueError(f"{path} is not a file")
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path} is not text: byte {err.start} is not UTF-8") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: line {err.lineno} is not valid JSON ({err.msg})") from None
+    if not isinstance(data, dict):
+        found = _JSON_TYPES.get(type(data), "null")
+        raise ValueError(f"{path} must hold a JSON object (the run's config), it holds {found}")
+    return data
 
 
 def config_differences(run_dir: str | Path, config: dict[str, Any]) -> list[str]:
     """The fields in which ``config`` differs from the config.json stored in ``run_dir`` (which must exist)."""
-    stored = json.loads((Path(run_dir) / "config.json").read_text())
-    wanted = json.loads(json.dumps(config))
+    stored, wanted = read_config(run_dir), _plain(config)
     return sorted(k for k in set(stored) | set(wanted) if stored.get(k) != wanted.get(k))
 
 
@@ -68,12 +124,31 @@ def is_finished(run_dir: str | Path) -> bool:
     return (Path(run_dir) / "summary.json").exists()
 
 
+@dataclass
+class ResumePoint:
+    """Where a resumed run goes on: from ``checkpoint`` (its ``state``, read and checked), or from round 0 when
+    the run has no checkpoint yet (both None). ``metrics``: the records of rounds 0..the checkpoint's round (empty
+    without a checkpoint); ``damaged``: the checkpoints that failed their checks, with the reason."""
+
+    checkpoint: Path | None
+    state: dict[str, Any] | None
+    metrics: list[dict[str, Any]]
+    damaged: list[tuple[Path, str]] = field(default_factory=list)
+
+    @property
+    def round(self) -> int:
+        """The last round done (0 without a checkpoint: the run starts again with round 0)."""
+        return 0 if self.state is None else int(self.state["round"])
+
+
 class RunWriter:
-    """Writes one run directory; with ``resume`` it reopens an unfinished one whose config must match."""
+    """Writes one run directory. A fresh run creates it and refuses one that already holds a run; ``resume``
+    reopens an unfinished one whose config.json must equal ``config``: then call :meth:`resume_point` and
+    :meth:`start_from`."""
 
     def __init__(self, out_dir: str | Path, config: dict[str, Any], *, resume: bool = False) -> None:
         self.dir = Path(out_dir)
-        self.config = config
+        self.config = _plain(config)
         config_path = self.dir / "config.json"
         if resume:
             if not config_path.exists():
@@ -85,16 +160,23 @@ class RunWriter:
                 raise FileExistsError(
                     f"nothing to resume: the run in {self.dir} is already finished (see its summary.json)"
                 )
+            for path in (self.dir, self.checkpoint_dir, self.metrics_path):
+                if path.exists() and not os.access(path, os.W_OK):
+                    raise ValueError(f"cannot resume {self.dir}: {path} cannot be written (permission denied)")
         else:
             if (self.dir / "metrics.jsonl").exists():
                 raise FileExistsError(f"{self.dir} already holds a run; resume it or choose another output directory")
-            self.dir.mkdir(parents=True, exist_ok=True)
-            _atomic_write(config_path, lambda p: p.write_text(json.dumps(config, indent=2) + "\n"))
-        (self.dir / "checkpoints").mkdir(exist_ok=True)
+            _make_run_dir(self.dir)
+            _atomic_write(config_path, _json_bytes(self.config, indent=2))
+            self.checkpoint_dir.mkdir(exist_ok=True)
 
     @property
     def metrics_path(self) -> Path:
         return self.dir / "metrics.jsonl"
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.dir / "checkpoints"
 
     def append_metrics(self, record: dict[str, Any]) -> None:
         with open(self.metrics_path, "a") as f:
@@ -104,56 +186,206 @@ class RunWriter:
     def read_metrics(self) -> list[dict[str, Any]]:
         return read_metrics(self.dir)
 
-    def truncate_metrics(self, rounds_done: int) -> list[dict[str, Any]]:
-        """Keep the records of rounds 0..rounds_done (drop what an interrupted run wrote after its checkpoint,
-        including a half-written last line); they must all be there."""
-        kept = [m for m in self.read_metrics() if m["round"] <= rounds_done]
-        if [m["round"] for m in kept] != list(range(rounds_done + 1)):
-            raise ValueError(
-                f"cannot resume {self.dir}: {self.metrics_path.name} should hold rounds 0..{rounds_done} "
-                f"(the last checkpoint), found {[m['round'] for m in kept]}"
-            )
-        _atomic_write(self.metrics_path, lambda p: p.write_text("".join(json.dumps(m) + "\n" for m in kept)))
-        return kept
-
     def save_checkpoint(self, state: dict[str, Any]) -> Path:
-        path = self.dir / "checkpoints" / f"round_{int(state['round']):06d}.pt"
-        _atomic_write(path, lambda p: torch.save(_encode(state), p))
-        for old in sorted((self.dir / "checkpoints").glob("round_*.pt"))[:-_KEEP_CHECKPOINTS]:
-            old.unlink()
+        """Write ``state`` (with its "round") as the checkpoint of that round, its checksum first; keep the
+        newest two checkpoints."""
+        path = self.checkpoint_dir / f"round_{int(state['round']):06d}.pt"
+        buffer = io.BytesIO()
+        torch.save(_encode(state), buffer)
+        data = buffer.getvalue()
+        _atomic_write(_checksum_path(path), f"{hashlib.sha256(data).hexdigest()}  {path.name}\n".encode())
+        _atomic_write(path, data)
+        for _, old in self._checkpoints()[_KEEP_CHECKPOINTS:]:
+            for file in (old, _checksum_path(old)):
+                if file.is_file():
+                    file.unlink()
         return path
 
-    def load_checkpoint(self, device: torch.device | str = "cpu") -> dict[str, Any] | None:
-        """The newest checkpoint's state, or None when the run has none yet (it then restarts from round 0)."""
-        found = sorted((self.dir / "checkpoints").glob("round_*.pt"))
-        if not found:
-            return None
-        return _decode(torch.load(found[-1], map_location="cpu", weights_only=True), device)
+    def _checkpoints(self) -> list[tuple[int, Path]]:
+        """(round, path) of the files named like checkpoints, newest first."""
+        if not self.checkpoint_dir.is_dir():
+            return []
+        found = [(_CHECKPOINT.fullmatch(p.name), p) for p in self.checkpoint_dir.iterdir()]
+        return sorted(((int(m.group(1)), p) for m, p in found if m), reverse=True)
+
+    def resume_point(self) -> ResumePoint:
+        """Read and check what the interrupted run left, changing nothing; return where it goes on.
+
+        metrics.jsonl must be whole (but for a half-written last line) and ``rounds`` at least its last round.
+        Checkpoints are tried newest first: one that is not a file, does not match its checksum, does not load or
+        is not a checkpoint of its round is damaged, and the next older one is tried. The newest intact one must
+        have been made under the same config (but for :data:`RESUME_FREE_FIELDS`) and its rounds must all be in
+        metrics.jsonl. Raises ValueError naming the problem otherwise, and when every checkpoint is damaged.
+        """
+        metrics = self.read_metrics()
+        rounds, recorded = self.config["rounds"], len(metrics) - 1
+        if recorded > rounds:
+            raise ValueError(
+                f"cannot resume {self.dir}: config.json asks for {rounds} rounds, but {self.metrics_path.name} has "
+                f"recorded {recorded}; a run cannot be cut below a recorded round (set rounds to {recorded} or more)"
+            )
+        if self.checkpoint_dir.exists() and not self.checkpoint_dir.is_dir():
+            raise ValueError(f"cannot resume {self.dir}: {self.checkpoint_dir} is not a directory")
+        damaged: list[tuple[Path, str]] = []
+        for number, path in self._checkpoints():
+            try:
+                state = _read_checkpoint(path, number)
+            except _Damaged as err:
+                damaged.append((path, str(err)))
+                continue
+            self._check_fingerprint(path, state["config"])
+            if number > recorded:
+                raise ValueError(
+                    f"cannot resume {self.dir}: {self.metrics_path.name} should hold rounds 0..{number} (those of "
+                    f"checkpoint {path.name}) but ends at round {recorded}; its records of the later rounds are lost"
+                )
+            if number >= rounds:
+                raise ValueError(
+                    f"cannot resume {self.dir}: config.json asks for {rounds} rounds, and checkpoint {path.name} "
+                    f"has done them all (set rounds above {number})"
+                )
+            return ResumePoint(path, state, metrics[: number + 1], damaged)
+        if damaged:
+            listing = "; ".join(f"{p.name}: {reason}" for p, reason in damaged)
+            raise ValueError(
+                f"cannot resume {self.dir}: no intact checkpoint is left ({listing}). To run it again from round 0, "
+                f"delete {self.checkpoint_dir}"
+            )
+        return ResumePoint(None, None, [], [])
+
+    def _check_fingerprint(self, path: Path, made_under: Any) -> None:
+        """ValueError unless config.json equals the config checkpoint ``path`` was made under, but for
+        :data:`RESUME_FREE_FIELDS`."""
+        changed = [
+            f"{k} ({json.dumps(made_under.get(k))} -> {json.dumps(self.config.get(k))})"
+            for k in sorted(set(made_under) | set(self.config))
+            if k not in RESUME_FREE_FIELDS and made_under.get(k) != self.config.get(k)
+        ]
+        if changed:
+            raise ValueError(
+                f"cannot resume {self.dir}: its config.json was changed after checkpoint {path.name} was made; "
+                f"it differs in {', '.join(changed)}. Put the old values back, or start a new run elsewhere"
+            )
+
+    def start_from(self, point: ResumePoint) -> list[dict[str, Any]]:
+        """Go on from ``point`` (of :meth:`resume_point`): set its damaged checkpoints aside (renamed, never
+        deleted) and say so in a warning, and cut metrics.jsonl back to ``point.metrics``, which are returned."""
+        if point.damaged:
+            moved = ", ".join(f"{p.name} ({reason}) -> {_set_aside(p).name}" for p, reason in point.damaged)
+            warnings.warn(
+                f"damaged checkpoint(s) in {self.checkpoint_dir} set aside: {moved}; resuming from "
+                f"{point.checkpoint.name} (round {point.round})",
+                stacklevel=2,
+            )
+        self.checkpoint_dir.mkdir(exist_ok=True)
+        _atomic_write(self.metrics_path, b"".join(_json_bytes(m) for m in point.metrics))
+        return list(point.metrics)
 
     def finish(self, metrics: list[dict[str, Any]], model: torch.Tensor) -> None:
         """Write model.pt, then summary.json (last: it marks the run finished)."""
-        _atomic_write(self.dir / "model.pt", lambda p: torch.save({"x": model.detach().cpu().clone()}, p))
-        _atomic_write(self.dir / "summary.json", lambda p: p.write_text(json.dumps(summarize(metrics), indent=2)))
+        buffer = io.BytesIO()
+        torch.save({"x": model.detach().cpu().clone()}, buffer)
+        _atomic_write(self.dir / "model.pt", buffer.getvalue())
+        _atomic_write(self.dir / "summary.json", json.dumps(summarize(metrics), indent=2).encode())
+
+
+class _Damaged(Exception):
+    """A checkpoint file failed its checks (the message says which)."""
+
+
+def _checksum_path(checkpoint: Path) -> Path:
+    return checkpoint.with_name(checkpoint.name + ".sha256")
+
+
+def _read_checkpoint(path: Path, number: int) -> dict[str, Any]:
+    """The state in checkpoint ``path`` of round ``number`` (from its name), checked against its checksum file and
+    for its round and config; _Damaged saying what is wrong otherwise."""
+    if not path.is_file():
+        raise _Damaged("not a file")
+    checksum = _checksum_path(path)
+    try:
+        line = _CHECKSUM_LINE.fullmatch(checksum.read_text(encoding="ascii"))
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise _Damaged(f"its checksum file {checksum.name} is missing") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise _Damaged(f"cannot be read ({type(err).__name__})") from None
+    if line is None or line.group(2) != path.name:
+        raise _Damaged(f"its checksum file {checksum.name} is malformed")
+    if hashlib.sha256(data).hexdigest() != line.group(1):
+        raise _Damaged(f"its {len(data)} bytes do not match the SHA-256 in {checksum.name}")
+    try:  # torch's own words stay unsaid (its error advises loading with weights_only=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            state = _decode(torch.load(io.BytesIO(data), map_location="cpu", weights_only=True))
+    except Exception:
+        raise _Damaged("not a checkpoint torch can load safely") from None
+    if not (isinstance(state, dict) and {"round", "config", "algorithm"} <= set(state)):
+        raise _Damaged("not a pyfedkern checkpoint (it lacks round, config or algorithm)")
+    made_under, done = state["config"], state["round"]
+    if isinstance(done, bool) or not isinstance(done, int) or done != number or done < 1:
+        raise _Damaged(f"it says round {done!r}, its name round {number}")
+    rounds = made_under.get("rounds") if isinstance(made_under, dict) else None
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or done >= rounds:
+        raise _Damaged(f"its config is not one of a run of more than {done} rounds")
+    return state
+
+
+def _set_aside(path: Path) -> Path:
+    """Rename a damaged checkpoint (file or whatever stands in its place) and its checksum file to
+    NAME.damaged (NAME.damaged.1, ... when taken); return the checkpoint's new path."""
+    for n in itertools.count():
+        target = path.with_name(f"{path.name}.damaged" + (f".{n}" if n else ""))
+        if not (target.exists() or target.is_symlink() or _checksum_path(target).exists()):
+            break
+    if _checksum_path(path).exists():
+        os.rename(_checksum_path(path), _checksum_path(target))
+    os.rename(path, target)
+    return target
+
+
+def _make_run_dir(path: Path) -> None:
+    """Create run directory ``path`` and its parents; ValueError saying why when it cannot be created or written."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        blocker = next(p for p in (path, *path.parents) if p.exists() and not p.is_dir())
+        raise ValueError(f"cannot create the run directory {path}: {blocker} is a file, not a directory") from None
+    except OSError as err:
+        raise ValueError(f"cannot create the run directory {path}: {err.strerror}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"cannot write in the run directory {path}: permission denied")
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The per-round records of a run directory.
+    """The per-round records of a run directory: rounds 0, 1, 2, ... in order.
 
-    A last line that does not parse is dropped: a run killed while appending a record leaves half a line.
-    Any other unparsable line raises ValueError.
+    A last line that does not parse is dropped: a run killed while appending a record leaves half a line. Any other
+    line that is not UTF-8 text, not JSON, or not an object holding the next round as an integer "round" raises
+    ValueError naming the file and line.
     """
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         return []
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
-    records = []
-    for i, line in enumerate(lines):
+    if not path.is_file():
+        raise ValueError(f"{path} is not a file")
+    lines = [(number, line) for number, line in enumerate(path.read_bytes().split(b"\n"), 1) if line.strip()]
+    records: list[dict[str, Any]] = []
+    for number, line in lines:
         try:
-            records.append(json.loads(line))
+            record = json.loads(line.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise ValueError(f"{path}: line {number} is not text (not UTF-8): {line[:40]!r}") from None
         except json.JSONDecodeError:
-            if i == len(lines) - 1:
+            if number == lines[-1][0]:
                 break
-            raise ValueError(f"{path}: line {i + 1} is not valid JSON: {line[:80]!r}") from None
+            raise ValueError(f"{path}: line {number} is not valid JSON: {line[:80].decode()!r}") from None
+        done = record.get("round") if isinstance(record, dict) else None
+        if isinstance(done, bool) or not isinstance(done, int):
+            raise ValueError(f'{path}: line {number} is not a round\'s record (a JSON object with an integer "round")')
+        if done != len(records):
+            raise ValueError(f"{path}: line {number} holds round {done}, expected round {len(records)}")
+        records.append(record)
     return records
 
 

@@ -209,6 +209,38 @@ def test_mnist_malformed(tmp_path):
         load_dataset("mnist", tmp_path)
 
 
+def _flip_a_byte(data: bytes) -> bytes:
+    middle = len(data) // 2
+    return data[:middle] + bytes([data[middle] ^ 0xFF]) + data[middle + 1 :]
+
+
+def _bad_block_type(data: bytes) -> bytes:
+    """The first deflate block given the reserved type 3 (zlib.error, not OSError, when read)."""
+    assert data[3] & 0x08  # the header carries the file name, NUL-terminated, after its 10 fixed bytes
+    start = data.index(b"\x00", 10) + 1
+    return data[:start] + bytes([data[start] | 0b110]) + data[start + 1 :]
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda data: data[: len(data) // 2],  # truncated
+        lambda data: data[:5],  # cut inside the gzip header
+        lambda data: b"not gzip at all" * 10,
+        _flip_a_byte,  # the CRC no longer matches
+        _bad_block_type,
+        lambda data: data[:-8] + b"\x00" * 8,  # CRC and length zeroed
+    ],
+    ids=["truncated", "header-cut", "not-gzip", "byte-flipped", "bad-block-type", "trailer-zeroed"],
+)
+def test_a_corrupt_mnist_gz_names_the_file(tmp_path, damage):
+    _write_mnist(tmp_path, gz=True)
+    path = tmp_path / "train-images-idx3-ubyte.gz"
+    path.write_bytes(damage(path.read_bytes()))
+    with pytest.raises(ValueError, match=f"IDX file {path}"):
+        load_dataset("mnist", tmp_path)
+
+
 # CIFAR-10 -----------------------------------------------------------------------------------------------------
 
 
@@ -267,7 +299,7 @@ def test_cifar10_refuses_foreign_globals(tmp_path, monkeypatch):
     with open(folder / "data_batch_1", "wb") as f:
         pickle.dump({b"data": np.zeros((1, 3072), np.uint8), b"labels": [_Exploit()]}, f, protocol=2)
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(pickle.UnpicklingError, match="system"):
+    with pytest.raises(ValueError, match=f"CIFAR-10 batch {folder / 'data_batch_1'}: refusing to load global .*system"):
         load_dataset("cifar10", tmp_path)
     assert not (tmp_path / "pwned").exists()
 
@@ -285,5 +317,9 @@ def test_cifar10_bad_content(tmp_path):
         load_dataset("cifar10", tmp_path)
     whole = (folder / "data_batch_5").read_bytes()
     (folder / "data_batch_5").write_bytes(whole[: len(whole) // 2])
-    with pytest.raises(pickle.UnpicklingError, match="data_batch_5"):
+    with pytest.raises(ValueError, match=r"CIFAR-10 batch .*data_batch_5"):
         load_dataset("cifar10", tmp_path)
+    for junk in (b"", os.urandom(500), b"\x80\x02}q\x00(X\x04\x00\x00\x00data"):
+        (folder / "data_batch_5").write_bytes(junk)
+        with pytest.raises(ValueError, match=r"CIFAR-10 batch .*data_batch_5"):
+            load_dataset("cifar10", tmp_path)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pyfedkern.data import datasets
-from pyfedkern.sim.config import ExperimentConfig, parse_lr_schedule
+from pyfedkern.sim.config import ExperimentConfig, device_problems, parse_lr_schedule
 from pyfedkern.sim.engine import Simulation, load_config
 from pyfedkern.sim.results import read_metrics
 
@@ -68,6 +68,65 @@ def test_invalid_config_raises_value_error(change, message, monkeypatch):
     monkeypatch.setattr(datasets, "load_dataset", no_loading)
     with pytest.raises(ValueError, match=message):
         Simulation(config)
+
+
+@pytest.mark.parametrize("device", ["cuda:x", "cuda:-1", "cuda:", "cpu:0", "CUDA", "gpu"])
+def test_a_malformed_device_is_refused(device):
+    with pytest.raises(ValueError, match=r"device must be 'cpu', 'cuda' or 'cuda:N' \(N = 0, 1, ... a GPU index\)"):
+        dataclasses.replace(SMALL, device=device).validate()
+
+
+@pytest.mark.parametrize(
+    ("device", "facts", "expected"),
+    [
+        ("cuda", {"torch_cuda": True, "gpus": 1, "pyfedkern_cuda": True}, []),
+        ("cuda:1", {"torch_cuda": True, "gpus": 2, "pyfedkern_cuda": True}, []),
+        ("cuda", {"torch_cuda": False, "gpus": 0, "pyfedkern_cuda": True}, ["torch was built without CUDA"]),
+        ("cuda", {"torch_cuda": True, "gpus": 1, "pyfedkern_cuda": False}, ["pyfedkern was built without CUDA"]),
+        ("cuda", {"torch_cuda": True, "gpus": 0, "pyfedkern_cuda": True}, ["no CUDA GPU is visible"]),
+        ("cuda:7", {"torch_cuda": True, "gpus": 0, "pyfedkern_cuda": True}, ["no CUDA GPU is visible"]),
+        (
+            "cuda:7",
+            {"torch_cuda": True, "gpus": 2, "pyfedkern_cuda": True},
+            ["GPU index 7 is out of range: 2 GPU(s) visible, cuda:0 to cuda:1"],
+        ),
+        (
+            "cuda:2",
+            {"torch_cuda": True, "gpus": 2, "pyfedkern_cuda": False},
+            ["pyfedkern was built without CUDA", "GPU index 2 is out of range"],
+        ),
+        (
+            "cuda:7",
+            {"torch_cuda": False, "gpus": 0, "pyfedkern_cuda": False},
+            ["torch was built without CUDA", "pyfedkern was built without CUDA"],
+        ),
+    ],
+)
+def test_device_problems_say_why_a_gpu_cannot_be_used(device, facts, expected):
+    problems = device_problems(device, **facts)
+    assert len(problems) == len(expected)
+    assert all(part in problem for part, problem in zip(expected, problems, strict=True))
+
+
+# ids without the bare word "cuda", which conftest reads as the mark of a test that needs a GPU
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", "cuda:7"], ids=["default-gpu", "gpu-0", "gpu-7"])
+def test_a_cuda_device_is_checked_against_this_machine(device, monkeypatch):
+    import pyfedkern
+
+    facts = {
+        "torch_cuda": torch.backends.cuda.is_built(),
+        "gpus": torch.cuda.device_count(),
+        "pyfedkern_cuda": bool(pyfedkern.build_info()["cuda"]),
+    }
+    problems = device_problems(device, **facts)
+    config = dataclasses.replace(SMALL, device=device)
+    if not problems:
+        config.validate()
+        return
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("data loaded for an unusable device"))
+    with pytest.raises(ValueError, match=f"device '{device}' cannot be used here: ") as err:
+        Simulation(config)
+    assert all(problem in str(err.value) for problem in problems)
 
 
 def test_too_many_clients_for_a_dataset_of_unknown_size_is_caught_right_after_loading(monkeypatch):
