@@ -205,7 +205,8 @@ def _resume_config(args: argparse.Namespace, extra: list[str]):
             clashes.append(f"{option} (the run has {name}={_shown(have)})")
     if asked.algorithm == stored.algorithm or "--algorithm" not in args.flags:
         algorithm = make_algorithm(stored.algorithm, **stored.algorithm_params)
-        for key, value in _algorithm_params([stored.algorithm], _split_extra(extra))[stored.algorithm].items():
+        given = _algorithm_params([stored.algorithm], _split_extra(extra), args.parser)[stored.algorithm]
+        for key, value in given.items():
             have = getattr(algorithm, key)
             if _plain(value) != _plain(have):
                 clashes.append(f"--{key.replace('_', '-')} {_shown(value)} (the run has {key}={_shown(have)})")
@@ -240,6 +241,7 @@ def _help_algorithm(name: str) -> int:
 
 def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
     from pyfedkern.sim.engine import Simulation, check_resumable
+    from pyfedkern.sim.results import check_new_run_dir
 
     if args.help_algorithm:
         return _help_algorithm(args.algorithm)
@@ -254,6 +256,8 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
             algorithm=args.algorithm,
             algorithm_params=_algorithm_params([args.algorithm], _split_extra(extra), args.parser)[args.algorithm],
         )
+        if args.out is not None:
+            check_new_run_dir(args.out)  # before the data is loaded
     metrics = Simulation(config).run(args.out, resume=args.resume, progress=not args.no_progress)
     last = next((m for m in reversed(metrics) if "test_acc" in m), metrics[-1])
     print(f"round {last['round']}: test accuracy {last['test_acc']:.4f}, test loss {last['test_loss']:.4f}")

@@ -1,19 +1,27 @@
 """The `pyfedkern` command line: a short experiment end to end, resume after a kill, compare, partition, bench,
-info and usage errors."""
+info, usage errors, and damaged or misused run directories, devices and dataset files."""
 
+import gzip
+import hashlib
+import io
 import json
 import os
+import pickle
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 import pyfedkern
 from pyfedkern.cli import main
 from pyfedkern.reproduce import REPRODUCTIONS, SUMMARIES
+from pyfedkern.sim.config import ExperimentConfig
 from pyfedkern.sim.engine import Simulation, load_config
 from pyfedkern.sim.results import read_metrics
 
@@ -233,3 +241,191 @@ def test_reproduce_help_with_a_name_lists_its_own_options(tmp_path):
     assert returncode == 0, err
     assert "--quick" in out and "--seeds" in out and "MNIST" in out
     assert set(SUMMARIES) == set(REPRODUCTIONS)
+
+
+# Run directories: each case a real `python -m pyfedkern` run that must exit 2 with one line naming the problem
+# (or go on, saying so) and lose or change no file of the run directory.
+
+# fedprox, lr 0.05, mu 0.1: rounds 1-4 recorded, checkpoints of rounds 3 and 4 kept, round 5 to run
+RUN = ExperimentConfig(
+    algorithm="fedprox",
+    algorithm_params={"mu": 0.1},
+    clients=4,
+    rounds=5,
+    model="logreg",
+    partition="iid",
+    batch_size=64,
+    lr=0.05,
+    checkpoint_every=1,
+)
+
+
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory):
+    """RUN stopped at the start of round 4 (a template: tests take copies), and RUN's uninterrupted metrics."""
+    base = tmp_path_factory.mktemp("interrupted")
+    full = Simulation(RUN).run(base / "full")
+    sim = Simulation(RUN)
+    original = sim.algorithm.round
+
+    def crash(t, ctx):
+        if t == 4:
+            raise KeyboardInterrupt
+        return original(t, ctx)
+
+    sim.algorithm.round = crash
+    with pytest.raises(KeyboardInterrupt):
+        sim.run(base / "cut")
+    return base / "cut", full
+
+
+@pytest.fixture
+def cut(interrupted, tmp_path):
+    return Path(shutil.copytree(interrupted[0], tmp_path / "cut"))
+
+
+def _error_line(argv, cwd) -> str:
+    """The one line a failing command prints (it must exit 2 and print nothing else)."""
+    returncode, _, err, _ = _python_m_pyfedkern(argv, cwd)
+    lines = err.strip().splitlines()
+    assert returncode == 2 and len(lines) == 1 and lines[0].startswith(f"pyfedkern {argv[0]}: error: "), err
+    return lines[0]
+
+
+def _edit_json(path: Path, **changes) -> None:
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--algorithm", "scaffold"], "--algorithm scaffold (the run has algorithm=fedprox)"),
+        (["--lr", "0.1"], "--lr 0.1 (the run has lr=0.05)"),  # the default given explicitly is still a contradiction
+        (["--parity", "--rounds", "5", "--mu=1"], "--parity (the run has parity=false), --mu 1.0 (the run has mu=0.1)"),
+    ],
+)
+def test_resume_refuses_options_that_contradict_the_stored_config(cut, files_under, options, message):
+    before = files_under(cut)
+    line = _error_line(["run", "--resume", "--out", str(cut), *options], cut.parent)
+    assert f"these options contradict it: {message}" in line
+    assert files_under(cut) == before
+
+
+def test_resume_with_options_that_agree_and_a_damaged_checkpoint_goes_on_saying_so(cut, interrupted):
+    (cut / "checkpoints" / "round_000004.pt").write_bytes(b"garbage")
+    argv = ["run", "--resume", "--out", str(cut), "--algorithm", "fedprox", "--mu", "0.1", "--lr", "0.05"]
+    returncode, _, err, _ = _python_m_pyfedkern([*argv, "--rounds", "5", "--no-progress"], cut.parent)
+    assert returncode == 0, err
+    assert err.strip().splitlines() == [
+        f"pyfedkern run: warning: damaged checkpoint(s) in {cut / 'checkpoints'} set aside: round_000004.pt (its 7 "
+        "bytes do not match the SHA-256 in round_000004.pt.sha256) -> round_000004.pt.damaged; resuming from "
+        "round_000003.pt (round 3)"
+    ]
+    assert _numbers(read_metrics(cut)) == _numbers(interrupted[1])
+    assert (cut / "checkpoints" / "round_000004.pt.damaged").read_bytes() == b"garbage"
+
+
+def _craft_round(path: Path, round_) -> None:
+    """Checkpoint ``path`` saying it is of round ``round_``, its checksum made to match."""
+    state = torch.load(path, weights_only=True)
+    buffer = io.BytesIO()
+    torch.save({**state, "round": round_}, buffer)
+    path.write_bytes(buffer.getvalue())
+    digest = hashlib.sha256(buffer.getvalue()).hexdigest()
+    path.with_name(path.name + ".sha256").write_text(f"{digest}  {path.name}\n")
+
+
+def _no_intact_checkpoint(run: Path) -> None:
+    for name in ("round_000003.pt", "round_000004.pt"):
+        _flip = bytearray((run / "checkpoints" / name).read_bytes())
+        _flip[100] ^= 1
+        (run / "checkpoints" / name).write_bytes(bytes(_flip))
+
+
+def _crafted_round_only(run: Path) -> None:
+    (run / "checkpoints" / "round_000003.pt").unlink()
+    _craft_round(run / "checkpoints" / "round_000004.pt", -3)
+
+
+def _metrics_line_without_round(run: Path) -> None:
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    (run / "metrics.jsonl").write_text("\n".join([*lines[:2], '{"test_acc": 0.5}', *lines[3:]]) + "\n")
+
+
+def _binary_metrics(run: Path) -> None:
+    (run / "metrics.jsonl").write_bytes(b'{"round": 0}\n\x00\x9f\x92\x96 binary\n')
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (_no_intact_checkpoint, "no intact checkpoint is left (round_000004.pt: its "),
+        (_crafted_round_only, "round_000004.pt: it says round -3, its name round 4"),
+        (
+            lambda run: _edit_json(run / "config.json", algorithm="scaffold", algorithm_params={}, clients=8),
+            'differs in algorithm ("fedprox" -> "scaffold"), algorithm_params ({"mu": 0.1} -> {}), clients (4 -> 8)',
+        ),
+        (lambda run: _edit_json(run / "config.json", rounds=2), "config.json asks for 2 rounds, but metrics.jsonl"),
+        (_metrics_line_without_round, "metrics.jsonl: line 3 is not a round's record"),
+        (_binary_metrics, "metrics.jsonl: line 2 is not text (not UTF-8)"),
+        (lambda run: (run / "config.json").write_text("[1, 2]"), "config.json must hold a JSON object"),
+    ],
+    ids=["no-intact", "crafted-round", "edited", "rounds-cut", "no-round", "binary", "list"],
+)
+def test_resume_of_a_damaged_or_edited_run_directory_fails_cleanly_and_changes_nothing(
+    cut, files_under, damage, message
+):
+    damage(cut)
+    before = files_under(cut)
+    line = _error_line(["run", "--resume", "--out", str(cut), "--no-progress"], cut.parent)
+    assert message in line and str(cut) in line
+    assert files_under(cut) == before
+
+
+def test_an_unusable_out_directory_is_a_one_line_error(tmp_path, unwritable):
+    (tmp_path / "file").write_text("mine")
+    line = _error_line(["run", *FAST, "--out", str(tmp_path / "file" / "run")], tmp_path)
+    assert f"cannot create the run directory {tmp_path / 'file' / 'run'}: {tmp_path / 'file'} is a file" in line
+    assert (tmp_path / "file").read_text() == "mine"
+    with unwritable(tmp_path / "locked") as locked:
+        line = _error_line(["run", *FAST, "--out", str(locked / "run")], tmp_path)
+        assert f"cannot create the run directory {locked / 'run'}: " in line
+        assert not list(locked.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("device", "message"),
+    [
+        ("cuda:x", "device must be 'cpu', 'cuda' or 'cuda:N'"),
+        ("cuda:-1", "device must be 'cpu', 'cuda' or 'cuda:N'"),
+        ("cuda", "device 'cuda' cannot be used here: "),
+        ("cuda:7", "device 'cuda:7' cannot be used here: "),
+    ],
+    ids=["letter", "negative", "default-gpu", "gpu-7"],  # no bare "cuda": conftest reads it as a GPU test's mark
+)
+def test_an_unusable_device_is_a_one_line_error(device, message, tmp_path):
+    if device in ("cuda", "cuda:7") and pyfedkern.cuda_available() and torch.cuda.device_count() > 7:
+        pytest.skip(f"{device} is usable here")
+    line = _error_line(["run", *FAST, "--device", device, "--out", str(tmp_path / "run")], tmp_path)
+    assert message in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_unreadable_dataset_files_are_one_line_errors_naming_the_file(tmp_path):
+    cifar = tmp_path / "cifar" / "cifar-10-batches-py"
+    cifar.mkdir(parents=True)
+    batch = {b"data": np.zeros((2, 3072), np.uint8), b"labels": [0, 1]}
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        (cifar / name).write_bytes(pickle.dumps(batch, protocol=2))
+    (cifar / "data_batch_2").write_bytes(b"cposix\nsystem\n(S'touch pwned'\ntR.")  # a global the unpickler refuses
+    line = _error_line(["run", *FAST, "--dataset", "cifar10", "--data-root", str(tmp_path / "cifar")], tmp_path)
+    assert f"CIFAR-10 batch {cifar / 'data_batch_2'}: refusing to load global posix.system" in line
+    assert not (tmp_path / "pwned").exists()
+
+    mnist = tmp_path / "mnist"
+    mnist.mkdir()
+    for name in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte"):
+        (mnist / f"{name}.gz").write_bytes(gzip.compress(b"\x00" * 64)[:-12])  # cut short
+    (mnist / "t10k-labels-idx1-ubyte").write_bytes(b"\x00" * 64)
+    line = _error_line(["run", *FAST, "--dataset", "mnist", "--data-root", str(mnist)], tmp_path)
+    assert f"cannot read IDX file {mnist / 'train-images-idx3-ubyte.gz'}: " in line

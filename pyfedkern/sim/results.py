@@ -164,8 +164,7 @@ class RunWriter:
                 if path.exists() and not os.access(path, os.W_OK):
                     raise ValueError(f"cannot resume {self.dir}: {path} cannot be written (permission denied)")
         else:
-            if (self.dir / "metrics.jsonl").exists():
-                raise FileExistsError(f"{self.dir} already holds a run; resume it or choose another output directory")
+            check_new_run_dir(self.dir)
             _make_run_dir(self.dir)
             _atomic_write(config_path, _json_bytes(self.config, indent=2))
             self.checkpoint_dir.mkdir(exist_ok=True)
@@ -344,17 +343,26 @@ def _set_aside(path: Path) -> Path:
     return target
 
 
+def check_new_run_dir(out_dir: str | Path) -> None:
+    """Raise unless a new run can be written to ``out_dir``, changing nothing: FileExistsError when it holds a run
+    already, ValueError when it, or the nearest of its parents that exists, is a file or cannot be written."""
+    path = Path(out_dir)
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"cannot create the run directory {path}: {existing} is a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"cannot create the run directory {path}: {existing} cannot be written (permission denied)")
+    if (path / "metrics.jsonl").exists():
+        raise FileExistsError(f"{path} already holds a run; resume it or choose another output directory")
+
+
 def _make_run_dir(path: Path) -> None:
-    """Create run directory ``path`` and its parents; ValueError saying why when it cannot be created or written."""
+    """Create run directory ``path`` and its parents (:func:`check_new_run_dir` passed); ValueError saying why when
+    the system still refuses."""
     try:
         path.mkdir(parents=True, exist_ok=True)
-    except (FileExistsError, NotADirectoryError):
-        blocker = next(p for p in (path, *path.parents) if p.exists() and not p.is_dir())
-        raise ValueError(f"cannot create the run directory {path}: {blocker} is a file, not a directory") from None
     except OSError as err:
         raise ValueError(f"cannot create the run directory {path}: {err.strerror}") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ValueError(f"cannot write in the run directory {path}: permission denied")
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:

@@ -1,7 +1,6 @@
 """Run directories: checkpoint integrity and fallback, resume checks that change no file before they pass, config
 fingerprints, and clean errors for damaged metrics/config files and unusable output directories."""
 
-import contextlib
 import dataclasses
 import hashlib
 import io
@@ -9,7 +8,6 @@ import json
 import os
 import pickle
 import shutil
-import subprocess
 import warnings
 from pathlib import Path
 
@@ -30,11 +28,6 @@ CRASH_ROUND = 4
 
 def _numbers(metrics):
     return [{k: v for k, v in m.items() if not k.startswith("time")} for m in metrics]
-
-
-def _files(run_dir: Path) -> dict[str, bytes | None]:
-    """Every file (its bytes) and directory (None) under run_dir, by relative path."""
-    return {str(p.relative_to(run_dir)): (p.read_bytes() if p.is_file() else None) for p in sorted(run_dir.rglob("*"))}
 
 
 @pytest.fixture(scope="module")
@@ -148,15 +141,15 @@ def test_a_damaged_newest_checkpoint_is_set_aside_and_the_older_one_used(cut, ru
         assert (aside / "inside").read_text() == "kept"
 
 
-def test_every_checkpoint_damaged_refuses_and_changes_nothing(cut):
+def test_every_checkpoint_damaged_refuses_and_changes_nothing(cut, files_under):
     for r in (3, 4):
         _checkpoint(cut, r).write_bytes(b"junk")
-    before = _files(cut)
+    before = files_under(cut)
     with pytest.raises(
         ValueError, match=r"no intact checkpoint is left .*round_000004.pt: .*To run it again from round 0"
     ):
         _resume(cut)
-    assert _files(cut) == before
+    assert files_under(cut) == before
 
 
 def test_a_checkpoint_of_foreign_pickled_code_is_damaged_and_torchs_advice_never_shown(cut, runs):
@@ -175,7 +168,7 @@ def test_a_checkpoint_of_foreign_pickled_code_is_damaged_and_torchs_advice_never
     _assert_exact(cut, runs)
 
 
-def test_a_crafted_round_out_of_range_is_damaged_and_metrics_are_never_cut_below_a_checkpoint(cut, runs):
+def test_a_crafted_round_out_of_range_is_damaged_and_metrics_are_never_cut_below_a_checkpoint(cut, runs, files_under):
     newest = _checkpoint(cut, 4)
     state = torch.load(newest, weights_only=True)
     _save_crafted(newest, {**state, "round": -3})  # its checksum matches: only its contents give it away
@@ -188,10 +181,10 @@ def test_a_crafted_round_out_of_range_is_damaged_and_metrics_are_never_cut_below
     shutil.copytree(runs["cut"], other)
     _checkpoint(other, 3).unlink()
     _save_crafted(_checkpoint(other, 4), {**state, "round": -3})
-    before = _files(other)
+    before = files_under(other)
     with pytest.raises(ValueError, match="no intact checkpoint"):
         _resume(other)
-    assert _files(other) == before
+    assert files_under(other) == before
 
 
 @pytest.mark.parametrize(
@@ -202,15 +195,17 @@ def test_a_crafted_round_out_of_range_is_damaged_and_metrics_are_never_cut_below
         ("algorithm", {"x": torch.zeros(3)}, "its algorithm state does not fit scaffold"),
     ],
 )
-def test_a_checkpoint_that_does_not_fit_the_run_is_refused_before_any_file_changes(cut, field, value, message):
+def test_a_checkpoint_that_does_not_fit_the_run_is_refused_before_any_file_changes(
+    cut, field, value, message, files_under
+):
     newest = _checkpoint(cut, 4)
     state = torch.load(newest, weights_only=True)
     encoded = {"__ndarray__": torch.from_numpy(value)} if isinstance(value, np.ndarray) else value
     _save_crafted(newest, {**state, field: encoded})
-    before = _files(cut)
+    before = files_under(cut)
     with pytest.raises(ValueError, match=message):
         _resume(cut)
-    assert _files(cut) == before
+    assert files_under(cut) == before
 
 
 def _edit_config(run_dir: Path, **changes) -> None:
@@ -230,15 +225,15 @@ def _edit_config(run_dir: Path, **changes) -> None:
         ({"threads": 2}, "threads (null -> 2)"),  # the thread count changes the last bits of the local loss
     ],
 )
-def test_a_hand_edited_config_is_refused_naming_the_fields(cut, changes, listed):
+def test_a_hand_edited_config_is_refused_naming_the_fields(cut, changes, listed, files_under):
     _edit_config(cut, **changes)
-    before = _files(cut)
+    before = files_under(cut)
     with pytest.raises(ValueError, match=r"config\.json was changed after checkpoint round_000004\.pt") as err:
         _resume(cut)
     assert listed in str(err.value)
     with pytest.raises(ValueError, match="was changed after checkpoint"):
         check_resumable(load_config(cut), cut)  # what the CLI asks before it loads the data
-    assert _files(cut) == before
+    assert files_under(cut) == before
 
 
 def test_config_edits_that_change_no_recorded_number_are_accepted(cut, runs):
@@ -247,12 +242,12 @@ def test_config_edits_that_change_no_recorded_number_are_accepted(cut, runs):
     _assert_exact(cut, runs)
 
 
-def test_rounds_may_grow_but_not_drop_below_a_recorded_round(cut, runs):
-    before = _files(cut)
+def test_rounds_may_grow_but_not_drop_below_a_recorded_round(cut, runs, files_under):
+    before = files_under(cut)
     _edit_config(cut, rounds=3)
     with pytest.raises(ValueError, match=r"asks for 3 rounds, but metrics\.jsonl has recorded 4"):
         _resume(cut)
-    assert {k: v for k, v in _files(cut).items() if k != "config.json"} == {
+    assert {k: v for k, v in files_under(cut).items() if k != "config.json"} == {
         k: v for k, v in before.items() if k != "config.json"
     }
     _edit_config(cut, rounds=4)  # round 4 recorded and checkpointed: nothing left to run
@@ -287,11 +282,11 @@ def test_a_half_written_last_metrics_line_is_dropped(tmp_path):
     assert read_metrics(tmp_path) == [{"round": 0}, {"round": 1}]
 
 
-def test_resume_refuses_damaged_metrics_before_any_file_changes(cut):
+def test_resume_refuses_damaged_metrics_before_any_file_changes(cut, files_under):
     path = cut / "metrics.jsonl"
     lines = path.read_text().splitlines()
     path.write_text("\n".join([lines[0], '{"test_acc": 0.5}', *lines[2:]]) + "\n")
-    before = _files(cut)
+    before = files_under(cut)
     with pytest.raises(ValueError, match=r"metrics.jsonl: line 2 is not a round's record"):
         _resume(cut)
     path.write_text("\n".join(lines[:3]) + "\n")  # rounds 3 and 4 lost though their checkpoints exist
@@ -300,7 +295,7 @@ def test_resume_refuses_damaged_metrics_before_any_file_changes(cut):
     path.write_text("\n".join([lines[0], "{garbage", *lines[1:]]) + "\n")
     with pytest.raises(ValueError, match="line 2 is not valid JSON"):
         _resume(cut)
-    assert {k: v for k, v in _files(cut).items() if k != "metrics.jsonl"} == {
+    assert {k: v for k, v in files_under(cut).items() if k != "metrics.jsonl"} == {
         k: v for k, v in before.items() if k != "metrics.jsonl"
     }
 
@@ -324,14 +319,14 @@ def test_a_damaged_config_json_is_named(tmp_path, content, message):
         load_config(tmp_path)
 
 
-def test_resume_of_a_run_whose_config_json_is_a_list_changes_nothing(cut):
+def test_resume_of_a_run_whose_config_json_is_a_list_changes_nothing(cut, files_under):
     (cut / "config.json").write_text("[]")
-    before = _files(cut)
+    before = files_under(cut)
     with pytest.raises(ValueError, match=r"config\.json must hold a JSON object"):
         Simulation(CONFIG).run(cut, resume=True)
     with pytest.raises(ValueError, match=r"config\.json must hold a JSON object"):
         read_config(cut)
-    assert _files(cut) == before
+    assert files_under(cut) == before
 
 
 def test_an_output_directory_under_a_regular_file_is_refused(tmp_path):
@@ -343,42 +338,17 @@ def test_an_output_directory_under_a_regular_file_is_refused(tmp_path):
     assert blocker.read_text() == "mine"
 
 
-@contextlib.contextmanager
-def unwritable(directory: Path):
-    """Make ``directory`` unwritable, even for root: chmod for other users; for root, the immutable attribute
-    (chattr +i, which root's write permission does not override). Skips where neither works."""
-    directory.mkdir(parents=True, exist_ok=True)
-    if os.geteuid() != 0:
-        directory.chmod(0o500)
-        undo = ["chmod", "700", str(directory)]
-    else:
-        try:
-            subprocess.run(["chattr", "+i", str(directory)], check=True, capture_output=True)
-        except (OSError, subprocess.CalledProcessError):
-            pytest.skip("running as root where chattr +i is unavailable: no way to make a directory unwritable")
-        undo = ["chattr", "-i", str(directory)]
-    try:
-        if os.access(directory, os.W_OK):
-            pytest.skip(f"{directory} is still writable for this user")
-        yield directory
-    finally:
-        if undo[0] == "chmod":
-            directory.chmod(0o700)
-        else:
-            subprocess.run(undo, check=True)
-
-
-def test_an_unwritable_output_directory_is_refused(tmp_path):
+def test_an_unwritable_output_directory_is_refused(tmp_path, unwritable):
     with unwritable(tmp_path / "locked") as locked:
         for out in (locked, locked / "run"):
-            with pytest.raises(ValueError, match=f"run directory {out}: (permission denied|Operation not permitted)"):
+            with pytest.raises(ValueError, match=f"run directory {out}: {locked} cannot be written"):
                 Simulation(dataclasses.replace(CONFIG, rounds=1)).run(out)
         assert list(locked.iterdir()) == []
 
 
-def test_resume_in_an_unwritable_directory_is_refused_before_any_file_changes(cut):
-    before = _files(cut)
+def test_resume_in_an_unwritable_directory_is_refused_before_any_file_changes(cut, unwritable, files_under):
+    before = files_under(cut)
     with unwritable(cut):
         with pytest.raises(ValueError, match=f"cannot resume {cut}: {cut} cannot be written"):
             _resume(cut)
-    assert _files(cut) == before
+    assert files_under(cut) == before
