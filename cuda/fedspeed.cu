@@ -2,6 +2,8 @@
 // depends on d only) writes one partial sum of squares per block into the workspace, then one block adds the
 // partials in a fixed tree order and stores the norm in norm_out. The elementwise kernel reads that device
 // scalar, so no value ever travels to the host and nothing synchronises the device.
+#include <initializer_list>
+
 #include "cuda_common.cuh"
 #include "cuda_launchers.h"
 #include "fedspeed.h"
@@ -24,6 +26,50 @@ struct DevCombo {
   int64_t sa;
   Acc a1, a2, c;
 };
+
+// Elements of a 16-byte pack: the vectorised body of the elementwise kernels handles `nvec` packs when every
+// vector is contiguous and 16-byte aligned (nvec = 0 otherwise); the element loop after it does the rest.
+template <typename T>
+constexpr int kPack = 16 / sizeof(T);
+
+template <typename T>
+struct alignas(16) Pack {
+  T v[kPack<T>];
+};
+
+template <typename T>
+__device__ __forceinline__ void load_pack(const T* p, int64_t pack, typename AccOf<T>::type (&out)[kPack<T>]) {
+  const Pack<T> q = reinterpret_cast<const Pack<T>*>(p)[pack];
+#pragma unroll
+  for (int i = 0; i < kPack<T>; ++i) out[i] = to_acc(q.v[i]);
+}
+
+template <typename T>
+__device__ __forceinline__ void store_pack(T* p, int64_t pack, const typename AccOf<T>::type (&in)[kPack<T>]) {
+  Pack<T> q;
+#pragma unroll
+  for (int i = 0; i < kPack<T>; ++i) q.v[i] = Store<T>::from(in[i]);
+  reinterpret_cast<Pack<T>*>(p)[pack] = q;
+}
+
+template <typename T, bool HasG1, bool HasD>
+__device__ __forceinline__ void combo_pack(const DevCombo<T>& k, int64_t pack, typename AccOf<T>::type (&v)[kPack<T>]) {
+  using Acc = typename AccOf<T>::type;
+  Acc a[kPack<T>];
+  load_pack(k.g2, pack, v);
+#pragma unroll
+  for (int i = 0; i < kPack<T>; ++i) v[i] = k.a2 * v[i];
+  if constexpr (HasG1) {
+    load_pack(k.g1, pack, a);
+#pragma unroll
+    for (int i = 0; i < kPack<T>; ++i) v[i] = k.a1 * a[i] + v[i];
+  }
+  if constexpr (HasD) {
+    load_pack(k.anchor, pack, a);
+#pragma unroll
+    for (int i = 0; i < kPack<T>; ++i) v[i] = v[i] + k.c * a[i];
+  }
+}
 
 template <typename T, bool HasG1, bool HasD>
 __device__ __forceinline__ typename AccOf<T>::type combo_at(const DevCombo<T>& k, int64_t i) {
@@ -69,8 +115,8 @@ __global__ void norm_finalize_kernel(const Acc* __restrict__ partials, int count
 }
 
 template <typename T>
-__global__ void perturb_kernel(int64_t d, const T* x, int64_t sx, const T* g, int64_t sg, T* out, int64_t so,
-                               typename AccOf<T>::type rho, typename AccOf<T>::type eps,
+__global__ void perturb_kernel(int64_t d, int64_t nvec, const T* x, int64_t sx, const T* g, int64_t sg, T* out,
+                               int64_t so, typename AccOf<T>::type rho, typename AccOf<T>::type eps,
                                const typename AccOf<T>::type* __restrict__ norm) {
   using Acc = typename AccOf<T>::type;
   Acc s = rho;
@@ -79,20 +125,38 @@ __global__ void perturb_kernel(int64_t d, const T* x, int64_t sx, const T* g, in
     s = denom > Acc(0) ? rho / denom : Acc(0);  // zero gradient with eps = 0: no perturbation
   }
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < d; i += step) {
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (int64_t v = first; v < nvec; v += step) {
+    Acc xv[kPack<T>], gv[kPack<T>];
+    load_pack(x, v, xv);
+    load_pack(g, v, gv);
+#pragma unroll
+    for (int i = 0; i < kPack<T>; ++i) xv[i] = xv[i] + s * gv[i];
+    store_pack(out, v, xv);
+  }
+  for (int64_t i = nvec * kPack<T> + first; i < d; i += step) {
     out[i * so] = Store<T>::from(to_acc(x[i * sx]) + s * to_acc(g[i * sg]));
   }
 }
 
 template <typename T, bool HasG1, bool HasD>
-__global__ void update_kernel(int64_t d, T* x, int64_t sx, DevCombo<T> k, typename AccOf<T>::type x_coef,
+__global__ void update_kernel(int64_t d, int64_t nvec, T* x, int64_t sx, DevCombo<T> k, typename AccOf<T>::type x_coef,
                               typename AccOf<T>::type lr, typename AccOf<T>::type clip_norm,
                               const typename AccOf<T>::type* __restrict__ norm) {
   using Acc = typename AccOf<T>::type;
   Acc scale = Acc(1);
   if (norm != nullptr) scale = fmin(Acc(1), clip_norm / (norm[0] + Acc(1e-6)));
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < d; i += step) {
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (int64_t p = first; p < nvec; p += step) {
+    Acc xv[kPack<T>], v[kPack<T>];
+    load_pack(x, p, xv);
+    combo_pack<T, HasG1, HasD>(k, p, v);
+#pragma unroll
+    for (int i = 0; i < kPack<T>; ++i) xv[i] = xv[i] - lr * (scale * v[i] + x_coef * xv[i]);
+    store_pack(x, p, xv);
+  }
+  for (int64_t i = nvec * kPack<T> + first; i < d; i += step) {
     const Acc xv = to_acc(x[i * sx]);
     const Acc v = combo_at<T, HasG1, HasD>(k, i);
     x[i * sx] = Store<T>::from(xv - lr * (scale * v + x_coef * xv));
@@ -100,11 +164,35 @@ __global__ void update_kernel(int64_t d, T* x, int64_t sx, DevCombo<T> k, typena
 }
 
 template <typename T, bool HasAcc, bool IncludeH, bool HasHsum>
-__global__ void round_end_kernel(int64_t d, T* h, int64_t sh, const T* xk, int64_t sk, const T* xt, int64_t st, T* acc,
-                                 int64_t sa, T* hs, int64_t ss, typename AccOf<T>::type w) {
+__global__ void round_end_kernel(int64_t d, int64_t nvec, T* h, int64_t sh, const T* xk, int64_t sk, const T* xt,
+                                 int64_t st, T* acc, int64_t sa, T* hs, int64_t ss, typename AccOf<T>::type w) {
   using Acc = typename AccOf<T>::type;
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < d; i += step) {
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (int64_t p = first; p < nvec; p += step) {
+    Acc xl[kPack<T>], xg[kPack<T>], hv[kPack<T>], delta[kPack<T>];
+    load_pack(xk, p, xl);
+    load_pack(xt, p, xg);
+    load_pack(h, p, hv);
+#pragma unroll
+    for (int i = 0; i < kPack<T>; ++i) delta[i] = xl[i] - xg[i], hv[i] = hv[i] + delta[i];
+    store_pack(h, p, hv);
+    if constexpr (HasAcc) {
+      Acc av[kPack<T>];
+      load_pack(acc, p, av);
+#pragma unroll
+      for (int i = 0; i < kPack<T>; ++i) av[i] = av[i] + w * (IncludeH ? xl[i] + hv[i] : xl[i]);
+      store_pack(acc, p, av);
+    }
+    if constexpr (HasHsum) {
+      Acc sv[kPack<T>];
+      load_pack(hs, p, sv);
+#pragma unroll
+      for (int i = 0; i < kPack<T>; ++i) sv[i] = sv[i] + delta[i];
+      store_pack(hs, p, sv);
+    }
+  }
+  for (int64_t i = nvec * kPack<T> + first; i < d; i += step) {
     const Acc xl = to_acc(xk[i * sk]);
     const Acc delta = xl - to_acc(xt[i * st]);
     const Acc hn = to_acc(h[i * sh]) + delta;
@@ -130,6 +218,20 @@ DevCombo<T> make_combo(const StridedVec& g1, const StridedVec& g2, const Strided
           static_cast<Acc>(a1),
           static_cast<Acc>(a2),
           static_cast<Acc>(c)};
+}
+
+// Packs the elementwise kernels process vectorised: d / kPack when every given vector is contiguous and 16-byte
+// aligned, else 0. Null vectors (absent operands) do not count.
+template <typename T>
+int64_t packs(int64_t d, std::initializer_list<StridedVec> vectors) {
+  for (const StridedVec& v : vectors)
+    if (v.ptr != nullptr && (v.stride != 1 || !aligned16(v.ptr))) return 0;
+  return d / kPack<T>;
+}
+
+// Threads for a launch with nvec packs and the elements after them.
+int64_t work_items(int64_t d, int64_t nvec, int pack) {
+  return nvec + (d - nvec * pack);
 }
 
 // Blocks of the partial-sum pass: a function of d only, so the reduction order is the same on every GPU.
@@ -159,8 +261,9 @@ void perturb(int device, cudaStream_t stream, const PerturbArgs& a) {
     device_norm<T, false, false>(stream, a.d, make_combo<T>({}, a.g, {}, 0.0, 1.0, 0.0), a.workspace, a.norm_out);
     norm = static_cast<const Acc*>(a.norm_out);
   }
-  perturb_kernel<T><<<grid_for(device, a.d, kThreads), kThreads, 0, stream>>>(
-      a.d, static_cast<const T*>(a.x.ptr), a.x.stride, static_cast<const T*>(a.g.ptr), a.g.stride,
+  const int64_t nvec = packs<T>(a.d, {a.x, a.g, a.out});
+  perturb_kernel<T><<<grid_for(device, work_items(a.d, nvec, kPack<T>), kThreads), kThreads, 0, stream>>>(
+      a.d, nvec, static_cast<const T*>(a.x.ptr), a.x.stride, static_cast<const T*>(a.g.ptr), a.g.stride,
       static_cast<T*>(a.out.ptr), a.out.stride, static_cast<Acc>(a.rho), static_cast<Acc>(a.eps), norm);
   check(cudaGetLastError(), "fedspeed perturb kernel launch");
 }
@@ -175,8 +278,9 @@ void update_flags(int device, cudaStream_t stream, const UpdateArgs& a) {
     device_norm<T, HasG1, HasD>(stream, a.d, k, a.workspace, a.norm_out);
     norm = static_cast<const Acc*>(a.norm_out);
   }
-  update_kernel<T, HasG1, HasD><<<grid_for(device, a.d, kThreads), kThreads, 0, stream>>>(
-      a.d, static_cast<T*>(a.x.ptr), a.x.stride, k, static_cast<Acc>(a.x_coef), static_cast<Acc>(a.lr),
+  const int64_t nvec = packs<T>(a.d, {a.x, a.g1, a.g2, a.anchor});
+  update_kernel<T, HasG1, HasD><<<grid_for(device, work_items(a.d, nvec, kPack<T>), kThreads), kThreads, 0, stream>>>(
+      a.d, nvec, static_cast<T*>(a.x.ptr), a.x.stride, k, static_cast<Acc>(a.x_coef), static_cast<Acc>(a.lr),
       static_cast<Acc>(a.clip_norm), norm);
   check(cudaGetLastError(), "fedspeed update kernel launch");
 }
@@ -193,10 +297,12 @@ void update(int device, cudaStream_t stream, const UpdateArgs& a) {
 template <typename T, bool HasAcc, bool IncludeH, bool HasHsum>
 void round_end_flags(int device, cudaStream_t stream, const RoundEndArgs& a) {
   using Acc = typename AccOf<T>::type;
-  round_end_kernel<T, HasAcc, IncludeH, HasHsum><<<grid_for(device, a.d, kThreads), kThreads, 0, stream>>>(
-      a.d, static_cast<T*>(a.h.ptr), a.h.stride, static_cast<const T*>(a.x_local.ptr), a.x_local.stride,
-      static_cast<const T*>(a.x_global.ptr), a.x_global.stride, static_cast<T*>(a.acc.ptr), a.acc.stride,
-      static_cast<T*>(a.h_sum.ptr), a.h_sum.stride, static_cast<Acc>(a.weight));
+  const int64_t nvec = packs<T>(a.d, {a.h, a.x_local, a.x_global, a.acc, a.h_sum});
+  round_end_kernel<T, HasAcc, IncludeH, HasHsum>
+      <<<grid_for(device, work_items(a.d, nvec, kPack<T>), kThreads), kThreads, 0, stream>>>(
+          a.d, nvec, static_cast<T*>(a.h.ptr), a.h.stride, static_cast<const T*>(a.x_local.ptr), a.x_local.stride,
+          static_cast<const T*>(a.x_global.ptr), a.x_global.stride, static_cast<T*>(a.acc.ptr), a.acc.stride,
+          static_cast<T*>(a.h_sum.ptr), a.h_sum.stride, static_cast<Acc>(a.weight));
   check(cudaGetLastError(), "fedspeed round-end kernel launch");
 }
 

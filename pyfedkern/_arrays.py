@@ -326,10 +326,41 @@ class RowSet:
         return self.refs if self.stack is None else [self.stack.row(k) for k in range(self.count)]
 
 
+def refuse_capture(ref: ArrayRef, name: str, what: str) -> None:
+    """ValueError when ref's current CUDA stream is capturing a graph: ``what`` (a host round trip) cannot be
+    captured, and trying would invalidate the capture."""
+    if ref.device < 0:
+        return
+    if ref.lib == "torch":
+        import torch
+
+        capturing = torch.cuda.is_current_stream_capturing()
+    else:
+        import cupy
+
+        capturing = cupy.cuda.get_current_stream().is_capturing()
+    if capturing:
+        raise ValueError(
+            f"{name}: {what} needs a host round trip, which a CUDA graph cannot capture; call it outside the capture"
+        )
+
+
+def to_host(x: Any, name: str) -> np.ndarray:
+    """A numpy copy of an array of any library (a GPU array is copied to the host, which synchronises)."""
+    ref = describe(x, name)
+    refuse_capture(ref, name, "reading a GPU array's values")
+    if ref.lib == "torch":
+        return x.detach().cpu().numpy()
+    if ref.lib == "cupy":
+        return x.get()
+    return x
+
+
 def host_float64(values: Any, name: str, length: int | None = None) -> np.ndarray:
     """A 1-D float64 numpy copy of scalars or an array (any library or device), checked finite."""
     if is_array(values):
         ref = describe(values, name)
+        refuse_capture(ref, name, "reading a GPU array's values")
         if ref.lib == "torch":
             import torch
 

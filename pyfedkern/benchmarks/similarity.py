@@ -54,7 +54,7 @@ def authors_loop(query, bank_layers, model_layers, include, scale):
     """Per tensor: normalise, distance, accumulate; Softmin; per tensor Σ_k α_k·W_k (K state dicts)."""
     K = len(bank_layers)
     used = [i for i, keep in enumerate(include) if keep]
-    dist = torch.zeros(K)
+    dist = torch.zeros(K, device=query[0].device)  # on the tensors' device (the authors ran on one device)
     for i in used:
         g = query[i] / query[i].norm()
         for k in range(K):

@@ -304,6 +304,7 @@ class _Herd:
 
 
 def _herd(cl: _Clients, ks: list[int]) -> _Herd:
+    _arrays.refuse_capture(cl.first, "herding", "checking that the Gram matrix is finite")
     gram = _centred_gram(cl)
     finite = _finite_per_client(cl.lib, gram)
     if not finite.all():

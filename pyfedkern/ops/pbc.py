@@ -78,11 +78,7 @@ def _interleaved(ref: ArrayRef) -> bool:
 def _indices(active: Any, m: int, name: str) -> np.ndarray:
     """Distinct int64 row indices, in the given order, from indices or a boolean mask of length m (row order)."""
     if _arrays.is_array(active):
-        ref = _arrays.describe(active, name)
-        if ref.lib == "torch":
-            active = active.detach().cpu().numpy()
-        elif ref.lib == "cupy":
-            active = active.get()
+        active = _arrays.to_host(active, name)  # GPU indices: one host round trip (pass host indices to avoid it)
     arr = np.asarray(active)
     if arr.ndim != 1:
         raise ValueError(f"{name} must be 1-D (indices or a boolean mask of length {m}), got shape {arr.shape}")

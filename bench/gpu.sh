@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Build, test, sanitize and benchmark pyfedkern on a CUDA machine in one go (the lent GPU of a development session).
+# Usage: bash bench/gpu.sh OUT_DIR [STEPS]   STEPS: a comma list of build,test,sanitize,bench,engine (default all).
+# Writes logs, the pytest-benchmark JSON, its report and the wheel into OUT_DIR; a wheel already in OUT_DIR or in
+# ./wheels is installed instead of rebuilding.
+set -uo pipefail
+out=${1:?usage: bash bench/gpu.sh OUT_DIR [STEPS]}
+steps=${2:-build,test,sanitize,bench}
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+py=python3
+has() { [[ ",$steps," == *",$1,"* ]]; }
+stamp() { echo "== $(date +%T) $*"; }
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+wheel=$(ls wheels/pyfedkern-*.whl 2>/dev/null | head -1)
+if has build || [ -z "$wheel" ]; then
+  stamp build
+  CMAKE_BUILD_PARALLEL_LEVEL=16 PYFEDKERN_CUDA=ON $py -m pip wheel --no-build-isolation --no-deps -w wheels \
+    --config-settings=cmake.define.PYFEDKERN_CUDA_ARCHS=90-real . >"$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
+  wheel=$(ls -t wheels/pyfedkern-*.whl | head -1)
+  cp "$wheel" "$out/"
+fi
+$py -m pip install -q --no-deps --force-reinstall "$wheel" >/dev/null 2>&1
+$py -P -c "import pyfedkern; print(pyfedkern.build_info())" | tee -a "$out/gpu.txt"
+
+if has test; then
+  stamp "cuda tests"
+  timeout 300 $py -P -m pytest -m cuda tests -q -x -p no:cacheprovider >"$out/cuda-tests.log" 2>&1
+  tail -3 "$out/cuda-tests.log"
+fi
+if has sanitize; then
+  stamp "compute-sanitizer memcheck on the CUDA op tests"
+  timeout 300 compute-sanitizer --tool memcheck --print-limit 20 $py -P -m pytest -m cuda tests/ops -q -x \
+    -p no:cacheprovider >"$out/memcheck.log" 2>&1
+  grep -E "ERROR SUMMARY|passed|failed" "$out/memcheck.log" | tail -3
+fi
+if has bench; then
+  stamp "benchmarks (cuda groups)"
+  timeout 420 $py -P -m pytest bench/ -k "cuda and not fedpbc_round and not engine" -q -p no:cacheprovider \
+    --benchmark-json="$out/bench-cuda.json" >"$out/bench.log" 2>&1
+  tail -2 "$out/bench.log"
+  $py -P bench/report.py "$out/bench-cuda.json" --title "pyfedkern CUDA benchmarks ($(head -1 "$out/gpu.txt"))" \
+    >"$out/bench-cuda.md" && grep -E "^\| " "$out/bench-cuda.md" | head -0
+fi
+if has engine; then
+  stamp "engine benchmarks (cuda)"
+  timeout 420 $py -P -m pytest bench/ -k "cuda and (fedpbc_round or engine)" -q -p no:cacheprovider \
+    --benchmark-json="$out/bench-engine.json" >"$out/bench-engine.log" 2>&1
+  tail -2 "$out/bench-engine.log"
+  $py -P bench/report.py "$out/bench-engine.json" --title "pyfedkern engine on CUDA ($(head -1 "$out/gpu.txt"))" \
+    >"$out/bench-engine.md"
+fi
+stamp done
