@@ -15,6 +15,7 @@ from typing import Any
 from pyfedkern.data.spec import parse_spec
 
 LR_SCHEDULES = ("const", "exp", "invsqrt")
+DEVICE = re.compile(r"cpu|cuda(:[0-9]+)?")
 
 
 @dataclass
@@ -100,7 +101,8 @@ class ExperimentConfig:
         if self.momentum >= 1:
             raise ValueError(f"momentum must be < 1, got {self.momentum}")
         parse_lr_schedule(self.lr_schedule)
-        check_device(self.device)
+        if not DEVICE.fullmatch(self.device):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N' (N a GPU index), got {self.device!r}")
         if self.normalize not in datasets.NORMALIZATIONS:
             raise ValueError(f"normalize must be one of {', '.join(datasets.NORMALIZATIONS)}, got {self.normalize!r}")
         samples = datasets.train_size(self.dataset)
@@ -132,9 +134,9 @@ def check_client_count(clients: int, samples: int, dataset: str) -> None:
 
 
 def check_device(device: str) -> None:
-    """ValueError unless ``device`` is "cpu", or "cuda" / "cuda:N" and usable here (see :func:`device_problems`)."""
-    if not isinstance(device, str) or not re.fullmatch(r"cpu|cuda(:[0-9]+)?", device):
-        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N' (N = 0, 1, ... a GPU index), got {device!r}")
+    """ValueError unless ``device`` (a valid config's: "cpu", "cuda" or "cuda:N") can run here (see
+    :func:`device_problems`). Not part of :meth:`ExperimentConfig.validate`: a config stays valid on a machine
+    without its GPU (to read its results, say); :class:`~pyfedkern.sim.engine.Simulation` checks it before any work."""
     if device == "cpu":
         return
     import torch

@@ -27,7 +27,7 @@ from pyfedkern.algorithms import Algorithm, LocalModel, make_algorithm
 from pyfedkern.algorithms.batched import padding_weights
 from pyfedkern.data import datasets, partitions
 from pyfedkern.ops import seeded_permutations
-from pyfedkern.sim.config import ExperimentConfig, check_client_count, parse_lr_schedule
+from pyfedkern.sim.config import ExperimentConfig, check_client_count, check_device, parse_lr_schedule
 from pyfedkern.sim.results import RunWriter, config_differences, is_finished, read_config, read_metrics
 
 # Purposes of the random streams (first key after the seed).
@@ -39,6 +39,7 @@ class Simulation:
 
     def __init__(self, config: ExperimentConfig, algorithm: Algorithm | None = None) -> None:
         config.validate()
+        check_device(config.device)
         self.config = config
         self.seed = config.seed
         self.device = torch.device(config.device)
@@ -389,9 +390,10 @@ class Simulation:
         try:
             self.algorithm.load_state_dict(state["algorithm"])
         except (AttributeError, IndexError, KeyError, RuntimeError, TypeError, ValueError) as err:
+            said = " ".join(str(err).split())  # on one line
             raise ValueError(
                 f"checkpoint {path}: its algorithm state does not fit {self.config.algorithm} "
-                f"({type(err).__name__}: {err})"
+                f"({type(err).__name__}: {said})"
             ) from None
         self.active_clients = active.astype(np.int64)
         self.eval_labels = eval_labels

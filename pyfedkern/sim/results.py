@@ -234,9 +234,10 @@ class RunWriter:
                 continue
             self._check_fingerprint(path, state["config"])
             if number > recorded:
+                holds = f"ends at round {recorded}" if metrics else "holds no round"
                 raise ValueError(
                     f"cannot resume {self.dir}: {self.metrics_path.name} should hold rounds 0..{number} (those of "
-                    f"checkpoint {path.name}) but ends at round {recorded}; its records of the later rounds are lost"
+                    f"checkpoint {path.name}) but {holds}; its records of the later rounds are lost"
                 )
             if number >= rounds:
                 raise ValueError(

@@ -72,7 +72,7 @@ def test_invalid_config_raises_value_error(change, message, monkeypatch):
 
 @pytest.mark.parametrize("device", ["cuda:x", "cuda:-1", "cuda:", "cpu:0", "CUDA", "gpu"])
 def test_a_malformed_device_is_refused(device):
-    with pytest.raises(ValueError, match=r"device must be 'cpu', 'cuda' or 'cuda:N' \(N = 0, 1, ... a GPU index\)"):
+    with pytest.raises(ValueError, match=r"device must be 'cpu', 'cuda' or 'cuda:N' \(N a GPU index\), got "):
         dataclasses.replace(SMALL, device=device).validate()
 
 
@@ -123,6 +123,7 @@ def test_a_cuda_device_is_checked_against_this_machine(device, monkeypatch):
     if not problems:
         config.validate()
         return
+    config.validate()  # a valid config on any machine (its results can be read anywhere)
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("data loaded for an unusable device"))
     with pytest.raises(ValueError, match=f"device '{device}' cannot be used here: ") as err:
         Simulation(config)

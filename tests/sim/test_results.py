@@ -295,6 +295,9 @@ def test_resume_refuses_damaged_metrics_before_any_file_changes(cut, files_under
     path.write_text("\n".join([lines[0], "{garbage", *lines[1:]]) + "\n")
     with pytest.raises(ValueError, match="line 2 is not valid JSON"):
         _resume(cut)
+    path.write_text("")
+    with pytest.raises(ValueError, match=r"should hold rounds 0..4 .* but holds no round"):
+        _resume(cut)
     assert {k: v for k, v in files_under(cut).items() if k != "metrics.jsonl"} == {
         k: v for k, v in before.items() if k != "metrics.jsonl"
     }
