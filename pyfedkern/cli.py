@@ -149,10 +149,10 @@ def _did_you_mean(flag: str, options: Iterable[str]) -> str:
 
 
 def _algorithm_params(
-    algorithms: Sequence[str], extra: dict[str, str | None], parser: argparse.ArgumentParser
+    algorithms: Sequence[str], extra: dict[str, str | None], options: Sequence[str] = ()
 ) -> dict[str, dict[str, Any]]:
     """Assign each extra option to every selected algorithm that has a field of that name; an unknown option is
-    reported with the nearest of the command's own options and the algorithms' parameters."""
+    reported with the nearest of the command's own ``options`` and the algorithms' parameters."""
     if not extra:
         return {name: {} for name in algorithms}
     from pyfedkern.algorithms import algorithm_class
@@ -165,7 +165,7 @@ def _algorithm_params(
         if not takers:
             valid = sorted({f"--{k.replace('_', '-')}" for fs in fields.values() for k in fs})
             raise CliError(
-                f"unknown option {flag}{_did_you_mean(flag, [*_long_options(parser), *valid])}; "
+                f"unknown option {flag}{_did_you_mean(flag, [*options, *valid])}; "
                 f"parameters of {', '.join(algorithms)}: {', '.join(valid) or 'none'}"
             )
         if text is None:
@@ -178,6 +178,11 @@ def _algorithm_params(
             except ValueError as exc:
                 raise CliError(f"--{key.replace('_', '-')}: {exc}") from None
     return params
+
+
+def _given_params(args: argparse.Namespace, extra: Sequence[str], algorithms: Sequence[str]) -> dict[str, dict]:
+    """The algorithms' parameters given as the command's extra options (see :func:`_algorithm_params`)."""
+    return _algorithm_params(algorithms, _split_extra(extra), _long_options(args.parser))
 
 
 def _base_config(args: argparse.Namespace) -> ExperimentConfig:
@@ -205,7 +210,7 @@ def _resume_config(args: argparse.Namespace, extra: list[str]):
             clashes.append(f"{option} (the run has {name}={_shown(have)})")
     if asked.algorithm == stored.algorithm or "--algorithm" not in args.flags:
         algorithm = make_algorithm(stored.algorithm, **stored.algorithm_params)
-        given = _algorithm_params([stored.algorithm], _split_extra(extra), args.parser)[stored.algorithm]
+        given = _given_params(args, extra, [stored.algorithm])[stored.algorithm]
         for key, value in given.items():
             have = getattr(algorithm, key)
             if _plain(value) != _plain(have):
@@ -254,7 +259,7 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
         config = dataclasses.replace(
             _base_config(args),
             algorithm=args.algorithm,
-            algorithm_params=_algorithm_params([args.algorithm], _split_extra(extra), args.parser)[args.algorithm],
+            algorithm_params=_given_params(args, extra, [args.algorithm])[args.algorithm],
         )
         if args.out is not None:
             check_new_run_dir(args.out)  # before the data is loaded
@@ -270,7 +275,7 @@ def cmd_compare(args: argparse.Namespace, extra: list[str]) -> int:
     from pyfedkern.sim.compare import compare
 
     algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
-    params = _algorithm_params(algorithms, _split_extra(extra), args.parser)
+    params = _given_params(args, extra, algorithms)
     result = compare(
         _base_config(args),
         algorithms,
