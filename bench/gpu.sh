@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build, test, sanitize and benchmark pyfedkern on a CUDA machine in one go (the lent GPU of a development session).
-# Usage: bash bench/gpu.sh OUT_DIR [STEPS]   STEPS: a comma list of build,test,sanitize,bench,engine (default all).
+# Usage: bash bench/gpu.sh OUT_DIR [STEPS]   STEPS: a comma list of build,test,sanitize,overhead,bench,engine
+# (default build,test,sanitize,bench); BENCH_FILES limits the bench step to some suites.
 # Writes logs, the pytest-benchmark JSON, its report and the wheel into OUT_DIR; a wheel already in OUT_DIR or in
 # ./wheels is installed instead of rebuilding.
 set -uo pipefail
@@ -26,18 +27,23 @@ $py -P -c "import pyfedkern; print(pyfedkern.build_info())" | tee -a "$out/gpu.t
 
 if has test; then
   stamp "cuda tests"
-  timeout 300 $py -P -m pytest -m cuda tests -q -x -p no:cacheprovider >"$out/cuda-tests.log" 2>&1
-  tail -3 "$out/cuda-tests.log"
+  timeout 300 $py -P -m pytest -m cuda tests -q -p no:cacheprovider >"$out/cuda-tests.log" 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$out/cuda-tests.log" | tail -25
 fi
 if has sanitize; then
   stamp "compute-sanitizer memcheck on the CUDA op tests"
-  timeout 300 compute-sanitizer --tool memcheck --print-limit 20 $py -P -m pytest -m cuda tests/ops -q -x \
-    -p no:cacheprovider >"$out/memcheck.log" 2>&1
+  timeout 300 compute-sanitizer --tool memcheck --print-limit 20 $py -P -m pytest -m cuda tests/ops -q \
+    -k "not profiler and not allocates" -p no:cacheprovider >"$out/memcheck.log" 2>&1
   grep -E "ERROR SUMMARY|passed|failed" "$out/memcheck.log" | tail -3
+fi
+if has overhead; then
+  stamp "per-call overhead"
+  $py -P bench/overhead.py --device cuda --json "$out/overhead-cuda.json" | tee "$out/overhead-cuda.md"
 fi
 if has bench; then
   stamp "benchmarks (cuda groups)"
-  timeout 420 $py -P -m pytest bench/ -k "cuda and not fedpbc_round and not engine" -q -p no:cacheprovider \
+  timeout 420 $py -P -m pytest ${BENCH_FILES:-bench/} -k "cuda and not fedpbc_round and not engine" -q \
+    -p no:cacheprovider \
     --benchmark-json="$out/bench-cuda.json" >"$out/bench.log" 2>&1
   tail -2 "$out/bench.log"
   $py -P bench/report.py "$out/bench-cuda.json" --title "pyfedkern CUDA benchmarks ($(head -1 "$out/gpu.txt"))" \

@@ -148,12 +148,15 @@ size_t weighted_sum(int device, uintptr_t stream, const std::string& dtype_name,
   call.out = o;
   call.out_stride = out_stride;
   call.accumulate = accumulate;
-  if (device_weights != 0) {
+  if (device_weights != 0) call.device_weights = reinterpret_cast<const void*>(device_weights);
+  if (ptrs.empty()) {  // a stack: no row table; the kernel skips zero weights
+    call.stack = {reinterpret_cast<const void*>(base), step_bytes, col_stride, count};
+    if (device_weights == 0) call.weights.assign(w, w + all.size());
+  } else if (device_weights != 0) {
     call.rows = all;
-    call.device_weights = reinterpret_cast<const void*>(device_weights);
   } else {
     for (size_t k = 0; k < all.size(); ++k) {
-      if (w[k] == 0.0) continue;
+      if (w[k] == 0.0) continue;  // dropped from the table: the row is not read
       call.rows.push_back(all[k]);
       call.weights.push_back(w[k]);
     }

@@ -1,7 +1,11 @@
 // CUDA aggregation kernel: out = (accumulate ? out : 0) + sum_k w_k * u_k, one pass over memory, fp32
-// accumulation for 16-bit storage. The row table (pointer, stride) and host weights travel in the kernel's
-// parameters (cuda_common.cuh); device weights are read where they are. Contiguous 16-byte-aligned inputs use
-// 16-byte vector loads. A row whose weight is 0 is not read.
+// accumulation for 16-bit storage. The rows (a table of pointers and strides, or a stack read without one) and host
+// weights travel in the kernel's parameters (cuda_common.cuh); device weights are read where they are. Contiguous
+// rows use 16-byte vector accesses when every row and the output are 16-byte aligned, else 8-byte ones when they
+// are 8-byte aligned (a flat model of odd length makes every other row of a stack 8-byte aligned only). A row whose
+// weight is 0 is not read.
+#include <algorithm>
+
 #include "cuda_common.cuh"
 #include "cuda_launchers.h"
 #include "half.h"
@@ -9,87 +13,121 @@
 namespace pfk::cuda {
 namespace {
 
-template <typename T, int N>
-struct alignas(16) Pack {
-  T v[N];
+// Row k's address and element stride, from the table or the stack.
+struct RowsView {
+  const RowRef* table;
+  RowStack stack;
+  __device__ __forceinline__ const void* ptr(int k) const {
+    return table != nullptr ? table[k].ptr : static_cast<const unsigned char*>(stack.base) + k * stack.step_bytes;
+  }
+  __device__ __forceinline__ int64_t stride(int k) const {
+    return table != nullptr ? table[k].stride : stack.col_stride;
+  }
 };
 
+template <size_t NB>
+__device__ __forceinline__ RowsView rows_of(const ArgBlock<NB>& block, const void* global, const RowTables& t) {
+  return {t.rows >= 0 ? table_at<RowRef>(table_base(block, global), t.rows) : nullptr, t.stack};
+}
+
 template <typename T, size_t NB>
-__global__ void weighted_sum_vec_kernel(const __grid_constant__ ArgBlock<NB> block, const void* global,
-                                        RowTables tables, const typename AccOf<T>::type* device_weights,
-                                        T* __restrict__ out, int64_t d, bool accumulate) {
+__device__ __forceinline__ const typename AccOf<T>::type* weights_of(const ArgBlock<NB>& block, const void* global,
+                                                                     const RowTables& t,
+                                                                     const typename AccOf<T>::type* device_weights) {
+  return device_weights != nullptr ? device_weights
+                                   : table_at<typename AccOf<T>::type>(table_base(block, global), t.weights);
+}
+
+// W elements per access in the body, then the last d % W elements one by one.
+template <typename T, int W, size_t NB>
+__global__ void weighted_sum_vec_kernel(const __grid_constant__ ArgBlock<NB> block, const void* global, RowTables t,
+                                        const typename AccOf<T>::type* device_weights, T* __restrict__ out, int64_t d,
+                                        bool accumulate) {
   using Acc = typename AccOf<T>::type;
-  constexpr int N = 16 / sizeof(T);
-  using P = Pack<T, N>;
-  const unsigned char* base = table_base(block, global);
-  const RowRef* rows = table_at<RowRef>(base, tables.rows);
-  const Acc* weights = device_weights != nullptr ? device_weights : table_at<Acc>(base, tables.weights);
-  const int K = static_cast<int>(tables.count);
-  const int64_t nvec = d / N;
+  const RowsView rows = rows_of(block, global, t);
+  const Acc* weights = weights_of<T>(block, global, t, device_weights);
+  const int K = static_cast<int>(t.count);
+  const int64_t nvec = d / W;
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   for (int64_t v = first; v < nvec; v += step) {
-    Acc acc[N];
+    Acc acc[W];
     if (accumulate) {
-      const P p = reinterpret_cast<const P*>(out)[v];
-#pragma unroll
-      for (int i = 0; i < N; ++i) acc[i] = to_acc(p.v[i]);
+      load_pack<W>(out, v, acc);
     } else {
 #pragma unroll
-      for (int i = 0; i < N; ++i) acc[i] = Acc(0);
+      for (int i = 0; i < W; ++i) acc[i] = Acc(0);
     }
 #pragma unroll 4
     for (int k = 0; k < K; ++k) {
       const Acc w = weights[k];
       if (w == Acc(0)) continue;
-      const P p = reinterpret_cast<const P*>(rows[k].ptr)[v];
+      Acc x[W];
+      load_pack<W>(static_cast<const T*>(rows.ptr(k)), v, x);
 #pragma unroll
-      for (int i = 0; i < N; ++i) acc[i] = acc[i] + w * to_acc(p.v[i]);
+      for (int i = 0; i < W; ++i) acc[i] = acc[i] + w * x[i];
     }
-    P r;
-#pragma unroll
-    for (int i = 0; i < N; ++i) r.v[i] = Store<T>::from(acc[i]);
-    reinterpret_cast<P*>(out)[v] = r;
+    store_pack<W>(out, v, acc);
   }
-  for (int64_t i = nvec * N + first; i < d; i += step) {  // the last d % N elements
+  for (int64_t i = nvec * W + first; i < d; i += step) {
     Acc acc = accumulate ? to_acc(out[i]) : Acc(0);
     for (int k = 0; k < K; ++k) {
       const Acc w = weights[k];
-      if (w != Acc(0)) acc = acc + w * to_acc(static_cast<const T*>(rows[k].ptr)[i]);
+      if (w != Acc(0)) acc = acc + w * to_acc(static_cast<const T*>(rows.ptr(k))[i]);
     }
     out[i] = Store<T>::from(acc);
   }
 }
 
 template <typename T, size_t NB>
-__global__ void weighted_sum_strided_kernel(const __grid_constant__ ArgBlock<NB> block, const void* global,
-                                            RowTables tables, const typename AccOf<T>::type* device_weights,
-                                            T* __restrict__ out, int64_t out_stride, int64_t d, bool accumulate) {
+__global__ void weighted_sum_strided_kernel(const __grid_constant__ ArgBlock<NB> block, const void* global, RowTables t,
+                                            const typename AccOf<T>::type* device_weights, T* __restrict__ out,
+                                            int64_t out_stride, int64_t d, bool accumulate) {
   using Acc = typename AccOf<T>::type;
-  const unsigned char* base = table_base(block, global);
-  const RowRef* rows = table_at<RowRef>(base, tables.rows);
-  const Acc* weights = device_weights != nullptr ? device_weights : table_at<Acc>(base, tables.weights);
-  const int K = static_cast<int>(tables.count);
+  const RowsView rows = rows_of(block, global, t);
+  const Acc* weights = weights_of<T>(block, global, t, device_weights);
+  const int K = static_cast<int>(t.count);
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < d; i += step) {
     Acc acc = accumulate ? to_acc(out[i * out_stride]) : Acc(0);
     for (int k = 0; k < K; ++k) {
       const Acc w = weights[k];
-      if (w != Acc(0)) acc = acc + w * to_acc(static_cast<const T*>(rows[k].ptr)[i * rows[k].stride]);
+      if (w != Acc(0)) acc = acc + w * to_acc(static_cast<const T*>(rows.ptr(k))[i * rows.stride(k)]);
     }
     out[i * out_stride] = Store<T>::from(acc);
   }
 }
 
-// The call's parameter tables: the rows, then (host weights only) one accumulator-typed weight per row.
+// The call's parameter tables: the row table (a list only), then (host weights only) one weight per row.
 template <typename T>
 RowTables pack_tables(const WeightedSumCall& c, ArgPack& pack) {
   using Acc = typename AccOf<T>::type;
-  RowTables tables{};
-  tables.count = static_cast<int64_t>(c.rows.size());
-  tables.rows = pack.add(c.rows);
-  if (c.device_weights == nullptr) tables.weights = pack.add(std::vector<Acc>(c.weights.begin(), c.weights.end()));
-  return tables;
+  RowTables t{};
+  if (c.stack.count > 0) {
+    t.count = c.stack.count;
+    t.stack = c.stack;
+  } else {
+    t.count = static_cast<int64_t>(c.rows.size());
+    t.rows = pack.add(c.rows);
+  }
+  if (c.device_weights == nullptr) t.weights = pack.add(std::vector<Acc>(c.weights.begin(), c.weights.end()));
+  return t;
+}
+
+// 16 or 8 when every row and the output are contiguous and aligned to that many bytes, else 0 (strided kernel).
+int access_width(const WeightedSumCall& c) {
+  if (c.out_stride != 1) return 0;
+  int width = common_alignment({c.out});
+  if (c.stack.count > 0) {
+    if (c.stack.col_stride != 1) return 0;
+    const int step = common_alignment({reinterpret_cast<const void*>(c.stack.step_bytes)});
+    width = std::min({width, common_alignment({c.stack.base}), step});
+  }
+  for (const auto& r : c.rows) {
+    if (r.stride != 1) return 0;
+    width = std::min(width, common_alignment({r.ptr}));
+  }
+  return width;
 }
 
 template <typename T>
@@ -103,22 +141,23 @@ template <typename T>
 size_t launch(int device, cudaStream_t stream, const WeightedSumCall& c, Scratch scratch) {
   using Acc = typename AccOf<T>::type;
   ArgPack pack;
-  const RowTables tables = pack_tables<T>(c, pack);
+  const RowTables t = pack_tables<T>(c, pack);
   if (const size_t need = tables_scratch_bytes(pack); need > scratch.bytes) return need;
-  if (tables.count == 0 && c.accumulate) return 0;  // nothing to add
-  bool vectorizable = c.out_stride == 1 && aligned16(c.out);
-  for (const auto& r : c.rows) vectorizable = vectorizable && r.stride == 1 && aligned16(r.ptr);
+  if (t.count == 0 && c.accumulate) return 0;  // nothing to add
   constexpr int kThreads = 256;
   const auto* dw = static_cast<const Acc*>(c.device_weights);
   T* o = static_cast<T*>(c.out);
+  const int width = access_width(c);
   with_tables(pack, stream, scratch, "weighted_sum", [&](const auto& block, const void* global) {
-    if (vectorizable) {
-      const int64_t work = c.d / (16 / static_cast<int64_t>(sizeof(T))) + 1;
-      weighted_sum_vec_kernel<T>
-          <<<grid_for(device, work, kThreads), kThreads, 0, stream>>>(block, global, tables, dw, o, c.d, c.accumulate);
+    if (width > 0) {
+      with_pack_width<T>(width, [&](auto w) {
+        constexpr int W = decltype(w)::value;
+        weighted_sum_vec_kernel<T, W><<<grid_for(device, c.d / W + 1, kThreads), kThreads, 0, stream>>>(
+            block, global, t, dw, o, c.d, c.accumulate);
+      });
     } else {
       weighted_sum_strided_kernel<T><<<grid_for(device, c.d, kThreads), kThreads, 0, stream>>>(
-          block, global, tables, dw, o, c.out_stride, c.d, c.accumulate);
+          block, global, t, dw, o, c.out_stride, c.d, c.accumulate);
     }
   });
   check(cudaGetLastError(), "weighted_sum kernel launch");

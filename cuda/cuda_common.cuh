@@ -13,10 +13,13 @@
 
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
+#include "half.h"
 #include "types.h"
 
 namespace pfk::cuda {
@@ -63,6 +66,46 @@ inline bool aligned16(const void* p) {
   return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
 }
 
+// ---- Vector access ------------------------------------------------------------------------------------------
+
+// W elements of T read or written as one access of W * sizeof(T) bytes (16 or 8).
+template <typename T, int W>
+struct alignas(W * sizeof(T)) Pack {
+  T v[W];
+};
+
+template <int W, typename T, typename Acc>
+__device__ __forceinline__ void load_pack(const T* p, int64_t pack, Acc (&out)[W]) {
+  const Pack<T, W> q = reinterpret_cast<const Pack<T, W>*>(p)[pack];
+#pragma unroll
+  for (int i = 0; i < W; ++i) out[i] = to_acc(q.v[i]);
+}
+
+template <int W, typename T, typename Acc>
+__device__ __forceinline__ void store_pack(T* p, int64_t pack, const Acc (&in)[W]) {
+  Pack<T, W> q;
+#pragma unroll
+  for (int i = 0; i < W; ++i) q.v[i] = Store<T>::from(in[i]);
+  reinterpret_cast<Pack<T, W>*>(p)[pack] = q;
+}
+
+// The access width in bytes (16 or 8) that every given address allows, or 0 when one is not 8-byte aligned.
+inline int common_alignment(std::initializer_list<const void*> ptrs) {
+  uintptr_t bits = 0;
+  for (const void* p : ptrs) bits |= reinterpret_cast<uintptr_t>(p);
+  return (bits & 15u) == 0 ? 16 : ((bits & 7u) == 0 ? 8 : 0);
+}
+
+// Calls fn(std::integral_constant<int, W>) with W = elements of T per access for `bytes` (16 or 8; W >= 1).
+template <typename T, typename Fn>
+void with_pack_width(int bytes, Fn&& fn) {
+  if (bytes == 16) {
+    fn(std::integral_constant<int, 16 / sizeof(T)>{});
+  } else {
+    fn(std::integral_constant<int, (8 / sizeof(T) > 0 ? 8 / sizeof(T) : 1)>{});
+  }
+}
+
 // ---- Per-call argument tables --------------------------------------------------------------------------------
 
 constexpr size_t kSmallArgs = 1024;  // bytes of the parameter block of most calls
@@ -93,12 +136,6 @@ class ArgPack {
 
  private:
   std::vector<unsigned char> bytes_;
-};
-
-// Device scratch allocated by the caller's library (null/0 when none was given).
-struct Scratch {
-  void* ptr = nullptr;
-  size_t bytes = 0;
 };
 
 // Bytes of scratch a launch needs beyond what it was given: the op returns this to Python, which allocates it and

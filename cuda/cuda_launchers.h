@@ -44,22 +44,33 @@ inline int device_count() {
 }
 #endif
 
-// Byte offsets of a call's tables in its parameter block (cuda_common.cuh): `count` RowRefs at `rows`, and at
-// `weights` one accumulator-typed weight per row (float, or double for float64 data).
-struct RowTables {
+// `count` rows of a stack, row r at byte address base + r * step_bytes with element stride col_stride: read without a
+// per-row table, so a stack of any height fits in a kernel's parameters.
+struct RowStack {
+  const void* base = nullptr;
+  int64_t step_bytes = 0;
+  int64_t col_stride = 1;
   int64_t count = 0;
-  int64_t rows = 0;
-  int64_t weights = 0;
 };
 
-// out = (accumulate ? out : 0) + sum_k w_k * rows[k] over d elements. The weights are `weights` (host, double) or,
-// when device_weights is not null, rows.size() accumulator-typed values in device memory; a row whose weight is 0
-// is not read.
+// Where a kernel finds its rows and weights: `count` RowRefs at byte offset `rows` of its tables (or, with rows < 0,
+// the rows of `stack`), and at `weights` one accumulator-typed weight per row (float, or double for float64 data).
+struct RowTables {
+  int64_t count = 0;
+  int64_t rows = -1;
+  int64_t weights = 0;
+  RowStack stack;
+};
+
+// out = (accumulate ? out : 0) + sum_k w_k * row_k over d elements, the rows a list (`rows`) or, when stack.count > 0,
+// a stack. The weights are `weights` (host, double) or, when device_weights is not null, one accumulator-typed value
+// per row in device memory; a row whose weight is 0 is not read.
 struct WeightedSumCall {
   int64_t d = 0;
   void* out = nullptr;
   int64_t out_stride = 1;
   std::vector<RowRef> rows;
+  RowStack stack;
   std::vector<double> weights;
   const void* device_weights = nullptr;
   bool accumulate = false;

@@ -32,40 +32,20 @@ struct DevCombo {
 template <typename T>
 constexpr int kPack = 16 / sizeof(T);
 
-template <typename T>
-struct alignas(16) Pack {
-  T v[kPack<T>];
-};
-
-template <typename T>
-__device__ __forceinline__ void load_pack(const T* p, int64_t pack, typename AccOf<T>::type (&out)[kPack<T>]) {
-  const Pack<T> q = reinterpret_cast<const Pack<T>*>(p)[pack];
-#pragma unroll
-  for (int i = 0; i < kPack<T>; ++i) out[i] = to_acc(q.v[i]);
-}
-
-template <typename T>
-__device__ __forceinline__ void store_pack(T* p, int64_t pack, const typename AccOf<T>::type (&in)[kPack<T>]) {
-  Pack<T> q;
-#pragma unroll
-  for (int i = 0; i < kPack<T>; ++i) q.v[i] = Store<T>::from(in[i]);
-  reinterpret_cast<Pack<T>*>(p)[pack] = q;
-}
-
 template <typename T, bool HasG1, bool HasD>
 __device__ __forceinline__ void combo_pack(const DevCombo<T>& k, int64_t pack, typename AccOf<T>::type (&v)[kPack<T>]) {
   using Acc = typename AccOf<T>::type;
   Acc a[kPack<T>];
-  load_pack(k.g2, pack, v);
+  load_pack<kPack<T>>(k.g2, pack, v);
 #pragma unroll
   for (int i = 0; i < kPack<T>; ++i) v[i] = k.a2 * v[i];
   if constexpr (HasG1) {
-    load_pack(k.g1, pack, a);
+    load_pack<kPack<T>>(k.g1, pack, a);
 #pragma unroll
     for (int i = 0; i < kPack<T>; ++i) v[i] = k.a1 * a[i] + v[i];
   }
   if constexpr (HasD) {
-    load_pack(k.anchor, pack, a);
+    load_pack<kPack<T>>(k.anchor, pack, a);
 #pragma unroll
     for (int i = 0; i < kPack<T>; ++i) v[i] = v[i] + k.c * a[i];
   }
@@ -128,11 +108,11 @@ __global__ void perturb_kernel(int64_t d, int64_t nvec, const T* x, int64_t sx, 
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   for (int64_t v = first; v < nvec; v += step) {
     Acc xv[kPack<T>], gv[kPack<T>];
-    load_pack(x, v, xv);
-    load_pack(g, v, gv);
+    load_pack<kPack<T>>(x, v, xv);
+    load_pack<kPack<T>>(g, v, gv);
 #pragma unroll
     for (int i = 0; i < kPack<T>; ++i) xv[i] = xv[i] + s * gv[i];
-    store_pack(out, v, xv);
+    store_pack<kPack<T>>(out, v, xv);
   }
   for (int64_t i = nvec * kPack<T> + first; i < d; i += step) {
     out[i * so] = Store<T>::from(to_acc(x[i * sx]) + s * to_acc(g[i * sg]));
@@ -150,11 +130,11 @@ __global__ void update_kernel(int64_t d, int64_t nvec, T* x, int64_t sx, DevComb
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   for (int64_t p = first; p < nvec; p += step) {
     Acc xv[kPack<T>], v[kPack<T>];
-    load_pack(x, p, xv);
+    load_pack<kPack<T>>(x, p, xv);
     combo_pack<T, HasG1, HasD>(k, p, v);
 #pragma unroll
     for (int i = 0; i < kPack<T>; ++i) xv[i] = xv[i] - lr * (scale * v[i] + x_coef * xv[i]);
-    store_pack(x, p, xv);
+    store_pack<kPack<T>>(x, p, xv);
   }
   for (int64_t i = nvec * kPack<T> + first; i < d; i += step) {
     const Acc xv = to_acc(x[i * sx]);
@@ -171,25 +151,25 @@ __global__ void round_end_kernel(int64_t d, int64_t nvec, T* h, int64_t sh, cons
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   for (int64_t p = first; p < nvec; p += step) {
     Acc xl[kPack<T>], xg[kPack<T>], hv[kPack<T>], delta[kPack<T>];
-    load_pack(xk, p, xl);
-    load_pack(xt, p, xg);
-    load_pack(h, p, hv);
+    load_pack<kPack<T>>(xk, p, xl);
+    load_pack<kPack<T>>(xt, p, xg);
+    load_pack<kPack<T>>(h, p, hv);
 #pragma unroll
     for (int i = 0; i < kPack<T>; ++i) delta[i] = xl[i] - xg[i], hv[i] = hv[i] + delta[i];
-    store_pack(h, p, hv);
+    store_pack<kPack<T>>(h, p, hv);
     if constexpr (HasAcc) {
       Acc av[kPack<T>];
-      load_pack(acc, p, av);
+      load_pack<kPack<T>>(acc, p, av);
 #pragma unroll
       for (int i = 0; i < kPack<T>; ++i) av[i] = av[i] + w * (IncludeH ? xl[i] + hv[i] : xl[i]);
-      store_pack(acc, p, av);
+      store_pack<kPack<T>>(acc, p, av);
     }
     if constexpr (HasHsum) {
       Acc sv[kPack<T>];
-      load_pack(hs, p, sv);
+      load_pack<kPack<T>>(hs, p, sv);
 #pragma unroll
       for (int i = 0; i < kPack<T>; ++i) sv[i] = sv[i] + delta[i];
-      store_pack(hs, p, sv);
+      store_pack<kPack<T>>(hs, p, sv);
     }
   }
   for (int64_t i = nvec * kPack<T> + first; i < d; i += step) {

@@ -2,6 +2,7 @@
 // every row is contiguous and 16-byte aligned) in a grid-stride loop; each element walks its rows in the order
 // given, so results are deterministic. fp32 accumulation for 16-bit storage. Row tables travel in the kernel
 // parameters (cuda_common.cuh).
+#include <algorithm>
 #include <vector>
 
 #include "cuda_common.cuh"
@@ -13,11 +14,6 @@ namespace {
 
 constexpr int kThreads = 256;
 
-template <typename T, int N>
-struct alignas(16) Pack {
-  T v[N];
-};
-
 // Element j of row r (rows are written through the same table they are read from).
 template <typename T>
 __device__ __forceinline__ T& at(const RowRef& r, int64_t j) {
@@ -25,37 +21,37 @@ __device__ __forceinline__ T& at(const RowRef& r, int64_t j) {
 }
 
 template <typename T>
-__device__ __forceinline__ Pack<T, 16 / sizeof(T)>& pack_at(const RowRef& r, int64_t v) {
-  return const_cast<Pack<T, 16 / sizeof(T)>*>(static_cast<const Pack<T, 16 / sizeof(T)>*>(r.ptr))[v];
+__device__ __forceinline__ T* row_ptr(const RowRef& r) {
+  return const_cast<T*>(static_cast<const T*>(r.ptr));
 }
 
-template <typename T, size_t NB>
+// Kernels: packs of W elements for the first nvec * W columns when every row is contiguous and aligned to W
+// elements (nvec = 0 otherwise), then element by element.
+template <typename T, int W, size_t NB>
 __global__ void agg_bcast_kernel(const __grid_constant__ ArgBlock<NB> block, const void* global, RowTables t, int64_t d,
                                  T* __restrict__ server, int64_t server_stride, int64_t nvec) {
   using Acc = typename AccOf<T>::type;
-  constexpr int N = 16 / sizeof(T);
   const RowRef* rows = table_at<RowRef>(table_base(block, global), t.rows);
   const int K = static_cast<int>(t.count);
   const Acc inv_k = Acc(1) / Acc(K);
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   for (int64_t v = first; v < nvec; v += step) {
-    Acc acc[N];
+    Acc acc[W], x[W];
 #pragma unroll
-    for (int i = 0; i < N; ++i) acc[i] = Acc(0);
+    for (int i = 0; i < W; ++i) acc[i] = Acc(0);
 #pragma unroll 4
     for (int k = 0; k < K; ++k) {
-      const Pack<T, N> p = pack_at<T>(rows[k], v);
+      load_pack<W>(row_ptr<T>(rows[k]), v, x);
 #pragma unroll
-      for (int i = 0; i < N; ++i) acc[i] = acc[i] + to_acc(p.v[i]);
+      for (int i = 0; i < W; ++i) acc[i] = acc[i] + x[i];
     }
-    Pack<T, N> mean;
 #pragma unroll
-    for (int i = 0; i < N; ++i) mean.v[i] = Store<T>::from(acc[i] * inv_k);
-    reinterpret_cast<Pack<T, N>*>(server)[v] = mean;
-    for (int k = 0; k < K; ++k) pack_at<T>(rows[k], v) = mean;
+    for (int i = 0; i < W; ++i) acc[i] = to_acc(Store<T>::from(acc[i] * inv_k));  // the stored mean, exactly
+    store_pack<W>(server, v, acc);
+    for (int k = 0; k < K; ++k) store_pack<W>(row_ptr<T>(rows[k]), v, acc);
   }
-  for (int64_t j = nvec * N + first; j < d; j += step) {
+  for (int64_t j = nvec * W + first; j < d; j += step) {
     Acc acc = Acc(0);
     for (int k = 0; k < K; ++k) acc = acc + to_acc(at<T>(rows[k], j));
     const T mean = Store<T>::from(acc * inv_k);
@@ -64,11 +60,10 @@ __global__ void agg_bcast_kernel(const __grid_constant__ ArgBlock<NB> block, con
   }
 }
 
-template <typename T, size_t NB>
+template <typename T, int W, size_t NB>
 __global__ void weighted_delta_kernel(const __grid_constant__ ArgBlock<NB> block, const void* global, RowTables t,
                                       int64_t d, T* __restrict__ x, int64_t x_stride, int64_t nvec) {
   using Acc = typename AccOf<T>::type;
-  constexpr int N = 16 / sizeof(T);
   const unsigned char* base = table_base(block, global);
   const RowRef* rows = table_at<RowRef>(base, t.rows);
   const Acc* weights = table_at<Acc>(base, t.weights);
@@ -76,23 +71,22 @@ __global__ void weighted_delta_kernel(const __grid_constant__ ArgBlock<NB> block
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   for (int64_t v = first; v < nvec; v += step) {
-    const Pack<T, N> xp = reinterpret_cast<const Pack<T, N>*>(x)[v];
-    Acc xb[N], acc[N];
+    Acc xb[W], acc[W], r[W];
+    load_pack<W>(x, v, xb);
 #pragma unroll
-    for (int i = 0; i < N; ++i) xb[i] = to_acc(xp.v[i]), acc[i] = Acc(0);
+    for (int i = 0; i < W; ++i) acc[i] = Acc(0);
 #pragma unroll 4
     for (int k = 0; k < K; ++k) {
       const Acc w = weights[k];
-      const Pack<T, N> p = pack_at<T>(rows[k], v);
+      load_pack<W>(row_ptr<T>(rows[k]), v, r);
 #pragma unroll
-      for (int i = 0; i < N; ++i) acc[i] = acc[i] + w * (to_acc(p.v[i]) - xb[i]);
+      for (int i = 0; i < W; ++i) acc[i] = acc[i] + w * (r[i] - xb[i]);
     }
-    Pack<T, N> r;
 #pragma unroll
-    for (int i = 0; i < N; ++i) r.v[i] = Store<T>::from(xb[i] + acc[i]);
-    reinterpret_cast<Pack<T, N>*>(x)[v] = r;
+    for (int i = 0; i < W; ++i) acc[i] = xb[i] + acc[i];
+    store_pack<W>(x, v, acc);
   }
-  for (int64_t j = nvec * N + first; j < d; j += step) {
+  for (int64_t j = nvec * W + first; j < d; j += step) {
     const Acc base_x = to_acc(x[j * x_stride]);
     Acc acc = Acc(0);
     for (int k = 0; k < K; ++k) acc = acc + weights[k] * (to_acc(at<T>(rows[k], j)) - base_x);
@@ -109,9 +103,10 @@ struct MifaTables {
   int64_t all;
 };
 
-template <typename T, size_t NB>
+// One column element of MIFA's update given its x and running-sum values (scalar form of the pack body below).
+template <typename T, int W, size_t NB>
 __global__ void mifa_kernel(const __grid_constant__ ArgBlock<NB> block, const void* global, MifaTables t, RowRef x,
-                            RowRef total, int64_t d, double coef, bool subtract_x) {
+                            RowRef total, int64_t d, double coef, bool subtract_x, int64_t nvec) {
   using Acc = typename AccOf<T>::type;
   const unsigned char* base = table_base(block, global);
   const RowRef* updates = table_at<RowRef>(base, t.updates);
@@ -119,7 +114,39 @@ __global__ void mifa_kernel(const __grid_constant__ ArgBlock<NB> block, const vo
   const RowRef* all_memory = table_at<RowRef>(base, t.all);
   const int K = static_cast<int>(t.count), M = static_cast<int>(t.all_count);
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < d; j += step) {
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (int64_t v = first; v < nvec; v += step) {
+    Acc xv[W], sv[W], u[W], mem[W];
+    load_pack<W>(row_ptr<T>(x), v, xv);
+    load_pack<W>(row_ptr<T>(total), v, sv);
+#pragma unroll 2
+    for (int k = 0; k < K; ++k) {
+      load_pack<W>(row_ptr<T>(updates[k]), v, u);
+      load_pack<W>(row_ptr<T>(memory[k]), v, mem);
+#pragma unroll
+      for (int i = 0; i < W; ++i) {
+        u[i] = to_acc(Store<T>::from(subtract_x ? u[i] - xv[i] : u[i]));  // the stored delta
+        sv[i] = sv[i] + (u[i] - mem[i]);
+      }
+      store_pack<W>(row_ptr<T>(memory[k]), v, u);
+    }
+    if (M > 0) {
+#pragma unroll
+      for (int i = 0; i < W; ++i) sv[i] = Acc(0);
+      for (int m = 0; m < M; ++m) {
+        load_pack<W>(row_ptr<T>(all_memory[m]), v, mem);
+#pragma unroll
+        for (int i = 0; i < W; ++i) sv[i] = sv[i] + mem[i];
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < W; ++i) sv[i] = to_acc(Store<T>::from(sv[i]));
+    store_pack<W>(row_ptr<T>(total), v, sv);
+#pragma unroll
+    for (int i = 0; i < W; ++i) xv[i] = xv[i] + Acc(coef) * sv[i];
+    store_pack<W>(row_ptr<T>(x), v, xv);
+  }
+  for (int64_t j = nvec * W + first; j < d; j += step) {
     const Acc xv = to_acc(at<T>(x, j));
     Acc sv = to_acc(at<T>(total, j));
     for (int k = 0; k < K; ++k) {
@@ -146,18 +173,34 @@ std::vector<RowRef> to_refs(const std::vector<PbcRow>& rows) {
   return out;
 }
 
-// Packs of 16 bytes a kernel may process vectorised: all of d when every row and the output are contiguous and
-// 16-byte aligned, else none.
-template <typename T>
-int64_t vector_packs(const std::vector<PbcRow>& rows, const void* out, int64_t out_stride, int64_t d) {
-  bool ok = out_stride == 1 && aligned16(out);
-  for (const auto& r : rows) ok = ok && r.stride == 1 && aligned16(r.ptr);
-  return ok ? d / static_cast<int64_t>(16 / sizeof(T)) : 0;
+// The access width (16 or 8 bytes) every row and the vector `out` allow when all are contiguous, else 0.
+int access_width(std::initializer_list<const std::vector<PbcRow>*> row_sets, std::initializer_list<PbcRow> vectors) {
+  int width = 16;
+  for (const PbcRow& v : vectors) {
+    if (v.stride != 1) return 0;
+    width = std::min(width, common_alignment({v.ptr}));
+  }
+  for (const auto* rows : row_sets) {
+    for (const PbcRow& r : *rows) {
+      if (r.stride != 1) return 0;
+      width = std::min(width, common_alignment({r.ptr}));
+    }
+  }
+  return width;
 }
 
-unsigned grid_of(int device, int64_t d, int64_t nvec, size_t elem) {
-  const int64_t work = nvec > 0 ? nvec + (d - nvec * static_cast<int64_t>(16 / elem)) : d;
-  return grid_for(device, work, kThreads);
+// Calls launch(W, nvec, grid) with W elements per access (1 and no packs when width is 0).
+template <typename T, typename Launch>
+void with_width(int device, int width, int64_t d, Launch&& launch) {
+  if (width == 0) {
+    launch(std::integral_constant<int, 1>{}, int64_t{0}, grid_for(device, d, kThreads));
+    return;
+  }
+  with_pack_width<T>(width, [&](auto w) {
+    constexpr int W = decltype(w)::value;
+    const int64_t nvec = d / W;
+    launch(w, nvec, grid_for(device, nvec + (d - nvec * W), kThreads));
+  });
 }
 
 template <typename T>
@@ -168,10 +211,12 @@ size_t launch_agg_bcast(int device, cudaStream_t stream, int64_t d, const std::v
   t.count = static_cast<int64_t>(rows.size());
   t.rows = pack.add(to_refs(rows));
   if (const size_t need = tables_scratch_bytes(pack); need > scratch.bytes) return need;
-  const int64_t nvec = vector_packs<T>(rows, server, server_stride, d);
   with_tables(pack, stream, scratch, "pbc_agg_bcast", [&](const auto& block, const void* global) {
-    agg_bcast_kernel<T><<<grid_of(device, d, nvec, sizeof(T)), kThreads, 0, stream>>>(
-        block, global, t, d, static_cast<T*>(server), server_stride, nvec);
+    with_width<T>(
+        device, access_width({&rows}, {{server, server_stride}}), d, [&](auto w, int64_t nvec, unsigned grid) {
+          agg_bcast_kernel<T, decltype(w)::value>
+              <<<grid, kThreads, 0, stream>>>(block, global, t, d, static_cast<T*>(server), server_stride, nvec);
+        });
   });
   check(cudaGetLastError(), "pbc_agg_bcast kernel launch");
   return 0;
@@ -187,10 +232,11 @@ size_t launch_weighted_delta(int device, cudaStream_t stream, int64_t d, const s
   t.rows = pack.add(to_refs(rows));
   t.weights = pack.add(std::vector<Acc>(weights.begin(), weights.end()));
   if (const size_t need = tables_scratch_bytes(pack); need > scratch.bytes) return need;
-  const int64_t nvec = vector_packs<T>(rows, x, x_stride, d);
   with_tables(pack, stream, scratch, "weighted_delta", [&](const auto& block, const void* global) {
-    weighted_delta_kernel<T><<<grid_of(device, d, nvec, sizeof(T)), kThreads, 0, stream>>>(
-        block, global, t, d, static_cast<T*>(x), x_stride, nvec);
+    with_width<T>(device, access_width({&rows}, {{x, x_stride}}), d, [&](auto w, int64_t nvec, unsigned grid) {
+      weighted_delta_kernel<T, decltype(w)::value>
+          <<<grid, kThreads, 0, stream>>>(block, global, t, d, static_cast<T*>(x), x_stride, nvec);
+    });
   });
   check(cudaGetLastError(), "weighted_delta kernel launch");
   return 0;
@@ -206,9 +252,13 @@ size_t launch_mifa(int device, cudaStream_t stream, int64_t d, const MifaArgs& a
   t.all_count = static_cast<int64_t>(a.all_memory.size());
   t.all = pack.add(to_refs(a.all_memory));
   if (const size_t need = tables_scratch_bytes(pack); need > scratch.bytes) return need;
+  const int width = access_width({&a.updates, &a.memory, &a.all_memory}, {a.x, a.total});
   with_tables(pack, stream, scratch, "mifa_update", [&](const auto& block, const void* global) {
-    mifa_kernel<T><<<grid_for(device, d, kThreads), kThreads, 0, stream>>>(
-        block, global, t, RowRef{a.x.ptr, a.x.stride}, RowRef{a.total.ptr, a.total.stride}, d, a.coef, a.subtract_x);
+    with_width<T>(device, width, d, [&](auto w, int64_t nvec, unsigned grid) {
+      mifa_kernel<T, decltype(w)::value><<<grid, kThreads, 0, stream>>>(block, global, t, RowRef{a.x.ptr, a.x.stride},
+                                                                        RowRef{a.total.ptr, a.total.stride}, d, a.coef,
+                                                                        a.subtract_x, nvec);
+    });
   });
   check(cudaGetLastError(), "mifa_update kernel launch");
   return 0;

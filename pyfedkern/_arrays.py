@@ -82,24 +82,59 @@ def _module_name(x: Any) -> str:
     return type(x).__module__.split(".")[0]
 
 
+_torch_tensor: Any = None  # torch.Tensor, once an op has seen one (pyfedkern never imports torch just to check)
+_torch_strided: Any = None
+_cupy_ndarray: Any = None
+
+
 def is_array(x: Any) -> bool:
-    """Whether x is a numpy array, torch tensor or cupy array."""
-    return isinstance(x, np.ndarray) or (_module_name(x) in ("torch", "cupy") and hasattr(x, "shape"))
+    """Whether x is a numpy array, torch tensor or cupy array (checked with the library's own array type)."""
+    if isinstance(x, np.ndarray) or (_torch_tensor is not None and isinstance(x, _torch_tensor)):
+        return True
+    lib = _module_name(x)
+    return (lib == "torch" and _torch_type() is not None and isinstance(x, _torch_tensor)) or (
+        lib == "cupy" and _cupy_type() is not None and isinstance(x, _cupy_ndarray)
+    )
+
+
+def _torch_type() -> Any:
+    global _torch_tensor, _torch_strided
+    if _torch_tensor is None:
+        import torch
+
+        _TORCH_DTYPE_NAMES.update({getattr(torch, n): n for n in (*FLOAT_DTYPES, "int32", "int64", "uint8")})
+        _torch_strided = torch.strided
+        _torch_tensor = torch.Tensor
+    return _torch_tensor
+
+
+def _cupy_type() -> Any:
+    """cupy.ndarray, or None when cupy cannot be imported (then no object is a cupy array)."""
+    global _cupy_ndarray
+    if _cupy_ndarray is None:
+        try:
+            import cupy
+        except ImportError:
+            return None
+        _cupy_ndarray = cupy.ndarray
+    return _cupy_ndarray
 
 
 def describe(x: Any, name: str) -> ArrayRef:
-    """The :class:`ArrayRef` of x; TypeError naming ``name`` when x is not a supported array."""
+    """The :class:`ArrayRef` of x; TypeError naming ``name`` when x is not a supported array.
+
+    An object is taken for a torch tensor or cupy array only when it is an instance of that library's own type
+    (a class that merely calls its module "cupy" is refused), and a cupy array's pointer must be device memory of
+    the device it claims.
+    """
     if isinstance(x, np.ndarray):
         return _describe_numpy(x, name)
+    if _torch_tensor is not None and isinstance(x, _torch_tensor):
+        return _describe_torch(x, name)
     lib = _module_name(x)
-    if lib == "torch":
-        import torch
-
-        if isinstance(x, torch.Tensor):
-            if not _TORCH_DTYPE_NAMES:
-                _TORCH_DTYPE_NAMES.update({getattr(torch, n): n for n in (*FLOAT_DTYPES, "int32", "int64", "uint8")})
-            return _describe_torch(x, name)
-    if lib == "cupy" and hasattr(x, "__cuda_array_interface__"):
+    if lib == "torch" and isinstance(x, _torch_type()):
+        return _describe_torch(x, name)
+    if lib == "cupy" and _cupy_type() is not None and isinstance(x, _cupy_ndarray):
         return _describe_cupy(x, name)
     raise TypeError(f"{name} must be a numpy array, torch tensor or cupy array, got {type(x).__qualname__}")
 
@@ -137,36 +172,43 @@ def _describe_numpy(x: np.ndarray, name: str) -> ArrayRef:
 
 
 def _describe_torch(x: Any, name: str) -> ArrayRef:
-    import torch
-
-    if x.layout != torch.strided:
+    if x.layout is not _torch_strided:
         raise TypeError(f"{name} must be a dense (strided) torch tensor, got layout {x.layout}")
-    if x.is_cpu:
-        device = -1
-    elif x.is_cuda:
+    if x.is_cuda:
         device = x.get_device()
+    elif x.is_cpu:
+        device = -1
     else:
         raise TypeError(f"{name} is on torch device {x.device}; pyfedkern supports cpu and cuda")
     if x.is_conj() or x.is_neg():
         raise TypeError(f"{name} is a lazily conjugated/negated view; call .resolve_conj()/.resolve_neg() first")
     dtype = _TORCH_DTYPE_NAMES.get(x.dtype) or str(x.dtype).removeprefix("torch.")
-    return ArrayRef(x, "torch", device, dtype, tuple(x.shape), tuple(x.stride()), x.data_ptr(), x.element_size(), True)
+    return ArrayRef(x, "torch", device, dtype, tuple(x.shape), x.stride(), x.data_ptr(), x.element_size(), True)
 
 
-_TORCH_DTYPE_NAMES: dict[Any, str] = {}  # torch.dtype -> canonical name, filled on first use by describe()
+_TORCH_DTYPE_NAMES: dict[Any, str] = {}  # torch.dtype -> canonical name, filled by _torch_type()
 
 
 def _describe_cupy(x: Any, name: str) -> ArrayRef:
+    import cupy
+
     itemsize = x.dtype.itemsize
     cai = x.__cuda_array_interface__
+    ptr, device = int(cai["data"][0]), int(x.device.id)
+    if x.size and ptr:
+        attrs = cupy.cuda.runtime.pointerGetAttributes(ptr)
+        if attrs.type not in (cupy.cuda.runtime.memoryTypeDevice, cupy.cuda.runtime.memoryTypeManaged) or (
+            attrs.device != device
+        ):
+            raise TypeError(f"{name} claims device memory of cuda:{device} at {ptr:#x}, which is not")
     return ArrayRef(
         x,
         "cupy",
-        int(x.device.id),
+        device,
         x.dtype.name,
         tuple(x.shape),
         _element_strides(x.strides, itemsize, name),
-        int(cai["data"][0]),
+        ptr,
         itemsize,
         not cai["data"][1],
     )
@@ -357,27 +399,51 @@ def to_host(x: Any, name: str) -> np.ndarray:
 
 
 def host_float64(values: Any, name: str, length: int | None = None) -> np.ndarray:
-    """A 1-D float64 numpy copy of scalars or an array (any library or device), checked finite."""
+    """A 1-D float64 numpy copy of real numbers: a list/tuple or an array of any library or device (a GPU array is
+    copied to the host, which synchronises). TypeError for anything that is not a real number (strings, None,
+    complex, objects), ValueError for a wrong shape or a non-finite value."""
+    if isinstance(values, (list, tuple)):  # the common case: a short list of Python floats
+        try:
+            if all(map(math.isfinite, values)):
+                arr = np.asarray(values, dtype=np.float64)
+                if arr.ndim == 1 and (length is None or arr.shape[0] == length):
+                    return arr
+        except (TypeError, OverflowError):
+            pass  # the general path below says what is wrong
     if is_array(values):
         ref = describe(values, name)
         refuse_capture(ref, name, "reading a GPU array's values")
         if ref.lib == "torch":
             import torch
 
+            if values.is_complex():
+                raise TypeError(f"{name} must be real numbers, got dtype {ref.dtype}")
             values = values.detach().to("cpu", dtype=torch.float64).numpy()
         elif ref.lib == "cupy":
             values = values.get()
-    try:
-        arr = np.asarray(values, dtype=np.float64)
-    except (TypeError, ValueError):
-        raise TypeError(f"{name} must be real numbers, got {type(values).__qualname__}") from None
+    arr = values if isinstance(values, np.ndarray) else _real_array(values, name)
+    if arr.dtype.kind not in "iufb":
+        raise TypeError(f"{name} must be real numbers, got dtype {arr.dtype}")
+    arr = arr.astype(np.float64)
     if arr.ndim != 1:
         raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
     if length is not None and arr.shape[0] != length:
         raise ValueError(f"{name} has length {arr.shape[0]}, expected {length}")
-    if not np.all(np.isfinite(arr)):
+    if not np.isfinite(arr).all():
         bad = int(np.flatnonzero(~np.isfinite(arr))[0])
         raise ValueError(f"{name} must be finite, but {name}[{bad}] = {arr[bad]}")
+    return arr
+
+
+def _real_array(values: Any, name: str) -> np.ndarray:
+    """values as a numpy array without conversions numpy would make silently (strings, None, complex)."""
+    try:
+        arr = np.asarray(values)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be real numbers, got {type(values).__qualname__}") from None
+    if arr.dtype.kind not in "iufb":
+        got = "strings" if arr.dtype.kind in "US" else f"dtype {arr.dtype}" if arr.dtype.kind != "O" else "objects"
+        raise TypeError(f"{name} must be real numbers, got {got}")
     return arr
 
 

@@ -304,7 +304,6 @@ class _Herd:
 
 
 def _herd(cl: _Clients, ks: list[int]) -> _Herd:
-    _arrays.refuse_capture(cl.first, "herding", "checking that the Gram matrix is finite")
     gram = _centred_gram(cl)
     finite = _finite_per_client(cl.lib, gram)
     if not finite.all():
@@ -397,6 +396,7 @@ def herding_order(grads: Any, k: Any) -> Any:
         of N 1-D arrays for a list input or per-client k.
     """
     cl = _clients(grads)
+    _arrays.refuse_capture(cl.first, "herding", "checking that the gradients' Gram matrix is finite")
     ks = _check_k(k, cl.taus)
     herd = _herd(cl, ks)
     listed = isinstance(k, Sequence) or _arrays.is_array(k)
@@ -418,6 +418,7 @@ def herding_select(grads: Any, alpha: Any, *, return_gap: bool = False) -> tuple
         sums the [d] (one matrix) or [N, d] sums Σ_{selected} y in the caller's library, device and dtype.
     """
     cl = _clients(grads)
+    _arrays.refuse_capture(cl.first, "herding", "checking that the gradients' Gram matrix is finite")
     a = check_alpha(alpha)
     ks = [selection_size(tau, a) for tau in cl.taus]
     herd = _herd(cl, ks)

@@ -163,7 +163,8 @@ def test_profiler_sees_pyfedkern_runtime_calls():
     ops.weighted_sum(X, w)
     calls, _ = _profile(lambda: ops.weighted_sum(X, w))
     assert any("memcpy" in n.lower() for n in calls), calls
-    torch.testing.assert_close(ops.weighted_sum(X, w), (torch.from_numpy(w).float().cuda()[:, None] * X).sum(0))
+    expected = (torch.from_numpy(w).cuda()[:, None] * X.double()).sum(0)
+    torch.testing.assert_close(ops.weighted_sum(X, w).double(), expected, rtol=1e-4, atol=1e-3)
 
 
 def test_large_tables_refuse_capture_cleanly():
@@ -175,12 +176,12 @@ def test_large_tables_refuse_capture_cleanly():
     # the process's CUDA context is intact, and device weights (no host table) capture fine at that size
     w_dev = torch.from_numpy(w).float().cuda()
     expected = (w_dev[:, None] * X).sum(0)
-    torch.testing.assert_close(ops.weighted_sum(X, w), expected)
+    torch.testing.assert_close(ops.weighted_sum(X, w), expected, rtol=1e-4, atol=1e-3)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = ops.weighted_sum(X, w_dev)
     graph.replay()
-    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-3)
 
 
 def test_ops_that_read_host_values_refuse_capture_cleanly():

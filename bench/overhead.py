@@ -1,0 +1,110 @@
+"""Per-call overhead of pyfedkern's ops against the torch one-liner they replace, on tiny inputs (K=2, d=8).
+
+Prints, per op and device: the synchronised call time (call + device synchronise, median of 2000), and the host
+time per call when 1000 calls are queued before one synchronise (what a training loop pays). Usage:
+    python bench/overhead.py [--device cpu|cuda] [--json OUT.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from pyfedkern import ops
+
+
+def cases(device: str) -> dict[str, tuple]:
+    X = torch.randn(2, 8, device=device)
+    w_host = [0.5, 0.5]
+    w_dev = torch.tensor(w_host, device=device)
+    acc = torch.zeros(8, device=device)
+    store = torch.randn(4, 8, device=device)
+    server = torch.zeros(8, device=device)
+    active, active_dev = np.array([1, 3]), torch.tensor([1, 3], device=device)
+    x, g = torch.randn(8, device=device), torch.randn(8, device=device)
+    f, y = torch.randn(16, 8, device=device), torch.randint(0, 4, (16,), device=device)
+
+    def torch_norms():
+        n = torch.linalg.vector_norm(f, dim=1)
+        return torch.zeros(4, device=device).index_add_(0, y, n), torch.bincount(y, minlength=4)
+
+    return {
+        "weighted_sum K=2 d=8": (lambda: ops.weighted_sum(X, w_host), lambda: torch.tensordot(w_dev, X, dims=1)),
+        "weighted_sum (device weights)": (
+            lambda: ops.weighted_sum(X, w_dev),
+            lambda: torch.tensordot(w_dev, X, dims=1),
+        ),
+        "accumulate_ d=8": (lambda: ops.accumulate_(acc, x, 0.5), lambda: acc.add_(x, alpha=0.5)),
+        "pbc_agg_bcast_ k=2 d=8": (
+            lambda: ops.pbc_agg_bcast_(store, server, active),
+            lambda: (server.copy_(store[active_dev].mean(0)), store.index_copy_(0, active_dev, server.expand(2, 8))),
+        ),
+        "fedspeed_update_ d=8": (
+            lambda: ops.fedspeed_update_(x, g, 0.1, weight_decay=1e-4),
+            lambda: x.add_(g + 1e-4 * x, alpha=-0.1),
+        ),
+        "class_feature_norms B=16 D=8": (lambda: ops.class_feature_norms(f, y, 4), torch_norms),
+    }
+
+
+def synced(fn, device: str, n: int = 2000) -> float:
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def queued(fn, device: str, n: int = 1000) -> float:
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    rows = []
+    header = "pyfedkern synced µs | torch synced µs | ratio | pyfedkern queued µs | torch queued µs"
+    print(f"| op ({args.device}) | {header} |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, (ours, theirs) in cases(args.device).items():
+        for fn in (ours, theirs):
+            for _ in range(200):
+                fn()
+        s_ours, s_theirs = synced(ours, args.device), synced(theirs, args.device)
+        q_ours, q_theirs = queued(ours, args.device), queued(theirs, args.device)
+        rows.append(
+            {
+                "op": name,
+                "device": args.device,
+                "ours_synced_us": s_ours,
+                "torch_synced_us": s_theirs,
+                "ours_queued_us": q_ours,
+                "torch_queued_us": q_theirs,
+            }
+        )
+        print(f"| {name} | {s_ours:.1f} | {s_theirs:.1f} | {s_ours / s_theirs:.2f}× | {q_ours:.1f} | {q_theirs:.1f} |")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
