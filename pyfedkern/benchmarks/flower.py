@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
 
         pyfedkern.set_num_threads(int(args[1]))
     if not _flower_available():
-        print("flwr is not installed: pip install pyfedkern[flower]")
+        print('flwr is not installed: pip install "flwr>=1.20"')
         return 1
     rows = []
     for case in cases(size=size):

@@ -28,9 +28,7 @@ try:
     from flwr.serverapp.strategy import FedAvg as _FlowerFedAvg
     from flwr.serverapp.strategy import Result
 except ImportError as exc:  # pragma: no cover - exercised only without flwr
-    raise ImportError(
-        "pyfedkern.integrations.flower needs Flower (flwr >= 1.20): pip install pyfedkern[flower]"
-    ) from exc
+    raise ImportError('pyfedkern.integrations.flower needs Flower: pip install "flwr>=1.20"') from exc
 
 import dataclasses
 import io
