@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build, test, sanitize and benchmark pyfedkern on a CUDA machine in one go (the lent GPU of a development session).
-# Usage: bash bench/gpu.sh OUT_DIR [STEPS]   STEPS: a comma list of build,test,sanitize,overhead,bench,engine
+# Usage: bash bench/gpu.sh OUT_DIR [STEPS]   STEPS: a comma list of build,test,sanitize,overhead,profile,bench,engine
 # (default build,test,sanitize,bench); BENCH_FILES limits the bench step to some suites.
 # Writes logs, the pytest-benchmark JSON, its report and the wheel into OUT_DIR; a wheel already in OUT_DIR or in
 # ./wheels is installed instead of rebuilding.
@@ -39,6 +39,10 @@ fi
 if has overhead; then
   stamp "per-call overhead"
   $py -P bench/overhead.py --device cuda --json "$out/overhead-cuda.json" | tee "$out/overhead-cuda.md"
+fi
+if has profile; then
+  stamp "profiles"
+  timeout 120 $py -P bench/profile_ops.py >"$out/profile.txt" 2>&1
 fi
 if has bench; then
   stamp "benchmarks (cuda groups)"

@@ -4,6 +4,7 @@
 
 #include <pybind11/numpy.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "bindings.h"
@@ -149,7 +150,9 @@ size_t weighted_sum(int device, uintptr_t stream, const std::string& dtype_name,
   call.out_stride = out_stride;
   call.accumulate = accumulate;
   if (device_weights != 0) call.device_weights = reinterpret_cast<const void*>(device_weights);
-  if (ptrs.empty()) {  // a stack: no row table; the kernel skips zero weights
+  const size_t zeros = device_weights != 0 ? 0 : static_cast<size_t>(std::count(w, w + all.size(), 0.0));
+  if (ptrs.empty() && (device_weights != 0 || zeros == 0 || all.size() - zeros > 256)) {
+    // a stack: no row table (zero host weights are skipped by the kernel when too many rows remain for a table)
     call.stack = {reinterpret_cast<const void*>(base), step_bytes, col_stride, count};
     if (device_weights == 0) call.weights.assign(w, w + all.size());
   } else if (device_weights != 0) {

@@ -38,8 +38,10 @@ __device__ __forceinline__ const typename AccOf<T>::type* weights_of(const ArgBl
                                    : table_at<typename AccOf<T>::type>(table_base(block, global), t.weights);
 }
 
-// W elements per access in the body, then the last d % W elements one by one.
-template <typename T, int W, size_t NB>
+// W elements per access in the body, then the last d % W elements one by one. Rows are read four at a time (four
+// loads in flight per thread) and added in row order. SkipZero: the weights may hold zeros whose rows must not be
+// read (device weights, or a stack with zero weights); otherwise every row of the table is read.
+template <typename T, int W, bool SkipZero, size_t NB>
 __global__ void weighted_sum_vec_kernel(const __grid_constant__ ArgBlock<NB> block, const void* global, RowTables t,
                                         const typename AccOf<T>::type* device_weights, T* __restrict__ out, int64_t d,
                                         bool accumulate) {
@@ -58,10 +60,23 @@ __global__ void weighted_sum_vec_kernel(const __grid_constant__ ArgBlock<NB> blo
 #pragma unroll
       for (int i = 0; i < W; ++i) acc[i] = Acc(0);
     }
-#pragma unroll 4
-    for (int k = 0; k < K; ++k) {
+    int k = 0;
+    if constexpr (!SkipZero) {
+      for (; k + 4 <= K; k += 4) {
+        Acc x[4][W];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) load_pack<W>(static_cast<const T*>(rows.ptr(k + j)), v, x[j]);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const Acc w = weights[k + j];
+#pragma unroll
+          for (int i = 0; i < W; ++i) acc[i] = acc[i] + w * x[j][i];
+        }
+      }
+    }
+    for (; k < K; ++k) {
       const Acc w = weights[k];
-      if (w == Acc(0)) continue;
+      if (SkipZero && w == Acc(0)) continue;
       Acc x[W];
       load_pack<W>(static_cast<const T*>(rows.ptr(k)), v, x);
 #pragma unroll
@@ -73,7 +88,7 @@ __global__ void weighted_sum_vec_kernel(const __grid_constant__ ArgBlock<NB> blo
     Acc acc = accumulate ? to_acc(out[i]) : Acc(0);
     for (int k = 0; k < K; ++k) {
       const Acc w = weights[k];
-      if (w != Acc(0)) acc = acc + w * to_acc(static_cast<const T*>(rows.ptr(k))[i]);
+      if (!SkipZero || w != Acc(0)) acc = acc + w * to_acc(static_cast<const T*>(rows.ptr(k))[i]);
     }
     out[i] = Store<T>::from(acc);
   }
@@ -148,12 +163,20 @@ size_t launch(int device, cudaStream_t stream, const WeightedSumCall& c, Scratch
   const auto* dw = static_cast<const Acc*>(c.device_weights);
   T* o = static_cast<T*>(c.out);
   const int width = access_width(c);
+  bool zeros = dw != nullptr;
+  for (double w : c.weights) zeros = zeros || w == 0.0;
   with_tables(pack, stream, scratch, "weighted_sum", [&](const auto& block, const void* global) {
     if (width > 0) {
       with_pack_width<T>(width, [&](auto w) {
         constexpr int W = decltype(w)::value;
-        weighted_sum_vec_kernel<T, W><<<grid_for(device, c.d / W + 1, kThreads), kThreads, 0, stream>>>(
-            block, global, t, dw, o, c.d, c.accumulate);
+        const unsigned grid = grid_for(device, c.d / W + 1, kThreads);
+        if (zeros) {
+          weighted_sum_vec_kernel<T, W, true>
+              <<<grid, kThreads, 0, stream>>>(block, global, t, dw, o, c.d, c.accumulate);
+        } else {
+          weighted_sum_vec_kernel<T, W, false>
+              <<<grid, kThreads, 0, stream>>>(block, global, t, dw, o, c.d, c.accumulate);
+        }
       });
     } else {
       weighted_sum_strided_kernel<T><<<grid_for(device, c.d, kThreads), kThreads, 0, stream>>>(

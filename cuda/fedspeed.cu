@@ -74,11 +74,19 @@ __device__ Acc block_sum(Acc v) {
 }
 
 template <typename T, bool HasG1, bool HasD>
-__global__ void sumsq_partial_kernel(int64_t d, DevCombo<T> k, typename AccOf<T>::type* __restrict__ partials) {
+__global__ void sumsq_partial_kernel(int64_t d, int64_t nvec, DevCombo<T> k,
+                                     typename AccOf<T>::type* __restrict__ partials) {
   using Acc = typename AccOf<T>::type;
   Acc sum = Acc(0);
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < d; i += step) {
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (int64_t p = first; p < nvec; p += step) {
+    Acc v[kPack<T>];
+    combo_pack<T, HasG1, HasD>(k, p, v);
+#pragma unroll
+    for (int i = 0; i < kPack<T>; ++i) sum = sum + v[i] * v[i];
+  }
+  for (int64_t i = nvec * kPack<T> + first; i < d; i += step) {
     const Acc v = combo_at<T, HasG1, HasD>(k, i);
     sum = sum + v * v;
   }
@@ -222,11 +230,11 @@ int partial_blocks(int64_t d) {
 
 // ||combo|| into norm_out (device memory), using the workspace for the per-block partial sums.
 template <typename T, bool HasG1, bool HasD>
-void device_norm(cudaStream_t stream, int64_t d, const DevCombo<T>& k, void* workspace, void* norm_out) {
+void device_norm(cudaStream_t stream, int64_t d, int64_t nvec, const DevCombo<T>& k, void* workspace, void* norm_out) {
   using Acc = typename AccOf<T>::type;
   const int blocks = partial_blocks(d);
   Acc* partials = static_cast<Acc*>(workspace);
-  sumsq_partial_kernel<T, HasG1, HasD><<<blocks, kThreads, 0, stream>>>(d, k, partials);
+  sumsq_partial_kernel<T, HasG1, HasD><<<blocks, kThreads, 0, stream>>>(d, nvec, k, partials);
   check(cudaGetLastError(), "fedspeed norm partial kernel launch");
   norm_finalize_kernel<Acc><<<1, kThreads, 0, stream>>>(partials, blocks, static_cast<Acc*>(norm_out));
   check(cudaGetLastError(), "fedspeed norm finalize kernel launch");
@@ -238,7 +246,8 @@ void perturb(int device, cudaStream_t stream, const PerturbArgs& a) {
   const Acc* norm = nullptr;
   if (a.normalize) {
     if (!a.norm_out) throw ArgumentError("fedspeed_perturb: CUDA needs a device norm_out");
-    device_norm<T, false, false>(stream, a.d, make_combo<T>({}, a.g, {}, 0.0, 1.0, 0.0), a.workspace, a.norm_out);
+    device_norm<T, false, false>(stream, a.d, packs<T>(a.d, {a.g}), make_combo<T>({}, a.g, {}, 0.0, 1.0, 0.0),
+                                 a.workspace, a.norm_out);
     norm = static_cast<const Acc*>(a.norm_out);
   }
   const int64_t nvec = packs<T>(a.d, {a.x, a.g, a.out});
@@ -255,7 +264,7 @@ void update_flags(int device, cudaStream_t stream, const UpdateArgs& a) {
   const Acc* norm = nullptr;
   if (a.clip_norm > 0.0) {
     if (!a.norm_out) throw ArgumentError("fedspeed_update: CUDA needs a device norm_out");
-    device_norm<T, HasG1, HasD>(stream, a.d, k, a.workspace, a.norm_out);
+    device_norm<T, HasG1, HasD>(stream, a.d, packs<T>(a.d, {a.g1, a.g2, a.anchor}), k, a.workspace, a.norm_out);
     norm = static_cast<const Acc*>(a.norm_out);
   }
   const int64_t nvec = packs<T>(a.d, {a.x, a.g1, a.g2, a.anchor});

@@ -116,19 +116,32 @@ __global__ void mifa_kernel(const __grid_constant__ ArgBlock<NB> block, const vo
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   for (int64_t v = first; v < nvec; v += step) {
-    Acc xv[W], sv[W], u[W], mem[W];
+    Acc xv[W], sv[W], u[W], mem[W];  // mem: the rows re-summed
     load_pack<W>(row_ptr<T>(x), v, xv);
     load_pack<W>(row_ptr<T>(total), v, sv);
-#pragma unroll 2
-    for (int k = 0; k < K; ++k) {
-      load_pack<W>(row_ptr<T>(updates[k]), v, u);
-      load_pack<W>(row_ptr<T>(memory[k]), v, mem);
+    // Four clients at a time: their eight loads are issued before any store (updates, memory rows and x are
+    // disjoint, checked by the Python layer), then each client's delta is stored and summed in order.
+    for (int k0 = 0; k0 < K; k0 += 4) {
+      const int n = K - k0 < 4 ? K - k0 : 4;
+      Acc ub[4][W], mb[4][W];
 #pragma unroll
-      for (int i = 0; i < W; ++i) {
-        u[i] = to_acc(Store<T>::from(subtract_x ? u[i] - xv[i] : u[i]));  // the stored delta
-        sv[i] = sv[i] + (u[i] - mem[i]);
+      for (int j = 0; j < 4; ++j) {
+        if (j < n) {
+          load_pack<W>(row_ptr<T>(updates[k0 + j]), v, ub[j]);
+          load_pack<W>(row_ptr<T>(memory[k0 + j]), v, mb[j]);
+        }
       }
-      store_pack<W>(row_ptr<T>(memory[k]), v, u);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        if (j < n) {
+#pragma unroll
+          for (int i = 0; i < W; ++i) {
+            u[i] = to_acc(Store<T>::from(subtract_x ? ub[j][i] - xv[i] : ub[j][i]));  // the stored delta
+            sv[i] = sv[i] + (u[i] - mb[j][i]);
+          }
+          store_pack<W>(row_ptr<T>(memory[k0 + j]), v, u);
+        }
+      }
     }
     if (M > 0) {
 #pragma unroll

@@ -75,8 +75,9 @@ def _interleaved(ref: ArrayRef) -> bool:
     return ref.strides[0] != 0 and abs(ref.strides[1]) >= m * abs(ref.strides[0])
 
 
-def _indices(active: Any, m: int, name: str) -> np.ndarray:
-    """Distinct int64 row indices, in the given order, from indices or a boolean mask of length m (row order)."""
+def _indices(active: Any, m: int, name: str, *, sort: bool = False) -> np.ndarray:
+    """Distinct int64 row indices from indices or a boolean mask of length m (row order): in the given order, or
+    sorted with ``sort``."""
     if _arrays.is_array(active):
         active = _arrays.to_host(active, name)  # GPU indices: one host round trip (pass host indices to avoid it)
     arr = np.asarray(active)
@@ -88,15 +89,18 @@ def _indices(active: Any, m: int, name: str) -> np.ndarray:
         return np.flatnonzero(arr).astype(np.int64)
     if arr.size == 0:
         return np.zeros(0, dtype=np.int64)
-    if not np.issubdtype(arr.dtype, np.integer):
+    if arr.dtype.kind not in "iu":
         raise TypeError(f"{name} must hold integer row indices or booleans, got dtype {arr.dtype}")
+    if arr.dtype.kind == "u" and arr.max() >= m:  # before the cast to int64, which would wrap 2^63 and above
+        raise ValueError(f"{name} holds row index {int(arr.max())}, expected indices in [0, {m})")
     idx = arr.astype(np.int64)
-    if idx.min() < 0 or idx.max() >= m:
+    ordered = np.sort(idx)
+    if ordered[0] < 0 or ordered[-1] >= m:
         bad = int(idx[(idx < 0) | (idx >= m)][0])
         raise ValueError(f"{name} holds row index {bad}, expected indices in [0, {m})")
-    if np.unique(idx).shape[0] != idx.shape[0]:
+    if ordered.shape[0] > 1 and (ordered[1:] == ordered[:-1]).any():
         raise ValueError(f"{name} holds duplicate row indices; each active row must appear once")
-    return idx
+    return ordered if sort else idx
 
 
 def _row_ptrs(ref: ArrayRef, rows: np.ndarray) -> tuple[list[int], list[int]]:
@@ -127,7 +131,7 @@ def pbc_agg_bcast_(store: Any, server: A, active: Any) -> A:
     if srv.shape[0] != d:
         raise ValueError(f"server has length {srv.shape[0]}, expected {d} (the columns of store)")
     _check_disjoint(srv, s, "server", "store")
-    rows = np.sort(_indices(active, m, "active"))
+    rows = _indices(active, m, "active", sort=True)
     if rows.size == 0:
         return server
     ptrs, strides = _row_ptrs(s, rows)
