@@ -30,13 +30,22 @@ def pytest_generate_tests(metafunc):
 def run_case(benchmark, case):
     benchmark.group = case.group
     benchmark.name = case.name
-    benchmark.extra_info.update({"bytes_moved": case.bytes_moved, "flops": case.flops, "case": case.name})
+    benchmark.extra_info.update(
+        {"bytes_moved": case.bytes_moved, "flops": case.flops, "case": case.name, "statistic": case.statistic}
+    )
     fn = case.timed()
+    before = case.before() if case.before else None
+    if before:
+        before()
     start = time.perf_counter()
     fn()  # warm-up outside the timing, also sizes the number of rounds
     once = time.perf_counter() - start
-    rounds = min(MAX_ROUNDS, max(MIN_ROUNDS, math.ceil(MIN_SECONDS / max(once, 1e-9))))
-    benchmark.pedantic(fn, rounds=rounds, iterations=1, warmup_rounds=1)
+    rounds = case.rounds or min(MAX_ROUNDS, max(MIN_ROUNDS, math.ceil(MIN_SECONDS / max(once, 1e-9))))
+
+    def setup():  # the case's untimed step before every call (returns nothing: the timed call takes no arguments)
+        before()
+
+    benchmark.pedantic(fn, setup=setup if before else None, rounds=rounds, iterations=1, warmup_rounds=1)
 
 
 @pytest.fixture

@@ -92,7 +92,8 @@ void weighted_sum_cpu_typed(int64_t d, void* out, int64_t out_stride, const std:
   bool contiguous = out_stride == 1;
   for (const auto& r : rows) contiguous = contiguous && r.stride == 1;
   T* o = static_cast<T*>(out);
-  parallel_chunks(d, kTile, [&](int64_t, int64_t begin, int64_t end) {
+  const int64_t work = (static_cast<int64_t>(rows.size()) + 1) * d;
+  parallel_chunks(d, kTile, work, [&](int64_t, int64_t begin, int64_t end) {
     if (contiguous) {
       weighted_sum_tile<T, true>(begin, end, o, 1, rows, accumulate);
     } else {

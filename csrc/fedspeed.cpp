@@ -117,7 +117,8 @@ Combo<T> make_combo(const StridedVec& g1, const StridedVec& g2, const StridedVec
 template <typename T, bool Contig, bool HasG1, bool HasD>
 double combo_norm(int64_t d, const Combo<T>& k) {
   std::vector<double> partial(static_cast<size_t>((d + kChunk - 1) / kChunk));
-  parallel_chunks(d, kChunk, [&](int64_t c, int64_t begin, int64_t end) {
+  const int64_t work = (1 + HasG1 + HasD) * d;
+  parallel_chunks(d, kChunk, work, [&](int64_t c, int64_t begin, int64_t end) {
     partial[static_cast<size_t>(c)] = sumsq_chunk<T, Contig, HasG1, HasD>(begin, end, k);
   });
   double total = 0.0;
@@ -147,7 +148,7 @@ void perturb_cpu(const PerturbArgs& a) {
   const T* g = static_cast<const T*>(a.g.ptr);
   T* out = static_cast<T*>(a.out.ptr);
   const Acc sa = static_cast<Acc>(s);
-  parallel_chunks(a.d, kChunk, [&](int64_t, int64_t begin, int64_t end) {
+  parallel_chunks(a.d, kChunk, 3 * a.d, [&](int64_t, int64_t begin, int64_t end) {
     if (contig) {
       perturb_chunk<T, true>(begin, end, x, 1, g, 1, out, 1, sa);
     } else {
@@ -168,7 +169,7 @@ void update_cpu_flags(const UpdateArgs& a) {
   }
   T* x = static_cast<T*>(a.x.ptr);
   const Acc sc = static_cast<Acc>(scale), xc = static_cast<Acc>(a.x_coef), lr = static_cast<Acc>(a.lr);
-  parallel_chunks(a.d, kChunk, [&](int64_t, int64_t begin, int64_t end) {
+  parallel_chunks(a.d, kChunk, (3 + HasG1 + HasD) * a.d, [&](int64_t, int64_t begin, int64_t end) {
     update_chunk<T, Contig, HasG1, HasD>(begin, end, x, a.x.stride, k, sc, xc, lr);
   });
 }
@@ -201,7 +202,7 @@ void round_end_cpu_flags(const RoundEndArgs& a) {
   T* hs = static_cast<T*>(a.h_sum.ptr);
   const Acc w = static_cast<Acc>(a.weight);
   const int64_t sh = a.h.stride, sk = a.x_local.stride, st = a.x_global.stride, sa = a.acc.stride, ss = a.h_sum.stride;
-  parallel_chunks(a.d, kChunk, [&](int64_t, int64_t begin, int64_t end) {
+  parallel_chunks(a.d, kChunk, (4 + 2 * HasAcc + 2 * HasHsum) * a.d, [&](int64_t, int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const Acc xl = to_acc(xk[i * sk]);
       const Acc delta = xl - to_acc(xt[i * st]);

@@ -83,7 +83,9 @@ size_t herding_greedy(int device, uintptr_t stream, uintptr_t gram, int64_t ld, 
   if (device >= 0)
     return PFK_CUDA_CALL(cuda::herding_greedy(device, stream, g, ld, taus, ks, rel_tol, o, kmax, mk, sq,
                                               as_scratch(scratch, scratch_bytes)));
-  parallel_chunks(n, 1, [&](int64_t, int64_t begin, int64_t end) {
+  int64_t work = 0;  // each of k steps scans and updates tau scores
+  for (int64_t i = 0; i < n; ++i) work += 3 * ks[i] * taus[i];
+  parallel_chunks(n, 1, work, [&](int64_t, int64_t begin, int64_t end) {
     std::vector<double> c;
     for (int64_t i = begin; i < end; ++i)
       greedy_one(g + i * ld * ld, ld, taus[i], ks[i], kmax, rel_tol, o + i * kmax, mk + i * ld, sq + i, c);
@@ -120,7 +122,9 @@ void masked_sum_cpu_typed(int64_t d, const std::vector<MatrixView>& clients, con
                           T* out, int64_t out_row_stride, int64_t out_col_stride) {
   const int64_t tiles = (d + kTile - 1) / kTile;
   const int64_t n = static_cast<int64_t>(clients.size());
-  parallel_chunks(n * tiles, 1, [&](int64_t, int64_t begin, int64_t end) {
+  int64_t work = n * d;  // the outputs, and every client's rows
+  for (const auto& y : clients) work += y.rows * d;
+  parallel_chunks(n * tiles, 1, work, [&](int64_t, int64_t begin, int64_t end) {
     for (int64_t job = begin; job < end; ++job) {
       const int64_t i = job / tiles;
       const int64_t lo = (job % tiles) * kTile;
@@ -193,7 +197,7 @@ void grab_cpu_typed(const MatrixView& y, int64_t d, typename AccOf<T>::type* mea
   for (int64_t r = 0; r < y.rows; ++r) {
     const T* row = base + r * y.row_stride;
     const Acc divisor = running_mean ? Acc(first_step + r) : Acc(tau);
-    parallel_chunks(d, kTile, [&](int64_t tile, int64_t lo, int64_t hi) {
+    parallel_chunks(d, kTile, 3 * d, [&](int64_t tile, int64_t lo, int64_t hi) {
       double dot = 0.0;
       for (int64_t j = lo; j < hi; ++j) {
         const Acc v = to_acc(row[j * cs]);
@@ -206,7 +210,7 @@ void grab_cpu_typed(const MatrixView& y, int64_t d, typename AccOf<T>::type* mea
     for (double p : partial) dot += p;
     const bool pick = dot < 0.0;
     picked[r] = pick ? 1 : 0;
-    parallel_chunks(d, kTile, [&](int64_t, int64_t lo, int64_t hi) {
+    parallel_chunks(d, kTile, 5 * d, [&](int64_t, int64_t lo, int64_t hi) {
       for (int64_t j = lo; j < hi; ++j) {
         const Acc v = to_acc(row[j * cs]);
         const Acc z = v - mean[j];

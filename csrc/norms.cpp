@@ -126,20 +126,22 @@ void forward_cpu(int64_t B, int64_t D, Matrix f, const L* labels, int64_t label_
   std::vector<int64_t> hits(nchunks, 0);
   const T* fx = static_cast<const T*>(f.ptr);
   const T* lx = static_cast<const T*>(logits.ptr);
-  parallel_chunks(B, rows, [&](int64_t chunk, int64_t begin, int64_t end) {
-    double* part = with_classes ? partial.data() + chunk * C : nullptr;
-    int64_t chunk_hits = 0;
-    for (int64_t r = begin; r < end; ++r) {
-      const Acc nrm = row_norm(fx + r * f.stride0, D, f.stride1);
-      norms[r] = Store<T>::from(nrm);
-      if (part != nullptr) part[static_cast<int64_t>(labels[r * label_stride])] += static_cast<double>(nrm);
-      if (lx != nullptr) {
-        const int64_t pred = row_argmax(lx + r * logits.stride0, logit_cols, logits.stride1);
-        chunk_hits += pred == static_cast<int64_t>(labels[r * label_stride]);
-      }
-    }
-    hits[chunk] = chunk_hits;
-  });
+  parallel_chunks(B, rows, B * (D + (lx != nullptr ? logit_cols : 0) + 1),
+                  [&](int64_t chunk, int64_t begin, int64_t end) {
+                    double* part = with_classes ? partial.data() + chunk * C : nullptr;
+                    int64_t chunk_hits = 0;
+                    for (int64_t r = begin; r < end; ++r) {
+                      const Acc nrm = row_norm(fx + r * f.stride0, D, f.stride1);
+                      norms[r] = Store<T>::from(nrm);
+                      if (part != nullptr)
+                        part[static_cast<int64_t>(labels[r * label_stride])] += static_cast<double>(nrm);
+                      if (lx != nullptr) {
+                        const int64_t pred = row_argmax(lx + r * logits.stride0, logit_cols, logits.stride1);
+                        chunk_hits += pred == static_cast<int64_t>(labels[r * label_stride]);
+                      }
+                    }
+                    hits[chunk] = chunk_hits;
+                  });
   if (with_classes) {
     for (int64_t c = 0; c < C; ++c) {
       double total = 0.0;
@@ -168,7 +170,7 @@ void backward_cpu(int64_t B, int64_t D, Matrix f, const L* labels, int64_t label
     }
   }
   const T* fx = static_cast<const T*>(f.ptr);
-  parallel_chunks(B, 64, [&](int64_t, int64_t begin, int64_t end) {
+  parallel_chunks(B, 64, 3 * B * D, [&](int64_t, int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* row = fx + r * f.stride0;
       const Acc nrm = row_norm(row, D, f.stride1);

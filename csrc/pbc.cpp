@@ -191,7 +191,7 @@ template <typename T>
 void agg_bcast_cpu(int64_t d, const std::vector<PbcRow>& rows, void* server, int64_t server_stride) {
   const bool contiguous = all_unit(rows, server_stride);
   T* s = static_cast<T*>(server);
-  parallel_chunks(d, kTile, [&](int64_t, int64_t begin, int64_t end) {
+  parallel_chunks(d, kTile, (2 * static_cast<int64_t>(rows.size()) + 1) * d, [&](int64_t, int64_t begin, int64_t end) {
     if (contiguous) {
       agg_bcast_tile<T, true>(begin, end, rows, s, 1);
     } else {
@@ -205,7 +205,7 @@ void weighted_delta_cpu(int64_t d, const std::vector<PbcRow>& rows, const std::v
                         int64_t x_stride) {
   const bool contiguous = all_unit(rows, x_stride);
   T* xp = static_cast<T*>(x);
-  parallel_chunks(d, kTile, [&](int64_t, int64_t begin, int64_t end) {
+  parallel_chunks(d, kTile, (static_cast<int64_t>(rows.size()) + 2) * d, [&](int64_t, int64_t begin, int64_t end) {
     if (contiguous) {
       weighted_delta_tile<T, true>(begin, end, rows, weights, xp, 1);
     } else {
@@ -218,7 +218,8 @@ template <typename T>
 void mifa_cpu(int64_t d, const MifaArgs& a) {
   bool contiguous = a.x.stride == 1 && all_unit(a.updates, a.total.stride);
   contiguous = contiguous && all_unit(a.memory, 1) && all_unit(a.all_memory, 1);
-  parallel_chunks(d, kTile, [&](int64_t, int64_t begin, int64_t end) {
+  const int64_t rows = static_cast<int64_t>(a.updates.size() + a.memory.size() + a.all_memory.size());
+  parallel_chunks(d, kTile, (rows + 3) * d, [&](int64_t, int64_t begin, int64_t end) {
     if (contiguous) {
       mifa_tile<T, true>(begin, end, a);
     } else {

@@ -1,5 +1,4 @@
 // Process-wide settings and build information of pyfedkern._C.
-#include <atomic>
 #include <thread>
 
 #include "bindings.h"
@@ -9,32 +8,6 @@
 #include "types.h"
 
 namespace pfk {
-
-namespace {
-int default_threads() {
-#ifdef _OPENMP
-  return std::max(1, omp_get_max_threads());
-#else
-  return 1;
-#endif
-}
-std::atomic<int> g_num_threads{default_threads()};
-}  // namespace
-
-int num_threads() {
-  return g_num_threads.load(std::memory_order_relaxed);
-}
-void set_num_threads(int n) {
-  g_num_threads.store(std::max(1, n), std::memory_order_relaxed);
-}
-
-bool openmp_enabled() {
-#ifdef _OPENMP
-  return true;
-#else
-  return false;
-#endif
-}
 
 DType dtype_from_name(const std::string& name) {
   if (name == "float32") return DType::F32;
@@ -94,11 +67,7 @@ void bind_runtime(py::module_& m) {
     info["cuda"] = false;
     info["cuda_archs"] = std::string();
 #endif
-    info["openmp"] = openmp_enabled();
-#ifdef _OPENMP
-    info["openmp_version"] = static_cast<int>(_OPENMP);
-#endif
-    info["max_threads"] = default_threads();
+    info["max_threads"] = default_num_threads();
     info["hardware_concurrency"] = static_cast<int>(std::thread::hardware_concurrency());
     info["compiler"] = std::string(PYFEDKERN_CXX_COMPILER);
     info["pybind11"] = std::to_string(PYBIND11_VERSION_MAJOR) + "." + std::to_string(PYBIND11_VERSION_MINOR) + "." +

@@ -162,7 +162,8 @@ void seeded_permutations(const std::vector<uint32_t>& seed_words, uintptr_t keys
   if (offsets[rows] > 0 && out == 0) throw ArgumentError("seeded_permutations: null output pointer");
   int64_t* o = reinterpret_cast<int64_t*>(out);
   const size_t n_seed = seed_words.size();
-  parallel_chunks(rows, kRowsPerChunk, [&](int64_t, int64_t begin, int64_t end) {
+  const int64_t work = 8 * offsets[rows] + 64 * rows;  // a bounded draw and a swap per item, a seeding per row
+  parallel_chunks(rows, kRowsPerChunk, work, [&](int64_t, int64_t begin, int64_t end) {
     std::vector<uint32_t> entropy(seed_words);
     entropy.resize(n_seed + static_cast<size_t>(key_len));
     for (int64_t r = begin; r < end; ++r) {

@@ -170,7 +170,9 @@ std::vector<double> segment_stats_cpu(const void* query, int64_t query_stride, c
   for (const auto& r : bank) contiguous = contiguous && r.stride == 1;
   const T* q = static_cast<const T*>(query);
   std::vector<double> partials(items.size() * pitch);
-  parallel_chunks(static_cast<int64_t>(items.size()), 1, [&](int64_t c, int64_t, int64_t) {
+  int64_t work = 0;  // the query and every bank row over the included segments
+  for (int64_t l = 0; l < L; ++l) work += (static_cast<int64_t>(bank.size()) + 1) * (seg_end[l] - seg_begin[l]);
+  parallel_chunks(static_cast<int64_t>(items.size()), 1, work, [&](int64_t c, int64_t, int64_t) {
     double* out = partials.data() + c * pitch;
     if (contiguous) {
       diff ? chunk_stats<T, true, true>(items[c], q, 1, bank, out)

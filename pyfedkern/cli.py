@@ -325,6 +325,7 @@ def cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
     from pyfedkern.benchmarks import FAMILIES, runner
 
     families = FAMILIES if args.family == "all" else [args.family]
+    print(runner.machine_load())
     for family in families:
         if family not in FAMILIES:
             raise CliError(f"unknown benchmark family {family!r}; valid choices: all, {', '.join(FAMILIES)}")

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
 import numpy as np
 import torch
 
@@ -55,3 +60,48 @@ def written_after_sleep(stream, src: torch.Tensor) -> torch.Tensor:
         torch.cuda._sleep(1 << 30)
         dst.copy_(src)
     return dst
+
+
+def _pool_switches() -> int:
+    """Context switches so far of pyfedkern's CPU pool workers (the threads named "pyfedkern"; Linux /proc)."""
+    total = 0
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            if (task / "comm").read_text().strip() != "pyfedkern":
+                continue
+            status = (task / "status").read_text()
+        except OSError:  # the thread ended meanwhile
+            continue
+        total += sum(int(line.split()[1]) for line in status.splitlines() if "ctxt_switches" in line)
+    return total
+
+
+def _settled_switches(quiet: float = 0.1, timeout: float = 10.0) -> int:
+    """The workers' switch count once it has not changed for ``quiet`` seconds (a late wake-up has finished)."""
+    end = time.monotonic() + timeout
+    count = _pool_switches()
+    while time.monotonic() < end:
+        time.sleep(quiet)
+        now = _pool_switches()
+        if now == count:
+            return count
+        count = now
+    return count
+
+
+@contextlib.contextmanager
+def pool_wakes(expected: bool) -> Iterator[None]:
+    """Asserts that the block woke (or started) pyfedkern's CPU pool workers, or, with ``expected=False``, that it
+    woke none: small inputs must run on the calling thread. Linux only (checks nothing elsewhere)."""
+    if not Path("/proc/self/task").is_dir():
+        yield
+        return
+    before = _settled_switches()
+    yield
+    if expected:
+        end = time.monotonic() + 10.0
+        while _pool_switches() == before and time.monotonic() < end:
+            time.sleep(0.01)
+        assert _pool_switches() > before, "no pyfedkern pool worker ran"
+    else:
+        assert _settled_switches() == before, "a pyfedkern pool worker was woken"

@@ -1,9 +1,12 @@
 """The benchmark cases compute what they claim (every peer of a group gives pyfedkern's result) and report ratios."""
 
+import os
+
 import numpy as np
 import torch
 
-from pyfedkern.benchmarks import aggregate, fedspeed, sampling
+import pyfedkern
+from pyfedkern.benchmarks import aggregate, fedspeed, runner, sampling, shared_cpu
 from pyfedkern.benchmarks.common import time_case
 from pyfedkern.benchmarks.runner import Row, report
 
@@ -64,3 +67,40 @@ def test_time_case_and_report():
     assert "| peer | 3.000 | 1.3 |  | 3.00× |" in text
     assert "vs fastest peer (peer): 3.00×" in text
     assert "bandwidth vs limit:copy: 80%" in text
+
+
+def test_shared_cpu_cases_agree_and_set_their_threads():
+    """Every case of a group computes the op of the group (fresh inputs each); each case's untimed torch step
+    sets the thread counts it names; the background load starts one busy process per CPU and restores them."""
+    threads = torch.get_num_threads(), pyfedkern.get_num_threads()
+    with shared_cpu.background_load(processes=2):
+        cases = shared_cpu.cases(quick=True)
+        assert len(cases) == 2 * 5 and all(c.before and c.statistic == "mean" and c.rounds for c in cases)
+        for group in dict.fromkeys(c.group for c in cases):
+            results = {}
+            for name in [c.name for c in cases if c.group == group]:
+                case = next(c for c in shared_cpu.cases(quick=True) if c.group == group and c.name == name)
+                case.before()()
+                if "all on 1 thread" in name:
+                    assert torch.get_num_threads() == 1 and pyfedkern.get_num_threads() == 1
+                elif name == "pyfedkern on 1 thread":
+                    assert torch.get_num_threads() == threads[0] and pyfedkern.get_num_threads() == 1
+                else:
+                    assert (torch.get_num_threads(), pyfedkern.get_num_threads()) == threads
+                results[name] = _flat(case.make()())
+            ours = results.pop("pyfedkern")
+            assert len(results) == 4
+            for name, value in results.items():
+                np.testing.assert_allclose(value, ours, rtol=1e-5, atol=1e-6, err_msg=f"{group}: {name}")
+        assert time_case(cases[0]) > 0  # the mean of the case's rounds, each after its torch step
+    assert (torch.get_num_threads(), pyfedkern.get_num_threads()) == threads
+    assert shared_cpu.cases(device="cuda") == []
+
+
+def test_machine_load_warns_when_busy(monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.3, 0.2, 0.1))
+    assert runner.machine_load() == "machine load: 0.30 (1-minute average) on 2 CPUs"
+    monkeypatch.setattr(os, "getloadavg", lambda: (3.5, 2.0, 1.0))
+    text = runner.machine_load()
+    assert text.startswith("machine load: 3.50 (1-minute average) on 2 CPUs\nwarning: the machine is busy")

@@ -108,7 +108,7 @@ def test_partition_prints_summary(capsys):
 def test_info_json(capsys):
     assert main(["info", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
-    assert {"cuda", "openmp", "cuda_available"} <= set(info)
+    assert {"cuda", "max_threads", "cuda_available"} <= set(info)
 
 
 def test_run_with_progress_bar_shows_round_and_accuracy(tmp_path, capsys):

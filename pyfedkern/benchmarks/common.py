@@ -23,6 +23,10 @@ class Case:
         bytes_moved: bytes the op must read + write at minimum (for GB/s), or 0.
         flops: floating-point operations (for GFLOP/s), or 0.
         device: "cpu" or "cuda" (GPU timings synchronise the device).
+        before: optional builder, like ``make``, of a step run before every timed call and not timed (e.g. the
+            torch op a training loop interleaves with the timed one).
+        rounds: a fixed number of timed calls, instead of as many as fit in the suite's time budget.
+        statistic: "median" of the timed calls, or "mean" where rare long calls (stalls) are what is measured.
     """
 
     group: str
@@ -32,6 +36,9 @@ class Case:
     flops: int = 0
     device: str = "cpu"
     info: dict[str, Any] = field(default_factory=dict)
+    before: Callable[[], Callable[[], Any]] | None = None
+    rounds: int | None = None
+    statistic: str = "median"
 
     @property
     def id(self) -> str:
@@ -71,15 +78,25 @@ class InputCache:
 
 
 def time_case(case: Case, *, min_time: float = 0.2, max_rounds: int = 50) -> float:
-    """Median seconds per call of a case (a warm-up call, then at least 3 rounds or ``min_time`` seconds)."""
+    """Seconds per call of a case, its ``statistic`` over the timed calls: a warm-up call, then ``case.rounds``
+    calls, or at least 3 and up to ``min_time`` seconds; ``case.before``'s step runs untimed before each call."""
     fn = case.timed()
+    before = case.before() if case.before else lambda: None
+    before()
     fn()
     times: list[float] = []
     start = time.perf_counter()
-    while len(times) < 3 or (time.perf_counter() - start < min_time and len(times) < max_rounds):
+    while (
+        len(times) < case.rounds
+        if case.rounds
+        else len(times) < 3 or (time.perf_counter() - start < min_time and len(times) < max_rounds)
+    ):
+        before()
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
+    if case.statistic == "mean":
+        return sum(times) / len(times)
     times.sort()
     return times[len(times) // 2]
 

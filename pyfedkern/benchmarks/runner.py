@@ -7,7 +7,9 @@ pyfedkern's fraction of the group's machine limit.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import os
 from dataclasses import dataclass
 
 import torch
@@ -29,15 +31,30 @@ class Row:
     peak_bytes: int = 0
 
 
+def machine_load() -> str:
+    """The machine's 1-minute load and CPU count, with a warning when other work would distort the timings."""
+    load = os.getloadavg()[0]
+    cpus = os.cpu_count() or 1
+    line = f"machine load: {load:.2f} (1-minute average) on {cpus} CPUs"
+    if load > 0.5 * cpus:
+        line += (
+            "\nwarning: the machine is busy; timings of multi-threaded kernels and ratios between them are "
+            "unreliable (run on an idle machine, or compare within one run only)"
+        )
+    return line
+
+
 def run(family: str, quick: bool = True, device: str | None = None, progress: bool = True) -> list[Row]:
-    """Time every case of ``pyfedkern.benchmarks.<family>`` (on CUDA too when a GPU is present)."""
+    """Time every case of ``pyfedkern.benchmarks.<family>`` (on CUDA too when a GPU is present), inside the
+    family's ``background_load()`` when it defines one."""
     module = importlib.import_module(f"pyfedkern.benchmarks.{family}")
     devices = [device] if device else ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     rows: list[Row] = []
-    for dev in devices:
-        cases = module.cases(quick=quick, device=dev)
-        for case in tqdm(cases, desc=f"{family} ({dev})", disable=not progress, leave=False):
-            rows.append(Row(case.group, case.name, time_case(case), case.bytes_moved, case.flops))
+    with getattr(module, "background_load", contextlib.nullcontext)():
+        for dev in devices:
+            cases = module.cases(quick=quick, device=dev)
+            for case in tqdm(cases, desc=f"{family} ({dev})", disable=not progress, leave=False):
+                rows.append(Row(case.group, case.name, time_case(case), case.bytes_moved, case.flops))
     return rows
 
 

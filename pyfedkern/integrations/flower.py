@@ -92,32 +92,73 @@ def array_view(array: Array) -> np.ndarray:
 # Drop-in aggregation functions --------------------------------------------------------------------------
 
 
-def _check_weights(counts: list[Any], name: str) -> np.ndarray:
-    w = np.asarray(counts, dtype=np.float64)
-    if w.size == 0:
+def _check_counts(counts: list[Any], name: str) -> list[Any]:
+    """The clients' num_examples as given (Flower's arithmetic depends on their Python/NumPy types)."""
+    if len(counts) == 0:
         raise ValueError(f"{name} is empty: nothing to aggregate")
-    if not np.all(np.isfinite(w)) or np.any(w < 0) or w.sum() <= 0:
-        raise ValueError(f"{name}: num_examples must be finite, >= 0 and sum to > 0, got {w.tolist()}")
-    return w / w.sum()
+    try:
+        w = np.asarray(counts, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}: num_examples must be real numbers, got {counts!r}") from None
+    if w.ndim != 1 or not np.all(np.isfinite(w)) or np.any(w < 0) or w.sum() <= 0:
+        raise ValueError(f"{name}: num_examples must be finite, >= 0 and sum to > 0, got {counts!r}")
+    return list(counts)
+
+
+def _check_shapes(layers: list[np.ndarray]) -> None:
+    for k, layer in enumerate(layers):
+        if layer.shape != layers[0].shape:
+            raise ValueError(f"results[{k}] has a layer of shape {layer.shape}, expected {layers[0].shape}")
 
 
 def _layer_mean(layers: list[np.ndarray], p: np.ndarray) -> np.ndarray:
-    """Σ_k p_k·layers[k] for one layer: float32/float64 through ops.weighted_sum, other dtypes in float64."""
+    """Σ_k p_k·layers[k] for one layer: float layers in their dtype through ops.weighted_sum (float16 accumulated
+    in float32), other dtypes in float64."""
+    _check_shapes(layers)
     first = layers[0]
-    for k, layer in enumerate(layers):
-        if layer.shape != first.shape:
-            raise ValueError(f"results[{k}] has a layer of shape {layer.shape}, expected {first.shape}")
-    dtype = first.dtype if first.dtype in _FLOATS and all(x.dtype == first.dtype for x in layers) else np.float64
+    floats = first.dtype in _FLOATS or first.dtype == np.float16
+    dtype = first.dtype if floats and all(x.dtype == first.dtype for x in layers) else np.dtype(np.float64)
     out = np.empty(first.shape, dtype=dtype)
-    if first.size == 0:
+    if first.size:
+        ops.weighted_sum([x.reshape(-1).astype(dtype, copy=False) for x in layers], p, out=out.reshape(-1))
+    return out
+
+
+def _flower_layer_sum(layers: list[np.ndarray], counts: list[Any]) -> np.ndarray:
+    """Flower's ``reduce(np.add, [x_k * n_k for k])`` for one layer, bit for bit, without its K products.
+
+    When every product keeps the layers' common float32/float64 dtype, ops.weighted_sum forms the same products
+    and adds them in the same order in that dtype (no fused multiply-add); it starts from +0.0 and skips rows of
+    count 0, so the two places where that could show are restored: a sum of only -0.0 terms is -0.0, and a count-0
+    row's inf/NaN makes NaN (inf·0). Other dtypes (integers, float16, mixed) take NumPy's own steps, one product
+    at a time.
+    """
+    _check_shapes(layers)
+    dtype = layers[0].dtype
+    native = dtype in _FLOATS and all(
+        x.dtype == dtype and np.result_type(x, n) == dtype for x, n in zip(layers, counts, strict=True)
+    )
+    if not native:
+        total = layers[0] * counts[0]
+        for x, n in zip(layers[1:], counts[1:], strict=True):
+            total = total + x * n
+        return total
+    rows = [x.reshape(-1) for x in layers]
+    out = np.empty(layers[0].shape, dtype=dtype)
+    flat = out.reshape(-1)
+    if flat.size == 0:
         return out
-    if dtype == first.dtype:
-        ops.weighted_sum([x.reshape(-1) for x in layers], p, out=out.reshape(-1))
-    else:
-        flat = out.reshape(-1)
-        flat[:] = 0
-        for layer, w in zip(layers, p, strict=True):
-            flat += w * layer.reshape(-1).astype(np.float64)
+    ops.weighted_sum(rows, [float(n) for n in counts], out=flat)
+    zeros = np.flatnonzero(flat == 0)
+    if zeros.size:
+        negative = np.ones(zeros.size, dtype=bool)
+        for x, n in zip(rows, counts, strict=True):
+            term = x[zeros] * n
+            negative &= (term == 0) & np.signbit(term)
+        flat[zeros[negative]] = -0.0
+    for x, n in zip(rows, counts, strict=True):
+        if n == 0:
+            flat[~np.isfinite(x)] = np.nan
     return out
 
 
@@ -128,18 +169,27 @@ def aggregate(results: list[tuple[list[np.ndarray], int]]) -> list[np.ndarray]:
         results: K pairs (list of L NumPy layers, num_examples); every client has the same layer shapes.
 
     Returns:
-        L layers Σ_k n_k·layer_k / Σ_k n_k, float32/float64 layers in their dtype, others in float64 (as Flower).
-        One pass over the inputs per layer and no copies of them (Flower's makes K weighted copies of the model).
+        L layers ``(Σ_k layer_k·n_k) / Σ_k n_k`` with Flower's own results, bit for bit and in its dtypes (NumPy's
+        rules: float32/float64/float16 layers keep their dtype, integer layers give float64). float32 and float64
+        layers take one pass over the inputs and no copies of them (Flower's makes K weighted copies of the model).
     """
     if not isinstance(results, (list, tuple)):
         raise TypeError(f"results must be a list of (NDArrays, num_examples) pairs, got {type(results).__name__}")
-    p = _check_weights([n for _, n in results], "results")
+    counts = _check_counts([n for _, n in results], "results")
+    total = sum(counts)
     models = [list(layers) for layers, _ in results]
     num_layers = len(models[0])
     for k, layers in enumerate(models):
         if len(layers) != num_layers:
             raise ValueError(f"results[{k}] has {len(layers)} layers, expected {num_layers} (as results[0])")
-    return [_layer_mean([np.asarray(m[i]) for m in models], p) for i in range(num_layers)]
+    means = []
+    for i in range(num_layers):
+        summed = _flower_layer_sum([np.asarray(m[i]) for m in models], counts)
+        if summed.dtype.kind == "f" and np.result_type(summed, total) == summed.dtype:
+            means.append(np.divide(summed, total, out=summed))  # the same division, in place
+        else:
+            means.append(summed / total)
+    return means
 
 
 class _RunningSum:
@@ -157,6 +207,7 @@ class _RunningSum:
         self.views: dict[str, list[np.ndarray]] = {}
         self.weights: list[float] = []
         self.shapes: dict[str, tuple[int, ...]] = {}
+        self.dtypes: dict[str, np.dtype] = {}
         self.total = 0.0
         self.count = 0
 
@@ -170,6 +221,7 @@ class _RunningSum:
                 if self.count:
                     raise ValueError(f"{who} has an array {name!r} that earlier results did not have")
                 self.shapes[name] = value.shape
+                self.dtypes[name] = value.dtype
                 self.views[name] = []
             if value.shape != self.shapes[name]:
                 raise ValueError(f"{who}: array {name!r} has shape {value.shape}, expected {self.shapes[name]}")
@@ -195,9 +247,12 @@ class _RunningSum:
         if self.deferred:
             p = np.asarray(self.weights, dtype=np.float64) / self.total
             return {name: _layer_mean(views, p) for name, views in self.views.items()}
-        for acc in self.acc.values():
+        means = {}
+        for name, acc in self.acc.items():
             acc *= 1.0 / self.total
-        return {name: acc.reshape(self.shapes[name]) for name, acc in self.acc.items()}
+            dtype = self.dtypes[name] if self.dtypes[name].kind == "f" else acc.dtype  # float16 summed in float64
+            means[name] = acc.reshape(self.shapes[name]).astype(dtype, copy=False)
+        return means
 
 
 def aggregate_inplace(results: list[tuple[Any, Any]]) -> list[np.ndarray]:
@@ -207,17 +262,20 @@ def aggregate_inplace(results: list[tuple[Any, Any]]) -> list[np.ndarray]:
         results: K pairs (ClientProxy, FitRes) as ``Strategy.aggregate_fit`` receives them.
 
     Returns:
-        The L averaged layers. Each result's serialized tensors are read in place (no deserialized copy) and added
-        into one running sum per layer; unlike Flower's, the results are not modified and integer layers are
-        averaged in float64 (Flower's in-place cast truncates them).
+        The L averaged layers Σ_k (n_k/N)·layer_k, float layers in their dtype (as Flower's): float64 ones bit
+        for bit Flower's (but +0.0 where all of an element's terms are -0.0), float32 ones to rounding (Flower
+        rounds each product, formed in float64, to float32; pyfedkern forms it in float32), float16 ones summed in
+        float32. Each result's serialized tensors are read in place (no deserialized copy); unlike Flower's, the
+        results are not modified and integer layers are averaged in float64 (Flower's in-place cast truncates
+        their weights to 0).
     """
     if not isinstance(results, (list, tuple)):
         raise TypeError(f"results must be a list of (ClientProxy, FitRes) pairs, got {type(results).__name__}")
-    p = _check_weights([fit_res.num_examples for _, fit_res in results], "results")
-    running = _RunningSum(deferred=True)
+    counts = _check_counts([fit_res.num_examples for _, fit_res in results], "results")
+    running = _RunningSum(deferred=True)  # weights n_k / N, as Flower's scaling factors
     for k, (_, fit_res) in enumerate(results):
         tensors = fit_res.parameters.tensors
-        running.add(((str(i), _npy_view(t)) for i, t in enumerate(tensors)), float(p[k]), f"results[{k}]")
+        running.add(((str(i), _npy_view(t)) for i, t in enumerate(tensors)), float(counts[k]), f"results[{k}]")
     layers = running.mean()
     return [layers[str(i)] for i in range(len(layers))]
 

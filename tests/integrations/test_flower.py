@@ -62,12 +62,71 @@ def test_aggregate_matches_flower_and_numpy(dtype):
             np.testing.assert_array_equal(x, y)
 
 
-def test_aggregate_integer_layers_follow_flower():
-    results = [([np.array([3, 5], dtype=np.int64)], 1), ([np.array([6, 8], dtype=np.int64)], 2)]
-    ours, theirs = pf.aggregate(results)[0], flower_aggregate(results)[0]
-    assert ours.dtype == theirs.dtype == np.float64
-    np.testing.assert_allclose(ours, [5.0, 7.0])
-    np.testing.assert_allclose(ours, theirs)
+def _bitwise_equal(ours, theirs):
+    """Same dtypes and shapes, NaN where the other has NaN (any payload), every other element bit for bit."""
+    assert len(ours) == len(theirs)
+    for a, b in zip(ours, theirs, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        nan = np.isnan(a) if a.dtype.kind == "f" else np.zeros(a.shape, bool)
+        assert np.array_equal(nan, np.isnan(b) if b.dtype.kind == "f" else nan)
+        assert a[~nan].tobytes() == b[~nan].tobytes(), np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)))
+
+
+def test_aggregate_keeps_integer_inputs_exact_as_flower():
+    """Flower's own test case: identical integer models with counts 1 and 2 average to exactly themselves."""
+    first, second = np.arange(1, 7).reshape(2, 3), np.arange(7, 11)
+    results = [([first, second], 1), ([first.copy(), second.copy()], 2)]
+    ours = pf.aggregate(results)
+    np.testing.assert_equal(ours, [first, second])  # 7.0 exactly, not 6.999999999999999
+    _bitwise_equal(ours, flower_aggregate(results))
+    assert [a.dtype for a in ours] == [np.float64, np.float64]
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered")  # float16 sums overflow to inf, as Flower's do
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16, np.int64, np.int32, np.int16])
+def test_aggregate_is_flower_bit_for_bit(dtype):
+    rng = np.random.default_rng(11)
+    for _ in range(12):
+        k = int(rng.integers(1, 14))
+        results = []
+        for i in range(k):
+            layers = [(rng.standard_normal(s) * 20).astype(dtype) for s in [(3, 4), (1,), (4097,)]]
+            results.append((layers, int(rng.integers(1 if i == 0 else 0, 500))))
+        _bitwise_equal(pf.aggregate(results), flower_aggregate(results))
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered")
+def test_aggregate_follows_flower_on_edge_values():
+    neg0 = np.array([-0.0, -0.0, 0.0, 1e308, np.inf, 5.0])
+    results = [([neg0], 3), ([np.array([-0.0, 0.0, -0.0, 1e308, 1.0, np.nan])], 4)]
+    _bitwise_equal(pf.aggregate(results), flower_aggregate(results))  # -0.0 kept, overflow to inf, inf and NaN
+    assert np.signbit(pf.aggregate(results)[0][0])
+    with np.errstate(invalid="ignore"):  # a count-0 client's inf gives NaN (inf·0), its -0.0 keeps the sign rule
+        results = [([np.array([1.0, -0.0, 2.0], np.float32)], 0), ([np.array([1.0, -0.0, np.inf], np.float32)], 2)]
+        results[0][0][0][0] = np.inf
+        _bitwise_equal(pf.aggregate(results), flower_aggregate(results))
+    assert np.isnan(pf.aggregate(results)[0][0]) and np.signbit(pf.aggregate(results)[0][1])
+
+
+def test_aggregate_follows_numpy_type_rules_of_the_counts():
+    rng = np.random.default_rng(12)
+    layers = [[rng.standard_normal(8).astype(np.float32)] for _ in range(3)]
+    for counts in ([3, 5, 7], [np.int64(3), np.int64(5), np.int64(7)], [1.5, 2.0, 0.25], [np.float32(2), 1, 1]):
+        results = list(zip(layers, counts, strict=True))
+        ours = pf.aggregate(results)
+        _bitwise_equal(ours, flower_aggregate(results))
+    assert pf.aggregate([(layers[0], 1), (layers[1], 2)])[0].dtype == np.float32  # Python ints keep float32
+    assert pf.aggregate([(layers[0], np.int64(1)), (layers[1], 2)])[0].dtype == np.float64  # NumPy ints promote
+    mixed = [([np.ones(5, np.float32)], 1), ([np.full(5, 0.1)], 2)]  # float32 and float64 clients: float64
+    _bitwise_equal(pf.aggregate(mixed), flower_aggregate(mixed))
+
+
+def test_aggregate_float16_stays_float16():
+    rng = np.random.default_rng(13)
+    results = [([rng.standard_normal((6, 5)).astype(np.float16)], int(rng.integers(1, 9))) for _ in range(4)]
+    ours = pf.aggregate(results)
+    assert ours[0].dtype == np.float16
+    _bitwise_equal(ours, flower_aggregate(results))
 
 
 def test_aggregate_rejects_bad_input():
@@ -99,6 +158,19 @@ def test_aggregate_inplace_matches_flower_and_leaves_inputs():
         assert a.dtype == np.float32 and a.shape == b.shape
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
         np.testing.assert_allclose(a, c, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float16])
+def test_aggregate_inplace_keeps_float_dtypes_as_flower(dtype):
+    rng = np.random.default_rng(5)
+    shapes = [(4, 3, 3), (7,), (2, 5)]  # _numpy_mean's three layers
+    results = [([rng.standard_normal(s).astype(dtype) for s in shapes], int(rng.integers(1, 99))) for _ in range(6)]
+    ours, theirs = pf.aggregate_inplace(_fit_results(results)), flower_aggregate_inplace(_fit_results(results))
+    if dtype == np.float64:
+        _bitwise_equal(ours, theirs)
+    for a, b, c in zip(ours, theirs, _numpy_mean(results), strict=True):
+        assert a.dtype == b.dtype == dtype
+        np.testing.assert_allclose(a.astype(np.float64), c, rtol=1e-3, atol=1e-3)  # float16 rounding
 
 
 def test_legacy_fedavg_aggregate_fit():

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import pyfedkern
 from pyfedkern import ops, reference
-from pyfedkern.testing import DTYPES, LIBS_CPU, REL_TOL, make, supports, to_numpy64
+from pyfedkern.testing import DTYPES, LIBS_CPU, REL_TOL, make, pool_wakes, supports, to_numpy64
 
 SIZES = [1, 7, 4097, 40_003]
 
@@ -247,7 +247,8 @@ def test_results_do_not_depend_on_thread_count():
         for n in (1, 2, 3):
             pyfedkern.set_num_threads(n)
             norm, cnorm = np.zeros(1, np.float32), np.zeros(1, np.float32)
-            out = ops.sam_perturb(x, g1, 0.1, norm_out=norm)
+            with pool_wakes(n > 1):
+                out = ops.sam_perturb(x, g1, 0.1, norm_out=norm)
             upd = x.copy()
             ops.fedspeed_update_(upd, g2, 0.1, g1=g1, alpha=0.5, anchor=anchor, prox_coef=0.1, clip_norm=5.0,
                                  norm_out=cnorm)  # fmt: skip

@@ -14,7 +14,16 @@ import pyfedkern
 from pyfedkern import ops, reference
 from pyfedkern.ops import herding
 from pyfedkern.ops.herding import selection_size, tie_rel_tol
-from pyfedkern.testing import LIBS_CPU, dtype_of, lib_of, make, supports, to_numpy64, written_after_sleep
+from pyfedkern.testing import (
+    LIBS_CPU,
+    dtype_of,
+    lib_of,
+    make,
+    pool_wakes,
+    supports,
+    to_numpy64,
+    written_after_sleep,
+)
 
 
 def as_np(x) -> np.ndarray:
@@ -283,15 +292,21 @@ def test_strided_views(view):
 
 def test_thread_count_invariance():
     rng = np.random.default_rng(14)
-    stack = rng.standard_normal((5, 30, 9000)).astype(np.float32)
+    stack = rng.standard_normal((5, 30, 9000)).astype(np.float32)  # the row sums run on the pool
+    many = rng.standard_normal((40, 80, 50)).astype(np.float32)  # the greedy loops of 40 clients run on the pool
+    wide = rng.standard_normal((6, 120_000)).astype(np.float32)  # each GraB row runs on the pool
     before = pyfedkern.get_num_threads()
     try:
         results = []
         for n in (1, 2):
             pyfedkern.set_num_threads(n)
-            idx, sums = ops.herding_select(stack, 0.5)
-            g_idx, g_sum = ops.grab_select(stack[0])
-            results.append((idx.copy(), sums.copy(), g_idx.copy(), g_sum.copy()))
+            with pool_wakes(n > 1):
+                idx, sums = ops.herding_select(stack, 0.5)
+            with pool_wakes(n > 1):
+                order = ops.herding_order(many, 40)
+            with pool_wakes(n > 1):
+                g_idx, g_sum = ops.grab_select(wide)
+            results.append((idx.copy(), sums.copy(), np.asarray(order).copy(), g_idx.copy(), g_sum.copy()))
         for a, b in zip(*results, strict=True):
             assert np.array_equal(a, b)
     finally:

@@ -9,6 +9,7 @@ import pytest
 import pyfedkern
 from pyfedkern import ops, reference
 from pyfedkern._runtime import native
+from pyfedkern.testing import pool_wakes
 
 SEEDS = [0, 1, 12345, 2**32 - 1, 2**32, 2**64 - 1, 2**64, 3**80]
 
@@ -87,13 +88,14 @@ def test_key_and_size_containers():
 
 
 def test_thread_count_does_not_change_the_result():
-    keys, sizes = random_rows(300, 4, 40, 9)  # several chunks of rows
+    keys, sizes = random_rows(3000, 4, 40, 9)  # many chunks of rows, enough work for the pool
     before = pyfedkern.get_num_threads()
     try:
         pyfedkern.set_num_threads(1)
         one = ops.seeded_permutations(3, keys, sizes)
         pyfedkern.set_num_threads(2)
-        two = ops.seeded_permutations(3, keys, sizes)
+        with pool_wakes(True):
+            two = ops.seeded_permutations(3, keys, sizes)
     finally:
         pyfedkern.set_num_threads(before)
     assert np.array_equal(one, two)

@@ -13,7 +13,17 @@ from hypothesis import strategies as st
 import pyfedkern
 from pyfedkern import ops, reference
 from pyfedkern.flat import FlatLayout
-from pyfedkern.testing import DTYPES, LIBS_CPU, dtype_of, lib_of, make, supports, to_numpy64, written_after_sleep
+from pyfedkern.testing import (
+    DTYPES,
+    LIBS_CPU,
+    dtype_of,
+    lib_of,
+    make,
+    pool_wakes,
+    supports,
+    to_numpy64,
+    written_after_sleep,
+)
 
 METRICS = ("l2", "layer_l2", "layer_cos")
 
@@ -243,7 +253,8 @@ def test_results_do_not_depend_on_thread_count():
         results = []
         for n in (1, 2, 3):
             pyfedkern.set_num_threads(n)
-            results.append(ops.similarity_combine(q, bank, models, 10.0, "layer_l2", seg, return_weights=True))
+            with pool_wakes(n > 1):
+                results.append(ops.similarity_combine(q, bank, models, 10.0, "layer_l2", seg, return_weights=True))
     finally:
         pyfedkern.set_num_threads(before)
     for blend, w in results[1:]:
