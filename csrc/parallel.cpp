@@ -2,15 +2,17 @@
 //
 // One job runs at a time. Its chunks are claimed from `claim_`, which packs (job number << 32 | next chunk): a
 // compare-and-swap claims a chunk only while that job is the current one and has chunks left, so a worker that
-// wakes late finds nothing to do and never touches a finished job, and the caller waits only for chunks a
-// worker has claimed. Workers sleep on a condition variable between jobs (no spinning). A second caller that
-// finds the pool busy, and any loop nested in a chunk, runs on its own thread. A forked child starts a new pool.
+// wakes late finds nothing to do and never touches a finished job. The caller claims chunks too, then waits only
+// for chunks a worker has claimed, spinning for at most kSpinMicroseconds before it sleeps. Workers sleep on a
+// condition variable between jobs (they never spin). A second caller that finds the pool busy, and any loop
+// nested in a chunk, runs on its own thread. A forked child starts a new pool.
 #include "parallel.h"
 
 #include <pthread.h>
 #include <sched.h>
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdlib>
 #include <exception>
@@ -36,6 +38,15 @@ std::atomic<int> g_num_threads{default_num_threads()};
 thread_local bool t_in_pool = false;  // a pool worker, or a caller running a job: nested loops run serially
 
 constexpr uint64_t kChunkMask = 0xffffffffu;
+constexpr int kSpinMicroseconds = 200;  // the caller's wait for running chunks before it sleeps
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
 
 class Pool {
  public:
@@ -58,6 +69,10 @@ class Pool {
     }
     for (int i = 0; i < threads - 1; ++i) wake_.notify_one();
     drain();
+    // Chunks still running are a few microseconds from their end: spin for them rather than sleep, since a
+    // sleeping caller on a busy machine may wait a whole time slice to be scheduled again.
+    const auto spin_end = std::chrono::steady_clock::now() + std::chrono::microseconds(kSpinMicroseconds);
+    while (done_.load(std::memory_order_acquire) != nchunks && std::chrono::steady_clock::now() < spin_end) cpu_relax();
     std::exception_ptr error;
     {
       std::unique_lock<std::mutex> lock(mu_);

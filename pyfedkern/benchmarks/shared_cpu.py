@@ -15,6 +15,10 @@ Cases of a group compute the same op:
 
 Sizes: the small ops of the issue (d = 7,850, a digits/MNIST logistic model; K×d = 10×20,000), which run on the
 calling thread, and larger ones that use two threads.
+
+``python -m pyfedkern.benchmarks.shared_cpu [quick|full] [busy processes]`` prints each case's per-call latency
+(mean, median, 99th percentile, worst, calls over 1 ms) with the cases of a group alternating call by call, so that
+all of them see the same background load.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -144,3 +149,44 @@ def cases(quick: bool = False, device: str = "cpu") -> list[Case]:
 
             out.append(Case(group, name, make, before=torch_step, rounds=rounds, statistic="mean"))
     return out
+
+
+def latencies(group_cases: list[Case], rounds: int) -> dict[str, np.ndarray]:
+    """Seconds of each timed call of every case, the cases alternating call by call (each after its torch step)."""
+    steps = [(case.name, case.before() if case.before else (lambda: None), case.make()) for case in group_cases]
+    times: dict[str, list[float]] = {name: [] for name, _, _ in steps}
+    for _ in range(rounds + 1):  # the first round warms up
+        for name, before, fn in steps:
+            before()
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: np.asarray(t[1:]) for name, t in times.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Per-call latency tables of every group, under ``background_load``."""
+    args = sys.argv[1:] if argv is None else argv
+    quick = (args[0] if args else "full") == "quick"
+    processes = int(args[1]) if len(args) > 1 else None
+    print(f"load before: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
+    with background_load(processes):
+        all_cases = cases(quick=quick)
+        for group in dict.fromkeys(c.group for c in all_cases):
+            members = [c for c in all_cases if c.group == group]
+            print(f"\n### {group.replace('(mean of', '(alternating,')}\n")
+            print("| case | mean (ms) | median (ms) | p99 (ms) | worst (ms) | calls over 1 ms |")
+            print("|---|---:|---:|---:|---:|---:|")
+            for name, t in latencies(members, members[0].rounds or 100).items():
+                ms = t * 1e3
+                print(
+                    f"| {name} | {ms.mean():.3f} | {np.median(ms):.3f} | {np.percentile(ms, 99):.3f} | "
+                    f"{ms.max():.2f} | {int((ms > 1).sum())}/{ms.size} |",
+                    flush=True,
+                )
+    print(f"\nload after: {os.getloadavg()[0]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
