@@ -21,7 +21,7 @@ def native() -> ModuleType:
 
 
 def build_info() -> dict[str, Any]:
-    """What was compiled: CUDA yes/no and archs, OpenMP, compiler and versions."""
+    """What was compiled: CUDA yes/no and archs, compiler and versions, and the CPU threads the kernels use."""
     import numpy
     import torch
 
