@@ -3,9 +3,12 @@
 //   update:     x -= lr * (k * ((1 - alpha) g1 + alpha g2 + c D) + (c + wd) x), k = 1 or the clip factor
 //   round end:  h += x_K - x^t; acc += w (x_K + h); h_sum += x_K - x^t
 // Norms are sums of squares in double over fixed chunks, added in chunk order: the result does not depend on the
-// number of threads.
+// number of threads. The row forms (rows > 1, one client per row) give each row exactly the 1-D result: rows of at
+// least one chunk run one after another, each parallel over its chunks; shorter rows run in parallel, a block of
+// rows per thread task.
 #include "fedspeed.h"
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -113,17 +116,73 @@ Combo<T> make_combo(const StridedVec& g1, const StridedVec& g2, const StridedVec
           static_cast<Acc>(c)};
 }
 
-// ||v|| over [0, d): chunk partial sums (in parallel) added in chunk order.
+// fn(chunk_index, begin, end) over the chunks of [0, d): in parallel (for `work` above the pool's grain), or in
+// order on this thread.
+template <typename Fn>
+void for_chunks(int64_t d, bool parallel, int64_t work, Fn&& fn) {
+  if (parallel) return parallel_chunks(d, kChunk, work, fn);
+  for (int64_t c = 0, begin = 0; begin < d; ++c, begin += kChunk) fn(c, begin, std::min(d, begin + kChunk));
+}
+
+// ||v|| over [0, d): chunk partial sums added in chunk order.
 template <typename T, bool Contig, bool HasG1, bool HasD>
-double combo_norm(int64_t d, const Combo<T>& k) {
+double combo_norm(int64_t d, const Combo<T>& k, bool parallel) {
   std::vector<double> partial(static_cast<size_t>((d + kChunk - 1) / kChunk));
-  const int64_t work = (1 + HasG1 + HasD) * d;
-  parallel_chunks(d, kChunk, work, [&](int64_t c, int64_t begin, int64_t end) {
+  for_chunks(d, parallel, (1 + HasG1 + HasD) * d, [&](int64_t c, int64_t begin, int64_t end) {
     partial[static_cast<size_t>(c)] = sumsq_chunk<T, Contig, HasG1, HasD>(begin, end, k);
   });
   double total = 0.0;
   for (double p : partial) total += p;
   return std::sqrt(total);
+}
+
+template <typename T>
+void* row_ptr(void* ptr, int64_t offset) {
+  return ptr == nullptr ? nullptr : static_cast<void*>(static_cast<T*>(ptr) + offset);
+}
+
+template <typename T>
+StridedVec row_of(const StridedVec& v, int64_t r) {
+  return {row_ptr<T>(v.ptr, r * v.row_stride), v.stride, 0};
+}
+
+// Row r of a row-form call as a 1-D call.
+template <typename T>
+PerturbArgs row_of(const PerturbArgs& a, int64_t r) {
+  PerturbArgs row = a;
+  row.rows = 1;
+  row.x = row_of<T>(a.x, r);
+  row.g = row_of<T>(a.g, r);
+  row.out = row_of<T>(a.out, r);
+  row.norm_out = row_ptr<typename AccOf<T>::type>(a.norm_out, r * a.norm_stride);
+  return row;
+}
+
+template <typename T>
+UpdateArgs row_of(const UpdateArgs& a, int64_t r) {
+  UpdateArgs row = a;
+  row.rows = 1;
+  row.x = row_of<T>(a.x, r);
+  row.g1 = row_of<T>(a.g1, r);
+  row.g2 = row_of<T>(a.g2, r);
+  row.anchor = row_of<T>(a.anchor, r);
+  row.norm_out = row_ptr<typename AccOf<T>::type>(a.norm_out, r * a.norm_stride);
+  return row;
+}
+
+// fn(row_args, parallel) for every row: rows of a chunk or more one after another (each parallel inside), shorter
+// rows in parallel blocks of about a chunk's elements. The split depends on d only, not on the thread count.
+template <typename T, typename Args, typename Fn>
+void for_rows(const Args& a, Fn&& fn) {
+  if (a.rows == 1) return fn(a, true);
+  if (a.d >= kChunk) {
+    for (int64_t r = 0; r < a.rows; ++r) fn(row_of<T>(a, r), true);
+    return;
+  }
+  const int64_t rows_per_chunk = std::max<int64_t>(1, kChunk / a.d);
+  parallel_chunks(a.rows, rows_per_chunk, 4 * a.rows * a.d, [&](int64_t, int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) fn(row_of<T>(a, r), false);
+  });
 }
 
 template <typename T>
@@ -133,13 +192,14 @@ void store_norm(void* norm_out, double norm) {
 }
 
 template <typename T>
-void perturb_cpu(const PerturbArgs& a) {
+void perturb_row(const PerturbArgs& a, bool parallel) {
   using Acc = typename AccOf<T>::type;
   const bool contig = a.x.stride == 1 && a.g.stride == 1 && a.out.stride == 1;
   double s = a.rho;
   if (a.normalize) {
     const Combo<T> k = make_combo<T>({}, a.g, {}, 0.0, 1.0, 0.0);
-    const double norm = contig ? combo_norm<T, true, false, false>(a.d, k) : combo_norm<T, false, false, false>(a.d, k);
+    const double norm = contig ? combo_norm<T, true, false, false>(a.d, k, parallel)
+                               : combo_norm<T, false, false, false>(a.d, k, parallel);
     store_norm<T>(a.norm_out, norm);
     const double denom = norm + a.eps;
     s = denom > 0.0 ? a.rho / denom : 0.0;  // zero gradient with eps = 0: no perturbation
@@ -148,7 +208,7 @@ void perturb_cpu(const PerturbArgs& a) {
   const T* g = static_cast<const T*>(a.g.ptr);
   T* out = static_cast<T*>(a.out.ptr);
   const Acc sa = static_cast<Acc>(s);
-  parallel_chunks(a.d, kChunk, 3 * a.d, [&](int64_t, int64_t begin, int64_t end) {
+  for_chunks(a.d, parallel, 3 * a.d, [&](int64_t, int64_t begin, int64_t end) {
     if (contig) {
       perturb_chunk<T, true>(begin, end, x, 1, g, 1, out, 1, sa);
     } else {
@@ -157,30 +217,35 @@ void perturb_cpu(const PerturbArgs& a) {
   });
 }
 
+template <typename T>
+void perturb_cpu(const PerturbArgs& a) {
+  for_rows<T>(a, [](const PerturbArgs& row, bool parallel) { perturb_row<T>(row, parallel); });
+}
+
 template <typename T, bool Contig, bool HasG1, bool HasD>
-void update_cpu_flags(const UpdateArgs& a) {
+void update_cpu_flags(const UpdateArgs& a, bool parallel) {
   using Acc = typename AccOf<T>::type;
   const Combo<T> k = make_combo<T>(a.g1, a.g2, a.anchor, a.a1, a.a2, a.c);
   double scale = 1.0;
   if (a.clip_norm > 0.0) {
-    const double norm = combo_norm<T, Contig, HasG1, HasD>(a.d, k);
+    const double norm = combo_norm<T, Contig, HasG1, HasD>(a.d, k, parallel);
     store_norm<T>(a.norm_out, norm);
     scale = std::fmin(1.0, a.clip_norm / (norm + 1e-6));
   }
   T* x = static_cast<T*>(a.x.ptr);
   const Acc sc = static_cast<Acc>(scale), xc = static_cast<Acc>(a.x_coef), lr = static_cast<Acc>(a.lr);
-  parallel_chunks(a.d, kChunk, (3 + HasG1 + HasD) * a.d, [&](int64_t, int64_t begin, int64_t end) {
+  for_chunks(a.d, parallel, (3 + HasG1 + HasD) * a.d, [&](int64_t, int64_t begin, int64_t end) {
     update_chunk<T, Contig, HasG1, HasD>(begin, end, x, a.x.stride, k, sc, xc, lr);
   });
 }
 
 template <typename T, bool Contig>
-void update_cpu_contig(const UpdateArgs& a) {
+void update_cpu_contig(const UpdateArgs& a, bool parallel) {
   const bool g1 = a.g1.ptr != nullptr, anchor = a.anchor.ptr != nullptr;
-  if (g1 && anchor) return update_cpu_flags<T, Contig, true, true>(a);
-  if (g1) return update_cpu_flags<T, Contig, true, false>(a);
-  if (anchor) return update_cpu_flags<T, Contig, false, true>(a);
-  return update_cpu_flags<T, Contig, false, false>(a);
+  if (g1 && anchor) return update_cpu_flags<T, Contig, true, true>(a, parallel);
+  if (g1) return update_cpu_flags<T, Contig, true, false>(a, parallel);
+  if (anchor) return update_cpu_flags<T, Contig, false, true>(a, parallel);
+  return update_cpu_flags<T, Contig, false, false>(a, parallel);
 }
 
 template <typename T>
@@ -188,8 +253,10 @@ void update_cpu(const UpdateArgs& a) {
   bool contig = a.x.stride == 1 && a.g2.stride == 1;
   if (a.g1.ptr) contig = contig && a.g1.stride == 1;
   if (a.anchor.ptr) contig = contig && a.anchor.stride == 1;
-  if (contig) return update_cpu_contig<T, true>(a);
-  return update_cpu_contig<T, false>(a);
+  for_rows<T>(a, [contig](const UpdateArgs& row, bool parallel) {
+    if (contig) return update_cpu_contig<T, true>(row, parallel);
+    return update_cpu_contig<T, false>(row, parallel);
+  });
 }
 
 template <typename T, bool HasAcc, bool IncludeH, bool HasHsum>
@@ -202,17 +269,24 @@ void round_end_cpu_flags(const RoundEndArgs& a) {
   T* hs = static_cast<T*>(a.h_sum.ptr);
   const Acc w = static_cast<Acc>(a.weight);
   const int64_t sh = a.h.stride, sk = a.x_local.stride, st = a.x_global.stride, sa = a.acc.stride, ss = a.h_sum.stride;
-  parallel_chunks(a.d, kChunk, (4 + 2 * HasAcc + 2 * HasHsum) * a.d, [&](int64_t, int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const Acc xl = to_acc(xk[i * sk]);
-      const Acc delta = xl - to_acc(xt[i * st]);
-      const Acc hn = to_acc(h[i * sh]) + delta;
-      h[i * sh] = Store<T>::from(hn);
-      if constexpr (HasAcc) {
-        const Acc upload = IncludeH ? xl + hn : xl;
-        acc[i * sa] = Store<T>::from(to_acc(acc[i * sa]) + w * upload);
+  // Each element chunk takes the rows in order, so acc and h_sum add the rows' terms in row order.
+  const int64_t work = (4 + 2 * HasAcc + 2 * HasHsum) * a.d * a.rows;
+  parallel_chunks(a.d, kChunk, work, [&](int64_t, int64_t begin, int64_t end) {
+    for (int64_t r = 0; r < a.rows; ++r) {
+      T* hr = h + r * a.h.row_stride;
+      const T* xkr = xk + r * a.x_local.row_stride;
+      const T* xtr = xt + r * a.x_global.row_stride;
+      for (int64_t i = begin; i < end; ++i) {
+        const Acc xl = to_acc(xkr[i * sk]);
+        const Acc delta = xl - to_acc(xtr[i * st]);
+        const Acc hn = to_acc(hr[i * sh]) + delta;
+        hr[i * sh] = Store<T>::from(hn);
+        if constexpr (HasAcc) {
+          const Acc upload = IncludeH ? xl + hn : xl;
+          acc[i * sa] = Store<T>::from(to_acc(acc[i * sa]) + w * upload);
+        }
+        if constexpr (HasHsum) hs[i * ss] = Store<T>::from(to_acc(hs[i * ss]) + delta);
       }
-      if constexpr (HasHsum) hs[i * ss] = Store<T>::from(to_acc(hs[i * ss]) + delta);
     }
   });
 }
@@ -348,9 +422,134 @@ void fedspeed_round_end(int device, uintptr_t stream, const std::string& dtype_n
   }
 }
 
+StridedVec vec(uintptr_t ptr, int64_t row_stride, int64_t stride) {
+  return {reinterpret_cast<void*>(ptr), stride, row_stride};
+}
+
+void check_row_workspace(int device, uintptr_t workspace, int64_t workspace_len, bool needed, int64_t rows, int64_t d) {
+  if (device >= 0 && needed)
+    require(workspace != 0 && workspace_len >= rows * fedspeed_row_partials(d),
+            "fedspeed rows: a CUDA norm needs a workspace of fedspeed_row_workspace_size(d, rows) elements");
+}
+
+void check_rows(int64_t rows, int64_t d, const char* what) {
+  require(rows >= 1 && d >= 1, what);
+}
+
+void fedspeed_perturb_rows(int device, uintptr_t stream, const std::string& dtype_name, int64_t rows, int64_t d,
+                           uintptr_t x, int64_t xr, int64_t xs, uintptr_t g, int64_t gr, int64_t gs, uintptr_t out,
+                           int64_t outr, int64_t outs, double rho, double eps, bool normalize, uintptr_t norm_out,
+                           int64_t norm_stride, uintptr_t workspace, int64_t workspace_len) {
+  const DType dtype = dtype_from_name(dtype_name);
+  check_rows(rows, d, "fedspeed_perturb_rows: rows and d must be >= 1");
+  require(x != 0 && g != 0 && out != 0, "fedspeed_perturb_rows: null pointer");
+  require(std::isfinite(rho) && std::isfinite(eps) && eps >= 0.0, "fedspeed_perturb_rows: rho and eps must be finite");
+  check_row_workspace(device, workspace, workspace_len, normalize, rows, d);
+  PerturbArgs a;
+  a.d = d;
+  a.rows = rows;
+  a.x = vec(x, xr, xs);
+  a.g = vec(g, gr, gs);
+  a.out = vec(out, outr, outs);
+  a.rho = rho;
+  a.eps = eps;
+  a.normalize = normalize;
+  a.norm_out = reinterpret_cast<void*>(norm_out);
+  a.norm_stride = norm_stride;
+  a.workspace = reinterpret_cast<void*>(workspace);
+  a.workspace_len = workspace_len;
+  if (device < 0) {
+    by_dtype<PerturbFn>(dtype, a);
+  } else {
+    PFK_CUDA_CALL(cuda::fedspeed_perturb_rows(device, stream, dtype, a));
+  }
+}
+
+void fedspeed_update_rows(int device, uintptr_t stream, const std::string& dtype_name, int64_t rows, int64_t d,
+                          uintptr_t x, int64_t xr, int64_t xs, uintptr_t g1, int64_t g1r, int64_t g1s, uintptr_t g2,
+                          int64_t g2r, int64_t g2s, uintptr_t anchor, int64_t ar, int64_t as, double a1, double a2,
+                          double c, double x_coef, double lr, double clip_norm, uintptr_t norm_out, int64_t norm_stride,
+                          uintptr_t workspace, int64_t workspace_len) {
+  const DType dtype = dtype_from_name(dtype_name);
+  check_rows(rows, d, "fedspeed_update_rows: rows and d must be >= 1");
+  require(x != 0 && g2 != 0, "fedspeed_update_rows: null pointer");
+  for (double v : {a1, a2, c, x_coef, lr, clip_norm})
+    require(std::isfinite(v), "fedspeed_update_rows: coefficients must be finite");
+  check_row_workspace(device, workspace, workspace_len, clip_norm > 0.0, rows, d);
+  UpdateArgs a;
+  a.d = d;
+  a.rows = rows;
+  a.x = vec(x, xr, xs);
+  a.g1 = vec(g1, g1r, g1s);
+  a.g2 = vec(g2, g2r, g2s);
+  a.anchor = vec(anchor, ar, as);
+  a.a1 = a1;
+  a.a2 = a2;
+  a.c = c;
+  a.x_coef = x_coef;
+  a.lr = lr;
+  a.clip_norm = clip_norm;
+  a.norm_out = reinterpret_cast<void*>(norm_out);
+  a.norm_stride = norm_stride;
+  a.workspace = reinterpret_cast<void*>(workspace);
+  a.workspace_len = workspace_len;
+  if (device < 0) {
+    by_dtype<UpdateFn>(dtype, a);
+  } else {
+    PFK_CUDA_CALL(cuda::fedspeed_update_rows(device, stream, dtype, a));
+  }
+}
+
+void fedspeed_round_end_rows(int device, uintptr_t stream, const std::string& dtype_name, int64_t rows, int64_t d,
+                             uintptr_t h, int64_t hr, int64_t hs, uintptr_t x_local, int64_t kr, int64_t ks,
+                             uintptr_t x_global, int64_t tr, int64_t ts, uintptr_t acc, int64_t as, uintptr_t h_sum,
+                             int64_t ss, double weight, bool include_h) {
+  const DType dtype = dtype_from_name(dtype_name);
+  check_rows(rows, d, "fedspeed_round_end_rows: rows and d must be >= 1");
+  require(h != 0 && x_local != 0 && x_global != 0, "fedspeed_round_end_rows: null pointer");
+  require(std::isfinite(weight), "fedspeed_round_end_rows: weight must be finite");
+  RoundEndArgs a;
+  a.d = d;
+  a.rows = rows;
+  a.h = vec(h, hr, hs);
+  a.x_local = vec(x_local, kr, ks);
+  a.x_global = vec(x_global, tr, ts);
+  a.acc = vec(acc, 0, as);
+  a.h_sum = vec(h_sum, 0, ss);
+  a.weight = weight;
+  a.include_h = include_h;
+  if (device < 0) {
+    by_dtype<RoundEndFn>(dtype, a);
+  } else {
+    PFK_CUDA_CALL(cuda::fedspeed_round_end_rows(device, stream, dtype, a));
+  }
+}
+
 }  // namespace
 
 void bind_fedspeed(py::module_& m) {
+  m.def(
+      "fedspeed_row_workspace_size", [](int64_t d, int64_t rows) { return rows * fedspeed_row_partials(d); },
+      py::arg("d"), py::arg("rows"), "Accumulator elements of the workspace a CUDA row-form norm needs.");
+  m.def("fedspeed_perturb_rows", &fedspeed_perturb_rows, py::arg("device"), py::arg("stream"), py::arg("dtype"),
+        py::arg("rows"), py::arg("d"), py::arg("x"), py::arg("x_row_stride"), py::arg("x_stride"), py::arg("g"),
+        py::arg("g_row_stride"), py::arg("g_stride"), py::arg("out"), py::arg("out_row_stride"), py::arg("out_stride"),
+        py::arg("rho"), py::arg("eps"), py::arg("normalize"), py::arg("norm_out"), py::arg("norm_stride"),
+        py::arg("workspace"), py::arg("workspace_len"), py::call_guard<py::gil_scoped_release>(),
+        "fedspeed_perturb of every row, one norm per row.");
+  m.def("fedspeed_update_rows", &fedspeed_update_rows, py::arg("device"), py::arg("stream"), py::arg("dtype"),
+        py::arg("rows"), py::arg("d"), py::arg("x"), py::arg("x_row_stride"), py::arg("x_stride"), py::arg("g1"),
+        py::arg("g1_row_stride"), py::arg("g1_stride"), py::arg("g2"), py::arg("g2_row_stride"), py::arg("g2_stride"),
+        py::arg("anchor"), py::arg("anchor_row_stride"), py::arg("anchor_stride"), py::arg("a1"), py::arg("a2"),
+        py::arg("c"), py::arg("x_coef"), py::arg("lr"), py::arg("clip_norm"), py::arg("norm_out"),
+        py::arg("norm_stride"), py::arg("workspace"), py::arg("workspace_len"),
+        py::call_guard<py::gil_scoped_release>(), "fedspeed_update of every row, one clip norm per row.");
+  m.def("fedspeed_round_end_rows", &fedspeed_round_end_rows, py::arg("device"), py::arg("stream"), py::arg("dtype"),
+        py::arg("rows"), py::arg("d"), py::arg("h"), py::arg("h_row_stride"), py::arg("h_stride"), py::arg("x_local"),
+        py::arg("x_local_row_stride"), py::arg("x_local_stride"), py::arg("x_global"), py::arg("x_global_row_stride"),
+        py::arg("x_global_stride"), py::arg("acc"), py::arg("acc_stride"), py::arg("h_sum"), py::arg("h_sum_stride"),
+        py::arg("weight"), py::arg("include_h"), py::call_guard<py::gil_scoped_release>(),
+        "fedspeed_round_end of every row; acc and h_sum gain every row's term, in row order.");
   m.def(
       "fedspeed_workspace_size", [] { return kFedSpeedMaxPartials; },
       "Accumulator elements of the workspace a CUDA FedSpeed norm needs.");

@@ -102,6 +102,10 @@ void class_feature_norms_backward(int device, uintptr_t stream, DType dtype, boo
 void fedspeed_perturb(int device, uintptr_t stream, DType dtype, const PerturbArgs& args);
 void fedspeed_update(int device, uintptr_t stream, DType dtype, const UpdateArgs& args);
 void fedspeed_round_end(int device, uintptr_t stream, DType dtype, const RoundEndArgs& args);
+// Their row forms (args.rows clients, one norm per row; workspace: rows * fedspeed_row_partials(d) elements).
+void fedspeed_perturb_rows(int device, uintptr_t stream, DType dtype, const PerturbArgs& args);
+void fedspeed_update_rows(int device, uintptr_t stream, DType dtype, const UpdateArgs& args);
+void fedspeed_round_end_rows(int device, uintptr_t stream, DType dtype, const RoundEndArgs& args);
 // Greedy herding order of n clients on float64 Gram matrices [n, ld, ld] (one block per client).
 size_t herding_greedy(int device, uintptr_t stream, const double* gram, int64_t ld, const std::vector<int64_t>& taus,
                       const std::vector<int64_t>& ks, double rel_tol, int64_t* order, int64_t kmax, uint8_t* mask,

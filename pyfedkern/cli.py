@@ -26,6 +26,17 @@ from pyfedkern import __version__
 from pyfedkern.reproduce import REPRODUCTIONS, SUMMARIES
 from pyfedkern.sim.config import ExperimentConfig
 
+
+def _flag(text: str) -> bool:
+    """A command-line boolean: true/false, yes/no, on/off or 1/0."""
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
 # (config field, flag, type, help) of the options shared by `run` and `compare`.
 _COMMON = [
     ("dataset", "--dataset", str, "dataset: digits (bundled), synthetic:α,β, quadratic:m,d, mnist, cifar10"),
@@ -53,6 +64,9 @@ _COMMON = [
     ("device", "--device", str, "cpu | cuda | cuda:N"),
     ("checkpoint_every", "--checkpoint-every", int, "save a checkpoint every n rounds"),
     ("threads", "--threads", int, "CPU threads for torch and pyfedkern (none: 1 below 1M parameters, else all)"),
+    ("batched", "--batched", _flag, "train each round's participants as batched steps (false: a loop over clients)"),
+    ("client_chunk", "--client-chunk", int, "train at most this many participants at once (none: fit free memory)"),
+    ("dtype", "--dtype", str, "float32 | float64 (model and data)"),
 ]
 
 

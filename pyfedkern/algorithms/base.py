@@ -1,11 +1,16 @@
 """The algorithm interface shared by every FL method in pyfedkern, and the pieces they are built from.
 
 An :class:`Algorithm` owns the server state (the global model as one flat vector, per-client state in a
-:class:`ClientStore`) and implements one round as ``participants`` → ``client_update`` for each → ``server_step``;
-methods with a different round shape (FedPBC trains every client, FNR-FL has a second phase) override
-:meth:`Algorithm.round`. Algorithms never import :mod:`pyfedkern.sim` (the engine): everything they need from their
-environment comes through the :class:`FLContext` protocol, which the simulation engine implements and a user's own
-loop (or a Flower client) can implement as well.
+:class:`ClientStore`) and implements one round as ``participants`` → local updates → ``server_step``. The local
+updates of a round's participants come from :meth:`Algorithm.batched_client_update` (every participant at once, the
+clients' models as rows of one [k, d] tensor, :mod:`pyfedkern.algorithms.batched`) or, for models that cannot be
+batched and for a user's own loop or a Flower client, from :meth:`Algorithm.client_update` (one client). Either way
+they arrive as :class:`ClientUpdates` (stacked messages), possibly in several chunks of participants (memory), and
+the server folds each chunk into a :class:`RoundSums` (:meth:`Algorithm.accumulate`) before finishing the round
+(:meth:`Algorithm.server_step`). Methods with a different round shape (FedPBC trains every client, FNR-FL has a second
+phase, FedSpeed sums uploads as they are made) override :meth:`Algorithm.round`. Algorithms never import
+:mod:`pyfedkern.sim` (the engine): everything they need from their environment comes through the :class:`FLContext`
+protocol, which the simulation engine implements and a user's own loop (or a Flower client) can implement as well.
 
 Every piece of mutable state that affects later rounds must be returned by ``state_dict`` so a checkpointed run
 resumes bit for bit; randomness is drawn from ``ctx.rng(...)`` streams keyed by (seed, round, client, purpose),
@@ -24,6 +29,7 @@ import numpy as np
 import torch
 
 from pyfedkern import ops
+from pyfedkern.algorithms.batched import client_chunks, use_batched
 from pyfedkern.algorithms.local import LocalModel
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -71,9 +77,13 @@ class FLContext(Protocol):
     def sample_clients(self, t: int) -> np.ndarray:
         """The clients taking part in round t (sorted int64 ids) under the configured participation."""
 
-    # Optional: stacked_batches(clients, t, *, epochs=None, steps=None) yielding (rows, xb, yb, wb) per step, the
-    # same batches as batches() for each client, stacked (see Simulation.stacked_batches); batched local SGD
-    # uses it when present.
+    # Optional, read with getattr:
+    # - stacked_batches(clients, t, *, epochs, steps, order, drop_last) -> StackedBatches: the batches() of many
+    #   clients gathered step by step (see pyfedkern.algorithms.batched.StackedBatches and
+    #   Simulation.stacked_batches); batched local training builds them from batches() when it is absent.
+    # - batched (bool, default True): train a round's participants as batched steps; False: a loop over clients.
+    # - client_chunk (int | None, default None): train at most this many participants at once (None: as many as
+    #   fit the memory budget of pyfedkern.algorithms.batched.client_chunks).
 
     def rng(self, *keys: int) -> np.random.Generator:
         """An independent random stream for (seed, *keys)."""
@@ -105,6 +115,100 @@ class ClientMessage:
     @property
     def upload_floats(self) -> int:
         return sum(int(v.numel()) for v in self.vectors.values())
+
+
+@dataclass
+class ClientUpdates:
+    """What a round's participants (or a chunk of them) send, stacked: row r belongs to client ``clients[r]``.
+
+    Attributes:
+        clients: int64 [k] client ids (in any order; batched training orders them by number of local steps).
+        weights: float64 [k] aggregation weights before normalisation (by default |D_i|).
+        vectors: named [k, d] tensors (e.g. "model", "delta_c"), row r the vector of client ``clients[r]``.
+        losses: float64 [k] mean local training loss of each client (NaN without steps), on the model's device
+            (read once per round, so local steps never wait for the GPU).
+        steps: int64 [k] local steps taken.
+        extras: named float64 [k] per-client values an algorithm uses or logs (BHerd's τ_i, K_i, ...).
+    """
+
+    clients: np.ndarray
+    weights: np.ndarray
+    vectors: dict[str, torch.Tensor]
+    losses: torch.Tensor
+    steps: np.ndarray
+    extras: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.clients)
+
+    @property
+    def upload_floats(self) -> int:
+        return sum(int(v.numel()) for v in self.vectors.values())
+
+    @classmethod
+    def of(
+        cls,
+        run: Any,
+        ctx: FLContext,
+        vectors: dict[str, torch.Tensor],
+        *,
+        weights: np.ndarray | None = None,
+        extras: dict[str, np.ndarray] | None = None,
+    ) -> ClientUpdates:
+        """The updates of a :class:`~pyfedkern.algorithms.batched.BatchedLocal` run: its clients, losses and steps,
+        ``vectors`` in its row order, weights |D_i| unless given."""
+        return cls(
+            clients=run.clients,
+            weights=ctx.client_sizes[run.clients].astype(np.float64) if weights is None else weights,
+            vectors=vectors,
+            losses=run.losses(),
+            steps=run.steps,
+            extras=extras or {},
+        )
+
+    @classmethod
+    def stack(cls, messages: Sequence[ClientMessage], device: torch.device | str = "cpu") -> ClientUpdates:
+        """The messages of a per-client loop as one stacked update (each client's vectors become a row)."""
+        if not messages:
+            raise ValueError("messages is empty: stack at least one ClientMessage")
+        names = list(messages[0].vectors)
+        return cls(
+            clients=np.array([m.cid for m in messages], dtype=np.int64),
+            weights=np.array([m.weight for m in messages], dtype=np.float64),
+            vectors={name: torch.stack([m.vectors[name] for m in messages]) for name in names},
+            losses=torch.tensor([m.loss for m in messages], dtype=torch.float64, device=device),
+            steps=np.array([m.steps for m in messages], dtype=np.int64),
+            extras={key: np.array([m.extras[key] for m in messages], dtype=np.float64) for key in messages[0].extras},
+        )
+
+
+class RoundSums:
+    """The sums a server step needs, accumulated chunk by chunk over a round's participants.
+
+    ``add(name, rows, coefs)`` adds Σ_r coefs[r]·rows[r] ([k, d] rows, one pass through
+    :func:`pyfedkern.ops.weighted_sum`) to the vector ``name``; ``add_scalar(name, value)`` adds a number. Reading a
+    name never added gives None (vectors) or 0.0 (scalars).
+    """
+
+    def __init__(self) -> None:
+        self.vectors: dict[str, torch.Tensor] = {}
+        self.scalars: dict[str, float] = {}
+
+    def add(self, name: str, rows: torch.Tensor, coefs: np.ndarray | Sequence[float]) -> None:
+        total = ops.weighted_sum(rows, np.asarray(coefs, dtype=np.float64))
+        if name in self.vectors:
+            self.vectors[name].add_(total)
+        else:
+            self.vectors[name] = total
+
+    def add_scalar(self, name: str, value: float) -> None:
+        self.scalars[name] = self.scalars.get(name, 0.0) + float(value)
+
+    def vector(self, name: str) -> torch.Tensor | None:
+        return self.vectors.get(name)
+
+    def scalar(self, name: str) -> float:
+        return self.scalars.get(name, 0.0)
 
 
 @dataclass
@@ -159,8 +263,10 @@ class Algorithm:
     """Base class of FL algorithms operating on flat parameter vectors.
 
     Subclasses are dataclasses whose fields are their hyper-parameters (the CLI exposes each field as
-    ``--field-name``), set ``name``, and implement :meth:`client_update` and :meth:`server_step` (or override
-    :meth:`round`). ``setup`` receives the context and the initial model vector.
+    ``--field-name``), set ``name``, and implement :meth:`client_update`, :meth:`batched_client_update` (the same
+    update for many clients at once; without it the engine loops over :meth:`client_update`), :meth:`accumulate`
+    and :meth:`server_step`, or override :meth:`round`. ``setup`` receives the context and the initial model
+    vector.
     """
 
     name: ClassVar[str] = ""
@@ -177,9 +283,37 @@ class Algorithm:
         return ctx.sample_clients(t)
 
     def client_update(self, t: int, cid: int, ctx: FLContext) -> ClientMessage:
+        """One client's local update of round t (a user's own loop, Flower clients, unbatchable models)."""
         raise NotImplementedError
 
-    def server_step(self, t: int, messages: list[ClientMessage], ctx: FLContext) -> None:
+    def batched_client_update(self, t: int, clients: np.ndarray, ctx: FLContext) -> ClientUpdates:
+        """The local updates of ``clients`` in round t, trained together (equal to :meth:`client_update` of each,
+        to rounding). The default loops over :meth:`client_update`."""
+        return self.looped_client_update(t, clients, ctx)
+
+    def looped_client_update(self, t: int, clients: np.ndarray, ctx: FLContext) -> ClientUpdates:
+        """:meth:`client_update` of each client in turn, stacked."""
+        return ClientUpdates.stack([self.client_update(t, int(cid), ctx) for cid in clients], device=self.x.device)
+
+    def client_updates(self, t: int, clients: np.ndarray, ctx: FLContext) -> ClientUpdates:
+        """The batched update when the context and model allow it (:func:`~pyfedkern.algorithms.batched.use_batched`),
+        else the per-client loop."""
+        if use_batched(ctx):
+            return self.batched_client_update(t, clients, ctx)
+        return self.looped_client_update(t, clients, ctx)
+
+    def state_rows_per_client(self, ctx: FLContext) -> int:
+        """[d]-sized buffers per participant the batched update holds besides the model, gradient and messages
+        (per-client state, recorded gradients), for the memory budget of
+        :func:`~pyfedkern.algorithms.batched.client_chunks`."""
+        return 2
+
+    def accumulate(self, t: int, sums: RoundSums, updates: ClientUpdates, ctx: FLContext) -> None:
+        """Fold one chunk of participants' updates into the round's sums."""
+        raise NotImplementedError
+
+    def server_step(self, t: int, sums: RoundSums, ctx: FLContext) -> None:
+        """Finish round t from the sums of all its participants' updates."""
         raise NotImplementedError
 
     def broadcast_floats(self) -> int:
@@ -187,19 +321,25 @@ class Algorithm:
         return int(self.x.numel())
 
     def round(self, t: int, ctx: FLContext) -> RoundStats:
-        """One round: local updates of the participants, then the server step."""
+        """One round: the participants' local updates (in chunks that fit memory), then the server step."""
         clients = self.participants(t, ctx)
-        messages = []
-        with ctx.timer("local"):
-            for cid in clients:
-                messages.append(self.client_update(t, int(cid), ctx))
+        sums = RoundSums()
+        losses: list[torch.Tensor] = []
+        upload = 0
+        for chunk in client_chunks(ctx, clients, self.state_rows_per_client(ctx)):
+            with ctx.timer("local"):
+                updates = self.client_updates(t, chunk, ctx)
+            with ctx.timer("aggregation"):
+                self.accumulate(t, sums, updates, ctx)
+            losses.append(updates.losses)
+            upload += updates.upload_floats
         with ctx.timer("aggregation"):
-            if messages:
-                self.server_step(t, messages, ctx)
+            if len(clients):
+                self.server_step(t, sums, ctx)
         return RoundStats(
             clients=np.asarray(clients, dtype=np.int64),
-            local_loss=_mean_loss(messages),
-            upload_floats=sum(m.upload_floats for m in messages),
+            local_loss=mean_loss(losses),
+            upload_floats=upload,
             download_floats=len(clients) * self.broadcast_floats(),
         )
 
@@ -222,9 +362,14 @@ class Algorithm:
         return {f.name: f for f in dataclasses.fields(cls) if f.init}
 
 
-def _mean_loss(messages: Sequence[ClientMessage]) -> float:
-    losses = [m.loss for m in messages if np.isfinite(m.loss)]
-    return float(np.mean(losses)) if losses else float("nan")
+def mean_loss(losses: Sequence[torch.Tensor] | torch.Tensor) -> float:
+    """The mean of the finite per-client losses (one device read), NaN when there are none."""
+    values = torch.cat([v.reshape(-1) for v in losses]) if isinstance(losses, (list, tuple)) else losses.reshape(-1)
+    if values.numel() == 0:
+        return float("nan")
+    finite = torch.isfinite(values)
+    count = int(finite.sum())
+    return float(torch.where(finite, values, torch.zeros_like(values)).sum()) / count if count else float("nan")
 
 
 @dataclass

@@ -1,26 +1,38 @@
-"""Local SGD of many clients at once: one vectorised step over stacked parameters instead of a loop over models.
+"""Local training of many clients at once: their models as the rows of one [k, d] tensor, one batched step each.
 
-FedPBC trains all m clients every round. For small models a Python loop over clients is dominated by per-call
-overhead (module forward/backward, optimizer bookkeeping), so :func:`batched_local_sgd_` stacks the clients' flat
-models as the rows of a [k, d] tensor and takes each SGD step for all of them with ``torch.func``:
-``vmap(grad(objective))`` over (parameters, batch) pairs, where each client's parameters are views of its row.
+A Python loop over clients is dominated by per-call overhead at the sizes FL simulations use (module
+forward/backward, optimizer bookkeeping, one small kernel per layer per client). Here the clients of a round train
+together (:class:`BatchedLocal`): each local step is one batched gradient of all the rows on their own minibatches
+(:class:`BatchedTrainer`) and one batched update, with an algorithm's per-client terms applied row-wise (weight
+decay, momentum, FedProx's prox term, SCAFFOLD's control variates, ...). The minibatches are those of
+``ctx.batches`` for each client, gathered a step at a time (``ctx.stacked_batches``, :class:`StackedBatches`), so the
+batched path and the per-client loop (:func:`~pyfedkern.algorithms.local_sgd`) agree up to floating-point rounding.
 
-The update is the one of :func:`~pyfedkern.algorithms.local_sgd` (weight decay, heavy-ball momentum, the model's own
-``loss``/``penalty``), on the same minibatches (``ctx.batches``), so the two agree up to floating-point rounding.
-Models with buffers (BatchNorm running statistics) cannot be vmapped this way and fall back to the loop.
+Gradients:
 
-Models that are a chain of Flatten / Linear / ReLU layers under cross-entropy (an ``nn.Sequential`` of them, or a
-model whose ``layer_chain()`` lists them, like the engine's ``mlp`` and ``logreg``) skip autograd altogether: their
-forward and backward for all k clients are a few batched matmuls (:class:`LinearChainGradients`). At the sizes FL
-simulations use (digits MLP, k = 100, B = 16) the vmapped autograd step is bound by per-operator overhead, and the
-hand-written one is several times faster.
+- models that are a chain of Flatten / Linear / ReLU layers under cross-entropy (an ``nn.Sequential`` of them, or
+  a model whose ``layer_chain()`` lists them, like the engine's ``mlp`` and ``logreg``) skip autograd: their
+  forward and backward for all k clients are a few batched matmuls (:class:`LinearChainGradients`);
+- any other model without buffers (CNNs, ResNets with GroupNorm, models with their own ``loss``/``penalty``) uses
+  ``torch.func``: ``vmap(grad(objective))`` over (parameters, batch) pairs, each client's parameters views of its
+  row;
+- models with buffers (BatchNorm running statistics) cannot be vmapped this way: :func:`use_batched` is False for
+  them and the engine loops over clients.
+
+Rows that run out of minibatches stop: the clients are ordered by descending number of steps, so the clients still
+training at step s are the first a_s rows and every step works on a prefix view of the [k, d] tensor. Losses are
+summed on the device; nothing waits for the GPU between steps. :func:`client_chunks` splits a round's participants
+into chunks whose rows fit a memory budget.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import logging
+import os
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -28,29 +40,43 @@ from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 from torch.nn.utils.rnn import pad_sequence
 
-from pyfedkern.algorithms.base import Batch, FLContext, local_sgd
 from pyfedkern.algorithms.local import LocalModel
 from pyfedkern.flat import Entry
 
+if TYPE_CHECKING:
+    from pyfedkern.algorithms.base import FLContext
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+logger = logging.getLogger("pyfedkern")
+
 
 class _Objective(nn.Module):
-    """forward(x, y) = the local training objective, so that loss() and penalty() see the swapped parameters."""
+    """forward(x, y[, w][, soft]) = the local training objective, so that loss() and penalty() see the swapped
+    parameters; with ``soft`` (teacher log-probabilities [B, C]) plus ``kd_weight``·KL(teacher ‖ model)."""
 
     def __init__(self, local: LocalModel) -> None:
         super().__init__()
         self.model = local.module
         self.local = [local]  # a plain list: not registered as a submodule
+        self.kd_weight = 0.0
 
-    def forward(self, xb: torch.Tensor, yb: torch.Tensor, wb: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, xb: torch.Tensor, yb: torch.Tensor, wb: torch.Tensor | None = None, soft: torch.Tensor | None = None
+    ) -> torch.Tensor:
         local = self.local[0]
-        if wb is None:
-            return local.objective(self.model(xb), yb)
-        # Σ_j wb[j]·loss(sample j) + penalty: one forward of the whole (padded) batch, the loss per sample.
         out = self.model(xb)
-        per_sample = vmap(lambda o, y: local.data_loss(o.unsqueeze(0), y.unsqueeze(0)))(out, yb)
-        penalty = getattr(self.model, "penalty", None)
-        weighted = (per_sample * wb).sum()
-        return weighted + penalty() if penalty is not None else weighted
+        if wb is None:
+            total = local.objective(out, yb)
+        else:
+            # Σ_j wb[j]·loss(sample j) + penalty: one forward of the whole (padded) batch, the loss per sample.
+            per_sample = vmap(lambda o, y: local.data_loss(o.unsqueeze(0), y.unsqueeze(0)))(out, yb)
+            penalty = getattr(self.model, "penalty", None)
+            total = (per_sample * wb).sum()
+            total = total + penalty() if penalty is not None else total
+        if soft is not None:
+            kl = (soft.exp() * (soft - torch.log_softmax(out, dim=1))).sum(1)  # KL per sample
+            total = total + self.kd_weight * (kl.mean() if wb is None else (kl * wb).sum())
+        return total
 
 
 def can_batch(local: LocalModel) -> bool:
@@ -137,9 +163,17 @@ class LinearChainGradients:
         return xb.dtype == rows.dtype and not yb.is_floating_point() and (xb.dim() == 3 or self.flattens_input)
 
     def __call__(
-        self, rows: torch.Tensor, xb: torch.Tensor, yb: torch.Tensor, weights: torch.Tensor | None
+        self,
+        rows: torch.Tensor,
+        xb: torch.Tensor,
+        yb: torch.Tensor,
+        weights: torch.Tensor | None,
+        soft: torch.Tensor | None = None,
+        kd_weight: float = 0.0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gradients [k, d], losses [k]) of rows [k, d] on batches xb [k, B, ...], yb [k, B] (int64 labels)."""
+        """(gradients [k, d], losses [k]) of rows [k, d] on batches xb [k, B, ...], yb [k, B] (int64 labels); with
+        teacher log-probabilities ``soft`` [k, B, C] the loss gains kd_weight·Σ_j w_j·KL(teacher_j ‖ model_j)
+        (∂/∂z: kd_weight·w·(softmax(z) − teacher))."""
         k, batch = xb.shape[:2]
         h = xb.reshape(k, batch, -1)
         inputs: list[torch.Tensor] = []  # the input of each plan step
@@ -156,7 +190,12 @@ class LinearChainGradients:
         log_p = torch.log_softmax(h, dim=-1)
         target = yb.unsqueeze(-1)
         losses = -(log_p.gather(-1, target).squeeze(-1) * weights).sum(1)
+        if soft is not None:
+            kl = (soft.exp() * (soft - log_p)).sum(-1)
+            losses = losses + kd_weight * (kl * weights).sum(1)
         dz = log_p.exp_()  # softmax
+        if soft is not None:
+            dz = dz.mul_(1.0 + kd_weight).sub_(soft.exp(), alpha=kd_weight)
         dz.scatter_add_(-1, target, torch.full(target.shape, -1.0, dtype=dz.dtype, device=dz.device))
         dz.mul_(weights[..., None])
         grads = torch.empty_like(rows)
@@ -178,154 +217,156 @@ class LinearChainGradients:
 
 
 class BatchedTrainer:
-    """Vectorised SGD steps for the shared :class:`LocalModel` of an FL context (built once, reused each round)."""
+    """Per-row gradients of a :class:`LocalModel`'s objective (built once per model: :func:`trainer_for`)."""
 
     def __init__(self, local: LocalModel) -> None:
         self.local = local
         self.objective = _Objective(local)
         self.entries = [e for e in local.flat.layout.entries if not e.carried]
 
-        def loss(params: dict[str, torch.Tensor], xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
-            return functional_call(self.objective, params, (xb, yb))
+        def objective(params: dict[str, torch.Tensor], *batch: torch.Tensor) -> torch.Tensor:
+            return functional_call(self.objective, params, batch)
 
-        def masked_loss(
-            params: dict[str, torch.Tensor], xb: torch.Tensor, yb: torch.Tensor, wb: torch.Tensor
-        ) -> torch.Tensor:
-            return functional_call(self.objective, params, (xb, yb, wb))
-
-        self._step = vmap(grad_and_value(loss), in_dims=(0, 0, 0), randomness="different")
-        self._masked_step = vmap(grad_and_value(masked_loss), in_dims=(0, 0, 0, 0), randomness="different")
+        step = grad_and_value(objective)
+        self._step = vmap(step, randomness="different")  # (params, xb, yb[, wb[, soft]])
+        self._soft_step = vmap(lambda p, xb, yb, soft: step(p, xb, yb, None, soft), randomness="different")
         chain = LinearChainGradients.applies(local)
         self.chain = (
             None if chain is None else LinearChainGradients(chain, {e.name: e for e in self.entries}, local.module)
         )
+        self._activations: int | None = None
 
-    def _params(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    def params(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Each row's parameters as views, keyed "model.<name>" (a submodule named ``model`` holding the module)."""
         k = rows.shape[0]
         return {f"model.{e.name}": rows[:, e.offset : e.offset + e.numel].view(k, *e.shape) for e in self.entries}
 
     def gradients(
-        self, rows: torch.Tensor, xb: torch.Tensor, yb: torch.Tensor, weights: torch.Tensor | None = None
+        self,
+        rows: torch.Tensor,
+        xb: torch.Tensor,
+        yb: torch.Tensor,
+        weights: torch.Tensor | None = None,
+        soft: torch.Tensor | None = None,
+        kd_weight: float = 0.0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-row gradients [k, d] of the objective at each row's parameters on its batch, and the losses [k].
 
         With ``weights`` [k, B] the objective of row r is Σ_j weights[r, j]·objective(sample j) instead of the
         batch objective: padded batches of unequal size, with weight 1/b_r on the real samples and 0 on padding
         (exact for objectives that are a mean over samples plus a penalty, on models without batch statistics,
-        which the vmapped step requires anyway).
+        which the vmapped step requires anyway). With ``soft`` [k, B, C] (a teacher's log-probabilities) the
+        objective gains kd_weight·KL(teacher ‖ model), averaged (or weighted) over the batch like the loss.
         """
         if self.chain is not None and self.chain.accepts(rows, xb, yb):
-            return self.chain(rows, xb, yb, weights)
+            return self.chain(rows, xb, yb, weights, soft, kd_weight)
         self.local.module.train()
-        params = self._params(rows)
-        if weights is None:
-            grads, losses = self._step(params, xb, yb)
+        self.objective.kd_weight = kd_weight
+        if soft is not None and weights is None:
+            grads, losses = self._soft_step(self.params(rows), xb, yb, soft)
         else:
-            grads, losses = self._masked_step(params, xb, yb, weights)
+            grads, losses = self._step(self.params(rows), *(t for t in (xb, yb, weights, soft) if t is not None))
         flat = torch.cat([grads[f"model.{e.name}"].reshape(rows.shape[0], -1) for e in self.entries], dim=1)
         return flat, losses.detach()
 
+    def activations_per_sample(self, sample: torch.Tensor) -> int:
+        """Elements of every layer's output for one sample (measured once with forward hooks): the memory scale of
+        a batched forward and backward, per sample."""
+        if self._activations is None:
+            total = [0]
 
-def batched_local_sgd_(
-    ctx: FLContext,
-    t: int,
-    models: torch.Tensor,
-    clients: Sequence[int] | np.ndarray,
-    *,
-    trainer: BatchedTrainer | None = None,
-    lr: float | None = None,
-    steps: int | None = None,
-    epochs: float | None = None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Local SGD of every client in ``clients`` from its row of ``models`` ([k, d], trained in place).
+            def count(module: nn.Module, inputs: Any, output: Any) -> None:
+                if isinstance(output, torch.Tensor):
+                    total[0] += output.numel()
 
-    Each step stacks the next minibatch of every client that still has one and updates all those rows in one
-    vmapped step. The batches come from ``ctx.stacked_batches`` when the context has it (the engine gathers every
-    client's batch of a step at once), else from each client's ``ctx.batches``. Batches of unequal size (clients
-    holding fewer samples than the batch size) are padded to the largest and weighted per sample (see
-    :meth:`BatchedTrainer.gradients`).
+            leaves = [m for m in self.local.module.modules() if not list(m.children())]
+            handles = [m.register_forward_hook(count) for m in leaves]
+            try:
+                with torch.no_grad():
+                    self.local.module(sample.unsqueeze(0).to(self.local.flat.data.dtype))
+            finally:
+                for h in handles:
+                    h.remove()
+            self._activations = max(total[0], 1)
+        return self._activations
 
-    Args:
-        ctx: the FL context (data, learning rate, batch size, weight decay, momentum).
-        t: round index (seeds the batch order, as for :func:`local_sgd`).
-        models: [k, d] float tensor on ctx.device, row r the model of client ``clients[r]``.
-        trainer: a :class:`BatchedTrainer` to reuse (built when None). Models with buffers use the per-client loop.
 
-    Returns:
-        (mean loss per client [k], steps per client [k]).
+_TRAINERS: weakref.WeakKeyDictionary[LocalModel, BatchedTrainer] = weakref.WeakKeyDictionary()
+
+
+def trainer_for(local: LocalModel) -> BatchedTrainer:
+    """The :class:`BatchedTrainer` of ``local`` (built on first use, kept while ``local`` lives)."""
+    trainer = _TRAINERS.get(local)
+    if trainer is None:
+        trainer = _TRAINERS[local] = BatchedTrainer(local)
+    return trainer
+
+
+def use_batched(ctx: FLContext) -> bool:
+    """Whether a round's participants train as batched steps: the context allows it (``ctx.batched``, default
+    True) and its model can be batched (:func:`can_batch`)."""
+    return bool(getattr(ctx, "batched", True)) and can_batch(ctx.local)
+
+
+# Minibatches of many clients -----------------------------------------------------------------------------------
+
+
+class StackedBatches(Protocol):
+    """The minibatches of a round's clients, step by step (what ``ctx.stacked_batches`` returns).
+
+    Attributes:
+        clients: int64 [k] the clients, ordered by descending number of steps (ties keep the order asked for).
+        steps: int64 [k] each client's number of steps (descending).
+
+    Iterating yields, for step s = 0, 1, ..., ``(xb, yb, wb)`` of the a_s = #{r: steps[r] > s} first clients:
+    xb [a_s, B, ...] and yb [a_s, B] their batches (client r's batch is the one ``ctx.batches(clients[r], ...)``
+    yields at step s), wb None when every batch of the step has B samples, else [a_s, B] weights 1/b_r on client
+    r's b_r samples and 0 on the padding after them.
     """
-    clients = [int(c) for c in clients]
-    k = len(clients)
-    if models.dim() != 2 or models.shape[0] != k:
-        raise ValueError(f"models must be [{k}, d] (one row per client), got shape {tuple(models.shape)}")
-    losses = np.zeros(k)
-    counts = np.zeros(k, dtype=np.int64)
-    if k == 0:
-        return losses, counts
-    if steps is None and epochs is None:
-        steps, epochs = ctx.local_steps, ctx.local_epochs
-    lr = ctx.lr(t) if lr is None else lr
-    if not can_batch(ctx.local):
-        for r, cid in enumerate(clients):
-            result = local_sgd(ctx, cid, t, models[r], lr=lr, steps=steps, epochs=epochs)
-            models[r].copy_(result.x)
-            losses[r], counts[r] = result.loss, result.steps
-        return losses, counts
-    trainer = trainer or BatchedTrainer(ctx.local)
+
+    clients: np.ndarray
+    steps: np.ndarray
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]: ...
+
+
+class ListedBatches:
+    """:class:`StackedBatches` for a context that only has ``batches``: every client's batches listed, then
+    stacked step by step."""
+
+    def __init__(self, ctx: FLContext, clients: Sequence[int] | np.ndarray, t: int, **kwargs: Any) -> None:
+        listed = [list(ctx.batches(int(cid), t, **kwargs)) for cid in clients]
+        counts = np.array([len(b) for b in listed], dtype=np.int64)
+        order = np.argsort(-counts, kind="stable")
+        self.clients = np.asarray(clients, dtype=np.int64).reshape(-1)[order]
+        self.steps = counts[order]
+        self._listed = [listed[r] for r in order]
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+        for step in range(int(self.steps[0]) if len(self.steps) else 0):
+            active = int(np.count_nonzero(self.steps > step))
+            yield stack_batches([self._listed[r][step] for r in range(active)])
+
+
+def stacked_batches(
+    ctx: FLContext,
+    clients: Sequence[int] | np.ndarray,
+    t: int,
+    *,
+    epochs: float | None = None,
+    steps: int | None = None,
+    order: str = "reshuffle",
+    drop_last: bool = False,
+) -> StackedBatches:
+    """``ctx.stacked_batches`` when the context has it, else :class:`ListedBatches` from ``ctx.batches``."""
+    kwargs = {"epochs": epochs, "steps": steps, "order": order, "drop_last": drop_last}
     stacked = getattr(ctx, "stacked_batches", None)
     if stacked is not None:
-        batches = stacked(clients, t, steps=steps, epochs=epochs)
-    else:
-        batches = _stack_per_client(ctx, clients, t, steps=steps, epochs=epochs)
-    momentum = torch.zeros_like(models) if ctx.momentum else None
-    for rows, xb, yb, wb in batches:
-        everyone = len(rows) == k
-        index = None if everyone else torch.as_tensor(rows, device=models.device)
-        current = models if everyone else models.index_select(0, index)
-        g, batch_losses = trainer.gradients(current, xb, yb, wb)
-        if ctx.weight_decay:
-            g.add_(current, alpha=ctx.weight_decay)
-        direction = g
-        if momentum is not None:
-            first = torch.as_tensor(counts[rows] == 0, device=models.device)[:, None]
-            buf = momentum if everyone else momentum.index_select(0, index)
-            buf = torch.where(first, g, buf * ctx.momentum + g)
-            if everyone:
-                momentum.copy_(buf)
-            else:
-                momentum.index_copy_(0, index, buf)
-            direction = buf
-        if everyone:
-            models.add_(direction, alpha=-lr)
-        else:
-            models.index_copy_(0, index, current - lr * direction)
-        losses[rows] += batch_losses.cpu().numpy()
-        counts[rows] += 1
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(counts > 0, losses / np.maximum(counts, 1), np.nan), counts
+        return stacked(clients, t, **kwargs)
+    return ListedBatches(ctx, clients, t, **kwargs)
 
 
-def _stack_per_client(
-    ctx: FLContext, clients: Sequence[int], t: int, **kwargs: Any
-) -> Iterator[tuple[np.ndarray, torch.Tensor, torch.Tensor, torch.Tensor | None]]:
-    """``stacked_batches`` for a context that only has ``batches``: the next batch of every client that still has
-    one, stacked (rows, xb, yb, wb) per step."""
-    iterators: list[Iterator[Batch] | None] = [ctx.batches(cid, t, **kwargs) for cid in clients]
-    while True:
-        ready: list[tuple[int, Batch]] = []
-        for r, it in enumerate(iterators):
-            batch = None if it is None else next(it, None)
-            if batch is None:
-                iterators[r] = None
-            else:
-                ready.append((r, batch))
-        if not ready:
-            return
-        xb, yb, wb = _stack_batches([b for _, b in ready])
-        yield np.array([r for r, _ in ready], dtype=np.int64), xb, yb, wb
-
-
-def _stack_batches(batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def stack_batches(batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Stack k batches to [k, B, ...]; unequal sizes are zero-padded to the largest, with per-sample weights."""
     sizes = [int(b[1].shape[0]) for b in batches]
     if len(set(sizes)) == 1 and len({tuple(b[0].shape) for b in batches}) == 1:
@@ -335,10 +376,212 @@ def _stack_batches(batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor, to
     return xb, yb, padding_weights(sizes, xb)
 
 
-def padding_weights(sizes: Sequence[int], xb: torch.Tensor) -> torch.Tensor:
-    """[k, B] per-sample weights of k batches of ``sizes`` zero-padded into xb [k, B, ...]: 1/b_r on the b_r real
-    samples of batch r, 0 on its padding (xb's float dtype, or the default one for integer inputs)."""
-    n = torch.as_tensor(sizes, device=xb.device)
+def padding_weights(sizes: Sequence[int] | torch.Tensor, xb: torch.Tensor) -> torch.Tensor:
+    """[k, B] per-sample weights of k batches of ``sizes`` ([k] integers) zero-padded into xb [k, B, ...]: 1/b_r on
+    the b_r real samples of batch r, 0 on its padding (xb's float dtype, or the default one for integer inputs)."""
+    sizes = torch.as_tensor(sizes, device=xb.device)
     dtype = xb.dtype if xb.is_floating_point() else torch.get_default_dtype()
-    real = torch.arange(xb.shape[1], device=xb.device)[None, :] < n[:, None]
-    return real.to(dtype) / n[:, None].to(dtype)
+    real = torch.arange(xb.shape[1], device=xb.device)[None, :] < sizes[:, None]
+    return real.to(dtype) / sizes[:, None].to(dtype)
+
+
+# Batched local training ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Step:
+    """One batched local step: step ``index`` of the first ``rows`` clients, ``x`` their models (a [rows, d] view of
+    the [k, d] models, updated in place) and their minibatches."""
+
+    index: int
+    rows: int
+    x: torch.Tensor
+    xb: torch.Tensor
+    yb: torch.Tensor
+    wb: torch.Tensor | None
+    soft: torch.Tensor | None = None  # a distillation teacher's log-probabilities [rows, B, C]
+
+
+class BatchedLocal:
+    """The local training of k clients in round t, their models the rows of one [k, d] tensor.
+
+    Plans the clients' minibatches (:func:`stacked_batches`) and orders the clients by descending number of steps;
+    row r of every [k, ·] tensor belongs to client ``clients[r]``, so per-client state must be gathered in that
+    order (``store[run.index]``).
+
+    Args:
+        ctx: the FL context (data, learning rate, batch size, weight decay, momentum).
+        t: round index (seeds the minibatch order, as for :func:`~pyfedkern.algorithms.local_sgd`).
+        clients: the clients to train.
+        order, drop_last, epochs, steps: as for ``ctx.batches`` (defaults: ctx.local_steps if set, else
+            ctx.local_epochs).
+        lr: local learning rate (default ``ctx.lr(t)``).
+
+    Attributes:
+        clients: int64 numpy [k] in row order; ``index`` the same as a tensor on ctx.device.
+        steps: int64 numpy [k] local steps of each row (descending).
+        loss_sum: float64 [k] on the device, each row's sum of minibatch losses at its unperturbed model.
+    """
+
+    def __init__(
+        self,
+        ctx: FLContext,
+        t: int,
+        clients: Sequence[int] | np.ndarray,
+        *,
+        order: str = "reshuffle",
+        drop_last: bool = False,
+        epochs: float | None = None,
+        steps: int | None = None,
+        lr: float | None = None,
+    ) -> None:
+        if steps is None and epochs is None:
+            steps, epochs = ctx.local_steps, ctx.local_epochs
+        self.ctx = ctx
+        self.batches = stacked_batches(ctx, clients, t, epochs=epochs, steps=steps, order=order, drop_last=drop_last)
+        self.clients = np.asarray(self.batches.clients, dtype=np.int64)
+        self.steps = np.asarray(self.batches.steps, dtype=np.int64)
+        self.index = torch.as_tensor(self.clients, device=ctx.device)
+        self.lr = ctx.lr(t) if lr is None else lr
+        self.trainer = trainer_for(ctx.local)
+        self.loss_sum = torch.zeros(len(self.clients), dtype=torch.float64, device=ctx.device)
+        #: a distillation teacher (module) and weight, when the context's model has them (dynamic's Continuous)
+        self.teacher = getattr(ctx.local, "teacher", None)
+        self.kd_weight = float(getattr(ctx.local, "kd_weight", 0.0))
+
+    def __len__(self) -> int:
+        return len(self.clients)
+
+    def start(self, x0: torch.Tensor) -> torch.Tensor:
+        """Every row's starting model: [k, d] copies of the global model x0 [d]."""
+        return x0.expand(len(self), -1).clone()
+
+    def run(self, models: torch.Tensor) -> Iterator[Step]:
+        """The local steps over ``models`` [k, d] (contiguous): one :class:`Step` per minibatch step."""
+        if models.dim() != 2 or models.shape[0] != len(self) or not models.is_contiguous():
+            raise ValueError(f"models must be a contiguous [{len(self)}, d] tensor, got shape {tuple(models.shape)}")
+        for s, (xb, yb, wb) in enumerate(self.batches):
+            rows = xb.shape[0]
+            soft = None
+            if self.teacher is not None:
+                with torch.no_grad():
+                    out = self.teacher(xb.reshape(-1, *xb.shape[2:]))
+                    soft = torch.log_softmax(out, dim=1).reshape(rows, xb.shape[1], -1)
+            yield Step(s, rows, models[:rows], xb, yb, wb, soft)
+
+    def gradients(self, step: Step, x: torch.Tensor | None = None, *, record: bool = True) -> torch.Tensor:
+        """Gradients [rows, d] of the step's rows at ``x`` (default: their models) on their minibatches; their
+        losses are added to ``loss_sum`` unless ``record`` is False."""
+        g, losses = self.trainer.gradients(
+            step.x if x is None else x, step.xb, step.yb, step.wb, step.soft, self.kd_weight
+        )
+        if record:
+            self.loss_sum[: step.rows] += losses
+        return g
+
+    def sgd_(
+        self,
+        models: torch.Tensor,
+        *,
+        correction: Callable[[torch.Tensor, Step], None] | None = None,
+    ) -> torch.Tensor:
+        """Minibatch SGD of every row in place, as :func:`~pyfedkern.algorithms.local_sgd` per client:
+        x ← x − lr·(g + wd·x [+ correction]), heavy-ball momentum when ctx.momentum > 0.
+
+        Args:
+            correction: called as ``correction(g, step)`` after weight decay with g the step's [rows, d] direction;
+                may modify g in place (FedProx adds μ(x − x^t), SCAFFOLD adds c − c_i, BHerd records it).
+
+        Returns ``models``.
+        """
+        wd, momentum = self.ctx.weight_decay, self.ctx.momentum
+        buffer = torch.empty_like(models) if momentum else None
+        for step in self.run(models):
+            g = self.gradients(step)
+            if wd:
+                g.add_(step.x, alpha=wd)
+            if correction is not None:
+                correction(g, step)
+            direction = g
+            if buffer is not None:
+                direction = buffer[: step.rows]
+                if step.index == 0:
+                    direction.copy_(g)
+                else:
+                    direction.mul_(momentum).add_(g)
+            step.x.add_(direction, alpha=-self.lr)
+        return models
+
+    def losses(self) -> torch.Tensor:
+        """Mean minibatch loss of each row, float64 [k] on the device (NaN for rows without steps)."""
+        steps = torch.as_tensor(self.steps, dtype=torch.float64, device=self.loss_sum.device)
+        return self.loss_sum / steps
+
+
+def batched_local_sgd_(
+    ctx: FLContext, t: int, models: torch.Tensor, clients: Sequence[int] | np.ndarray
+) -> torch.Tensor:
+    """Local SGD of every client in ``clients`` from its row of ``models`` ([k, d], trained in place); returns the
+    mean loss per client, float64 [k] on the device (NaN for a client without steps)."""
+    clients = np.asarray(clients, dtype=np.int64).reshape(-1)
+    k = len(clients)
+    if models.dim() != 2 or models.shape[0] != k:
+        raise ValueError(f"models must be [{k}, d] (one row per client), got shape {tuple(models.shape)}")
+    if k == 0:
+        return torch.zeros(0, dtype=torch.float64, device=models.device)
+    if len(np.unique(clients)) != k:
+        raise ValueError("clients has duplicates")
+    run = BatchedLocal(ctx, t, clients)
+    sorter = np.argsort(clients)  # row r of the run is client run.clients[r], at position where[r] of `clients`
+    where = torch.as_tensor(sorter[np.searchsorted(clients, run.clients, sorter=sorter)], device=models.device)
+    rows = run.sgd_(models.index_select(0, where))
+    models.index_copy_(0, where, rows)
+    return torch.empty_like(run.loss_sum).index_copy_(0, where, run.losses())
+
+
+# Memory ----------------------------------------------------------------------------------------------------------
+
+#: Fraction of the free memory a chunk of participants may use: the GPU's free memory, or the CPU's available RAM.
+MEMORY_FRACTION = {"cuda": 0.5, "cpu": 0.25}
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes free on ``device``: ``torch.cuda.mem_get_info`` on a GPU, MemAvailable (else total RAM) on the CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def bytes_per_client(ctx: FLContext, state_rows: int) -> int:
+    """Memory one participant takes in batched training: its model, gradient, second gradient and message rows,
+    momentum, ``state_rows`` more [d] buffers (per-client state, recorded gradients), and its minibatch's
+    activations through the forward and backward pass."""
+    local = ctx.local
+    itemsize = local.flat.data.element_size()
+    rows = 5 + state_rows + (1 if ctx.momentum else 0)
+    sample = getattr(ctx, "sample_input", None)
+    activations = 0
+    if sample is not None and can_batch(local):
+        activations = 3 * ctx.batch_size * trainer_for(local).activations_per_sample(sample)
+    return itemsize * (rows * local.dim + activations)
+
+
+def client_chunks(ctx: FLContext, clients: np.ndarray, state_rows: int = 2) -> Iterator[np.ndarray]:
+    """``clients`` in consecutive chunks to train at once: ``ctx.client_chunk`` clients when set, else as many as
+    fit :data:`MEMORY_FRACTION` of the free memory (:func:`bytes_per_client`); one chunk when everything fits.
+    Nothing when ``clients`` is empty."""
+    clients = np.asarray(clients, dtype=np.int64).reshape(-1)
+    size = getattr(ctx, "client_chunk", None)
+    if size is None:
+        device = torch.device(ctx.device)
+        budget = MEMORY_FRACTION["cuda" if device.type == "cuda" else "cpu"] * free_memory(device)
+        size = max(1, int(budget // max(bytes_per_client(ctx, state_rows), 1)))
+    for start in range(0, len(clients), size):
+        yield clients[start : start + size]

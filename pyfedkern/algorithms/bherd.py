@@ -6,8 +6,10 @@ float32 or bfloat16), selects K_i = round(α·τ_i) of them by greedy herding (:
 and sends g_i = Σ_{selected} y (raw gradients, never recomputed); its final local model is discarded. The server
 applies w ← w − η·(E/α)·Σ p_i g_i (Eq. 7) with p_i = |D_i| / Σ_participants |D_j|.
 
-Clients are simulated one after another and share one recorder, so the gradient buffer costs τ·d floats once, not
-per client. Selection runs on each client's own buffer (the batched op form serves callers who hold all buffers).
+A client's update (:meth:`BHerd.client_update`, for a user's loop or Flower) records into one
+:class:`GradientRecorder`. The engine trains a round's participants together (:meth:`BHerd.batched_client_update`):
+their per-step gradients go to one [Σ τ_i, d] buffer (client after client, τ_i rows each) and the clients of equal
+τ_i are selected in one batched :func:`~pyfedkern.ops.herding_select` call each.
 """
 
 from __future__ import annotations
@@ -21,7 +23,17 @@ import torch
 from torch import nn
 
 from pyfedkern import ops
-from pyfedkern.algorithms.base import Algorithm, ClientMessage, ClientStore, FLContext, RoundStats, local_sgd
+from pyfedkern.algorithms.base import (
+    Algorithm,
+    ClientMessage,
+    ClientStore,
+    ClientUpdates,
+    FLContext,
+    RoundStats,
+    RoundSums,
+    local_sgd,
+)
+from pyfedkern.algorithms.batched import BatchedLocal, Step
 from pyfedkern.ops.herding import check_alpha, selection_size
 
 BUFFER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -125,9 +137,44 @@ def planned_steps(ctx: FLContext, cid: int) -> int:
     return math.floor(ctx.local_epochs * n / size + 1e-9)
 
 
-def _weights(messages: list[ClientMessage]) -> np.ndarray:
-    w = np.array([m.weight for m in messages], dtype=np.float64)
-    return w / w.sum()
+@dataclass
+class HerdedRows:
+    """The herded local updates of a batched run, in its row order: τ_i, K_i, Σ_selected y_i [k, d] (the model's
+    dtype; zero for clients without steps), gap ‖g_i/K_i − μ_i‖ (0 without steps)."""
+
+    taus: np.ndarray
+    ks: np.ndarray
+    totals: torch.Tensor
+    gaps: np.ndarray
+
+
+def herd_rows(run: BatchedLocal, x0: torch.Tensor, alpha: float, dtype: torch.dtype, shift=None) -> HerdedRows:
+    """Plain SGD of the run's rows from x0, each step's direction (gradient + weight decay [+ shift rows]) recorded
+    into a [Σ τ_i, d] buffer of ``dtype``; then herding selection, one :func:`~pyfedkern.ops.herding_select` call
+    per group of clients with equal τ_i (consecutive rows: the run orders clients by τ)."""
+    taus = run.steps
+    offsets = np.cumsum(taus) - taus
+    buffer = torch.empty(int(taus.sum()), x0.numel(), dtype=dtype, device=x0.device)
+    first = torch.as_tensor(offsets, device=x0.device)
+
+    def record(g: torch.Tensor, step: Step) -> None:
+        if shift is not None:
+            g.add_(shift[: step.rows])
+        buffer.index_copy_(0, first[: step.rows] + step.index, g.to(dtype))
+
+    run.sgd_(run.start(x0), correction=record)
+    totals = torch.zeros(len(run), x0.numel(), dtype=x0.dtype, device=x0.device)
+    ks = np.zeros(len(run), dtype=np.int64)
+    gaps = np.zeros(len(run))
+    for tau in np.unique(taus[taus > 0]).tolist():
+        rows = np.flatnonzero(taus == tau)
+        a, b = int(rows[0]), int(rows[-1]) + 1
+        grads = buffer[int(offsets[a]) : int(offsets[a]) + (b - a) * tau].view(b - a, tau, -1)
+        _, total, gap = ops.herding_select(grads, alpha, return_gap=True)
+        totals[a:b] = total.to(torch.float32)
+        ks[a:b] = selection_size(tau, alpha)
+        gaps[a:b] = gap
+    return HerdedRows(taus, ks, totals, gaps)
 
 
 def _check_common(alpha: float | None, order: str) -> None:
@@ -202,22 +249,51 @@ class BHerd(Algorithm):
         result, tau, k, total, gap = self._herd_local(t, cid, ctx)
         return self._message(cid, ctx, result, tau, k, {"g": total}, gap)
 
+    def state_rows_per_client(self, ctx: FLContext) -> int:
+        return 2 + max(planned_steps(ctx, cid) for cid in range(ctx.num_clients))  # the recorded gradients
+
+    def _batched_run(self, t: int, clients: np.ndarray, ctx: FLContext) -> BatchedLocal:
+        return BatchedLocal(ctx, t, clients, order=self.order, drop_last=True)
+
+    def _herd_rows(self, run: BatchedLocal, shift: torch.Tensor | None = None) -> HerdedRows:
+        """The rows of :meth:`_herd_local` (``shift``: [k, d] rows added to each step's direction)."""
+        return herd_rows(run, self.x, self.alpha, BUFFER_DTYPES[self.buffer_dtype], shift)
+
+    def _updates(self, run: BatchedLocal, ctx: FLContext, herd: HerdedRows, vectors) -> ClientUpdates:
+        extras = {"tau": herd.taus.astype(np.float64), "k": herd.ks.astype(np.float64), "herd_gap": herd.gaps}
+        return ClientUpdates.of(run, ctx, vectors, extras=extras)
+
+    def batched_client_update(self, t: int, clients: np.ndarray, ctx: FLContext) -> ClientUpdates:
+        run = self._batched_run(t, clients, ctx)
+        herd = self._herd_rows(run)
+        return self._updates(run, ctx, herd, {"g": herd.totals})
+
     def server_scale(self, ctx: FLContext) -> float:
         """E/α (or 1/α without ``epoch_scale``); E = 1 when the context fixes local_steps."""
         epochs = ctx.local_epochs if ctx.local_steps is None else 1.0
         return (epochs if self.epoch_scale else 1.0) / self.alpha
 
-    def server_step(self, t: int, messages: list[ClientMessage], ctx: FLContext) -> None:
-        p = _weights(messages)
-        step = ctx.lr(t) * self.server_scale(ctx)
-        ops.weighted_sum([self.x, *(m.vectors["g"] for m in messages)], np.concatenate([[1.0], -step * p]), out=self.x)
-        self._record_extras(messages)
+    def accumulate(self, t: int, sums: RoundSums, updates: ClientUpdates, ctx: FLContext) -> None:
+        sums.add("g", updates.vectors["g"], updates.weights)
+        self._add_common(sums, updates)
 
-    def _record_extras(self, messages: list[ClientMessage]) -> None:
-        taus = np.array([m.extras["tau"] for m in messages])
-        ks = np.array([m.extras["k"] for m in messages])
-        gaps = np.array([m.extras["herd_gap"] for m in messages])
-        self._extras = {"herd_k_frac": float(ks.sum() / max(taus.sum(), 1.0)), "herd_gap": float(gaps.mean())}
+    def _add_common(self, sums: RoundSums, updates: ClientUpdates) -> None:
+        """Σ w_i, and the per-client values of the logged extras."""
+        sums.add_scalar("weight", updates.weights.sum())
+        for name in ("tau", "k", "herd_gap"):
+            sums.add_scalar(name, updates.extras[name].sum())
+        sums.add_scalar("count", len(updates))
+
+    def server_step(self, t: int, sums: RoundSums, ctx: FLContext) -> None:
+        step = ctx.lr(t) * self.server_scale(ctx)
+        ops.weighted_sum([self.x, sums.vector("g")], [1.0, -step / sums.scalar("weight")], out=self.x)
+        self._record_extras(sums)
+
+    def _record_extras(self, sums: RoundSums) -> None:
+        self._extras = {
+            "herd_k_frac": sums.scalar("k") / max(sums.scalar("tau"), 1.0),
+            "herd_gap": sums.scalar("herd_gap") / sums.scalar("count"),
+        }
 
     def round(self, t: int, ctx: FLContext) -> RoundStats:
         self._extras = {}
@@ -233,14 +309,17 @@ class BHerdFedNova(BHerd):
 
     name = "bherd-fednova"
 
-    def server_step(self, t: int, messages: list[ClientMessage], ctx: FLContext) -> None:
-        p = _weights(messages)
-        taus = np.array([m.extras["tau"] for m in messages])
-        ks = np.array([max(m.extras["k"], 1.0) for m in messages])
-        tau_eff = float((p * taus).sum())
-        coef = -ctx.lr(t) * tau_eff * p / ks
-        ops.weighted_sum([self.x, *(m.vectors["g"] for m in messages)], np.concatenate([[1.0], coef]), out=self.x)
-        self._record_extras(messages)
+    def accumulate(self, t: int, sums: RoundSums, updates: ClientUpdates, ctx: FLContext) -> None:
+        w, ks = updates.weights, np.maximum(updates.extras["k"], 1.0)
+        sums.add("g", updates.vectors["g"], w / ks)
+        sums.add_scalar("w_tau", (w * updates.extras["tau"]).sum())
+        self._add_common(sums, updates)
+
+    def server_step(self, t: int, sums: RoundSums, ctx: FLContext) -> None:
+        weight = sums.scalar("weight")
+        tau_eff = sums.scalar("w_tau") / weight
+        ops.weighted_sum([self.x, sums.vector("g")], [1.0, -ctx.lr(t) * tau_eff / weight], out=self.x)
+        self._record_extras(sums)
 
 
 @dataclass
@@ -270,11 +349,31 @@ class BHerdScaffold(BHerd):
             delta = torch.zeros_like(self.x)
         return self._message(cid, ctx, result, tau, k, {"delta": delta, "control": c_i.clone()}, gap)
 
-    def server_step(self, t: int, messages: list[ClientMessage], ctx: FLContext) -> None:
-        p = _weights(messages)
-        ops.weighted_sum([self.x, *(m.vectors["delta"] for m in messages)], np.concatenate([[1.0], p]), out=self.x)
-        ops.weighted_sum([m.vectors["control"] for m in messages], p, out=self.c)
-        self._record_extras(messages)
+    def batched_client_update(self, t: int, clients: np.ndarray, ctx: FLContext) -> ClientUpdates:
+        run = self._batched_run(t, clients, ctx)
+        c_i = self.client_c.data[run.index]
+        herd = self._herd_rows(run, shift=self.c - c_i)
+        delta = herd.totals.mul(-ctx.lr(t) / self.alpha)  # zero rows without steps
+        selected = herd.ks > 0
+        ks = torch.as_tensor(np.maximum(herd.ks, 1), dtype=self.x.dtype, device=self.x.device)
+        fresh = (c_i - self.c).add_(herd.totals / ks[:, None])  # c_i − c + (1/K_i)·Σ_sel v
+        c_i = torch.where(torch.as_tensor(selected, device=self.x.device)[:, None], fresh, c_i)
+        self.client_c.data.index_copy_(0, run.index, c_i)
+        return self._updates(run, ctx, herd, {"delta": delta, "control": c_i})
+
+    def state_rows_per_client(self, ctx: FLContext) -> int:
+        return 3 + super().state_rows_per_client(ctx)
+
+    def accumulate(self, t: int, sums: RoundSums, updates: ClientUpdates, ctx: FLContext) -> None:
+        sums.add("delta", updates.vectors["delta"], updates.weights)
+        sums.add("control", updates.vectors["control"], updates.weights)
+        self._add_common(sums, updates)
+
+    def server_step(self, t: int, sums: RoundSums, ctx: FLContext) -> None:
+        weight = sums.scalar("weight")
+        ops.weighted_sum([self.x, sums.vector("delta")], [1.0, 1.0 / weight], out=self.x)
+        ops.weighted_sum([sums.vector("control")], [1.0 / weight], out=self.c)
+        self._record_extras(sums)
 
     def broadcast_floats(self) -> int:
         return 2 * int(self.x.numel())
@@ -317,7 +416,8 @@ class GrabFedAvg(Algorithm):
         tau = planned_steps(ctx, cid)
         if tau < 1:
             result = local_sgd(ctx, cid, t, self.x, order=self.order, drop_last=True)
-            return ClientMessage(cid, float(ctx.client_sizes[cid]), {"g": torch.zeros_like(self.x)}, result.loss, 0)
+            zero = {"g": torch.zeros_like(self.x)}
+            return ClientMessage(cid, float(ctx.client_sizes[cid]), zero, result.loss, 0, {"alpha_i": 0.0})
         balancer = ops.GrabBalancer(tau, running_mean=self.running_mean)
 
         def balance(g: torch.Tensor, x: torch.Tensor) -> None:
@@ -329,14 +429,47 @@ class GrabFedAvg(Algorithm):
         g = balancer.g.to(self.x.dtype)
         return ClientMessage(cid, float(ctx.client_sizes[cid]), {"g": g}, result.loss, tau, {"alpha_i": balancer.alpha})
 
-    def server_step(self, t: int, messages: list[ClientMessage], ctx: FLContext) -> None:
-        p = _weights(messages)
-        alpha_t = float(sum(pi * m.extras.get("alpha_i", 0.0) for pi, m in zip(p, messages, strict=True)))
+    def batched_client_update(self, t: int, clients: np.ndarray, ctx: FLContext) -> ClientUpdates:
+        """:class:`~pyfedkern.ops.GrabBalancer`'s rule for every row at once (row-wise torch operations; the
+        balancing state in float64 for float64 models, else float32, as the op keeps it)."""
+        run = BatchedLocal(ctx, t, clients, order=self.order, drop_last=True)
+        k, d, device = len(run), self.x.numel(), self.x.device
+        state = torch.float64 if self.x.dtype == torch.float64 else torch.float32
+        mean, s, g_sum = (torch.zeros(k, d, dtype=state, device=device) for _ in range(3))
+        picked = torch.zeros(k, dtype=state, device=device)
+        tau = torch.as_tensor(np.maximum(run.steps, 1), dtype=state, device=device)
+
+        def balance(g: torch.Tensor, step: Step) -> None:
+            r, y = step.rows, g.to(state)
+            if self.running_mean:
+                mean[:r].add_((y - mean[:r]) / (step.index + 1))
+            else:
+                mean[:r].add_(y / tau[:r, None])
+            z = y - mean[:r]
+            pick = (s[:r].double() * z.double()).sum(1) < 0
+            s[:r].add_(torch.where(pick[:, None], z, -z))
+            g_sum[:r].add_(y * pick[:, None])
+            picked[:r] += pick
+
+        run.sgd_(run.start(self.x), correction=balance)
+        alpha = (picked / tau).double().cpu().numpy()
+        return ClientUpdates.of(run, ctx, {"g": g_sum.to(self.x.dtype)}, extras={"alpha_i": alpha})
+
+    def state_rows_per_client(self, ctx: FLContext) -> int:
+        return 4  # the balancing state μ, s, g and a copy of the gradient
+
+    def accumulate(self, t: int, sums: RoundSums, updates: ClientUpdates, ctx: FLContext) -> None:
+        sums.add("g", updates.vectors["g"], updates.weights)
+        sums.add_scalar("weight", updates.weights.sum())
+        sums.add_scalar("w_alpha", (updates.weights * updates.extras["alpha_i"]).sum())
+
+    def server_step(self, t: int, sums: RoundSums, ctx: FLContext) -> None:
+        weight = sums.scalar("weight")
+        alpha_t = sums.scalar("w_alpha") / weight
         self._extras = {"alpha_t": alpha_t}
         if alpha_t <= 0.0:
             return
-        coef = -ctx.lr(t) / alpha_t * p
-        ops.weighted_sum([self.x, *(m.vectors["g"] for m in messages)], np.concatenate([[1.0], coef]), out=self.x)
+        ops.weighted_sum([self.x, sums.vector("g")], [1.0, -ctx.lr(t) / alpha_t / weight], out=self.x)
 
     def round(self, t: int, ctx: FLContext) -> RoundStats:
         self._extras = {}
@@ -372,8 +505,21 @@ class FedNova(Algorithm):
         d_i = ops.weighted_sum([self.x, result.x], [1.0 / (lr * result.steps), -1.0 / (lr * result.steps)])
         return ClientMessage(cid, float(ctx.client_sizes[cid]), {"d": d_i}, result.loss, result.steps)
 
-    def server_step(self, t: int, messages: list[ClientMessage], ctx: FLContext) -> None:
-        p = _weights(messages)
-        tau_eff = float(sum(pi * m.steps for pi, m in zip(p, messages, strict=True)))
-        coef = -ctx.lr(t) * tau_eff * p
-        ops.weighted_sum([self.x, *(m.vectors["d"] for m in messages)], np.concatenate([[1.0], coef]), out=self.x)
+    def batched_client_update(self, t: int, clients: np.ndarray, ctx: FLContext) -> ClientUpdates:
+        run = BatchedLocal(ctx, t, clients, order=self.order)
+        if np.any(run.steps == 0):
+            raise ValueError(f"FedNova: clients {run.clients[run.steps == 0].tolist()} take no local steps")
+        models = run.sgd_(run.start(self.x))
+        scale = torch.as_tensor(1.0 / (run.lr * run.steps), dtype=self.x.dtype, device=self.x.device)
+        d = torch.sub(self.x, models).mul_(scale[:, None])  # (w − w_i)/(η·τ_i)
+        return ClientUpdates.of(run, ctx, {"d": d})
+
+    def accumulate(self, t: int, sums: RoundSums, updates: ClientUpdates, ctx: FLContext) -> None:
+        sums.add("d", updates.vectors["d"], updates.weights)
+        sums.add_scalar("weight", updates.weights.sum())
+        sums.add_scalar("w_tau", (updates.weights * updates.steps).sum())
+
+    def server_step(self, t: int, sums: RoundSums, ctx: FLContext) -> None:
+        weight = sums.scalar("weight")
+        tau_eff = sums.scalar("w_tau") / weight
+        ops.weighted_sum([self.x, sums.vector("d")], [1.0, -ctx.lr(t) * tau_eff / weight], out=self.x)

@@ -8,7 +8,16 @@ import numpy as np
 import torch
 
 from pyfedkern import ops
-from pyfedkern.algorithms.base import Algorithm, ClientMessage, ClientStore, FLContext, local_sgd
+from pyfedkern.algorithms.base import (
+    Algorithm,
+    ClientMessage,
+    ClientStore,
+    ClientUpdates,
+    FLContext,
+    RoundSums,
+    local_sgd,
+)
+from pyfedkern.algorithms.batched import BatchedLocal, Step
 
 
 def _check_positive(name: str, value: float, *, allow_zero: bool = False) -> None:
@@ -17,11 +26,17 @@ def _check_positive(name: str, value: float, *, allow_zero: bool = False) -> Non
         raise ValueError(f"{name} must be finite and {bound}, got {value}")
 
 
-def server_average_(x: torch.Tensor, models: list[torch.Tensor], weights: np.ndarray, server_lr: float) -> None:
-    """x ← (1 − η_g)·x + η_g·Σ p_i·x_i with p = weights / Σ weights, in one pass over memory, in place."""
-    p = np.asarray(weights, dtype=np.float64)
-    p = p / p.sum()
-    ops.weighted_sum([x, *models], np.concatenate([[1.0 - server_lr], server_lr * p]), out=x)
+def server_average_(x: torch.Tensor, total: torch.Tensor, weight: float, server_lr: float) -> None:
+    """x ← (1 − η_g)·x + η_g·total/weight (total = Σ w_i·x_i, weight = Σ w_i), in one pass over memory, in place."""
+    if not weight > 0:
+        raise ValueError(f"the participants' weights must have a positive sum, got {weight}")
+    ops.weighted_sum([x, total], [1.0 - server_lr, server_lr / weight], out=x)
+
+
+def add_weighted_models(sums: RoundSums, updates: ClientUpdates, name: str = "model") -> None:
+    """sums[name] += Σ w_i·v_i and sums["weight"] += Σ w_i over a chunk (the FedAvg aggregate)."""
+    sums.add(name, updates.vectors[name], updates.weights)
+    sums.add_scalar("weight", updates.weights.sum())
 
 
 @dataclass
@@ -38,12 +53,25 @@ class FedAvg(Algorithm):
     def __post_init__(self) -> None:
         _check_positive("server_lr", self.server_lr)
 
+    def correction(self, t: int, ctx: FLContext, run: BatchedLocal | None = None):
+        """The local direction's extra term as ``(g, x)`` → None for :func:`local_sgd` (run None), or
+        ``(g, step)`` → None for the rows of a batched run; None for plain SGD."""
+        return None
+
     def client_update(self, t: int, cid: int, ctx: FLContext) -> ClientMessage:
-        result = local_sgd(ctx, cid, t, self.x)
+        result = local_sgd(ctx, cid, t, self.x, correction=self.correction(t, ctx))
         return ClientMessage(cid, float(ctx.client_sizes[cid]), {"model": result.x}, result.loss, result.steps)
 
-    def server_step(self, t: int, messages: list[ClientMessage], ctx: FLContext) -> None:
-        server_average_(self.x, [m.vectors["model"] for m in messages], [m.weight for m in messages], self.server_lr)
+    def batched_client_update(self, t: int, clients: np.ndarray, ctx: FLContext) -> ClientUpdates:
+        run = BatchedLocal(ctx, t, clients)
+        models = run.sgd_(run.start(self.x), correction=self.correction(t, ctx, run))
+        return ClientUpdates.of(run, ctx, {"model": models})
+
+    def accumulate(self, t: int, sums: RoundSums, updates: ClientUpdates, ctx: FLContext) -> None:
+        add_weighted_models(sums, updates)
+
+    def server_step(self, t: int, sums: RoundSums, ctx: FLContext) -> None:
+        server_average_(self.x, sums.vector("model"), sums.scalar("weight"), self.server_lr)
 
 
 @dataclass
@@ -61,14 +89,19 @@ class FedProx(FedAvg):
         super().__post_init__()
         _check_positive("mu", self.mu, allow_zero=True)
 
-    def client_update(self, t: int, cid: int, ctx: FLContext) -> ClientMessage:
+    def correction(self, t: int, ctx: FLContext, run: BatchedLocal | None = None):
         anchor = self.x
+        if run is None:
 
-        def proximal(g: torch.Tensor, x: torch.Tensor) -> None:
-            g.add_(x - anchor, alpha=self.mu)
+            def proximal(g: torch.Tensor, x: torch.Tensor) -> None:
+                g.add_(x - anchor, alpha=self.mu)
 
-        result = local_sgd(ctx, cid, t, self.x, correction=proximal)
-        return ClientMessage(cid, float(ctx.client_sizes[cid]), {"model": result.x}, result.loss, result.steps)
+            return proximal
+
+        def proximal_rows(g: torch.Tensor, step: Step) -> None:
+            g.add_(step.x - anchor, alpha=self.mu)
+
+        return proximal_rows
 
 
 @dataclass
@@ -85,7 +118,10 @@ class Scaffold(FedAvg):
     def setup(self, ctx: FLContext, x0: torch.Tensor) -> None:
         super().setup(ctx, x0)
         self.c = torch.zeros_like(self.x)
-        self.client_c = ClientStore(ctx.num_clients, self.x.numel(), device=self.x.device)
+        self.client_c = ClientStore(ctx.num_clients, self.x.numel(), device=self.x.device, dtype=self.x.dtype)
+
+    def state_rows_per_client(self, ctx: FLContext) -> int:
+        return 3  # c_i, c − c_i, the control delta
 
     def client_update(self, t: int, cid: int, ctx: FLContext) -> ClientMessage:
         c_i = self.client_c[cid]
@@ -110,13 +146,28 @@ class Scaffold(FedAvg):
             result.steps,
         )
 
-    def server_step(self, t: int, messages: list[ClientMessage], ctx: FLContext) -> None:
-        super().server_step(t, messages, ctx)
-        ops.weighted_sum(
-            [self.c, *(m.vectors["delta_c"] for m in messages)],
-            [1.0] + [1.0 / ctx.num_clients] * len(messages),
-            out=self.c,
-        )
+    def batched_client_update(self, t: int, clients: np.ndarray, ctx: FLContext) -> ClientUpdates:
+        run = BatchedLocal(ctx, t, clients)
+        if np.any(run.steps == 0):
+            raise ValueError(f"SCAFFOLD: clients {run.clients[run.steps == 0].tolist()} take no local steps")
+        shift = self.c - self.client_c.data[run.index]
+
+        def control(g: torch.Tensor, step: Step) -> None:
+            g.add_(shift[: step.rows])
+
+        models = run.sgd_(run.start(self.x), correction=control)
+        scale = torch.as_tensor(1.0 / (run.steps * run.lr), dtype=self.x.dtype, device=self.x.device)
+        delta_c = torch.sub(self.x, models).mul_(scale[:, None]).sub_(self.c)  # −c + (x^t − y_i)/(K η)
+        self.client_c.data.index_add_(0, run.index, delta_c)
+        return ClientUpdates.of(run, ctx, {"model": models, "delta_c": delta_c})
+
+    def accumulate(self, t: int, sums: RoundSums, updates: ClientUpdates, ctx: FLContext) -> None:
+        add_weighted_models(sums, updates)
+        sums.add("delta_c", updates.vectors["delta_c"], np.ones(len(updates)))
+
+    def server_step(self, t: int, sums: RoundSums, ctx: FLContext) -> None:
+        super().server_step(t, sums, ctx)
+        ops.weighted_sum([self.c, sums.vector("delta_c")], [1.0, 1.0 / ctx.num_clients], out=self.c)
 
     def broadcast_floats(self) -> int:
         return 2 * int(self.x.numel())

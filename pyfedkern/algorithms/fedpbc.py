@@ -23,9 +23,9 @@ it, FedAU counts participation intervals of those clients only, and MIFA drops t
 left (its sum runs over the current clients). Without a schedule every client exists.
 Link options (fields of every class here): ``--links`` pattern, ``--gamma``, ``--period``, ``--cycle-length``,
 ``--sigma0``, ``--delta`` (the log-normal class-mix construction of p_i from each client's label histogram) or
-``--link-probs p0,p1,...`` (explicit probabilities for equal contiguous groups of clients). ``--batched`` chooses
-batched local training of all clients at once (default; :mod:`pyfedkern.algorithms.batched`) over a Python loop
-over clients.
+``--link-probs p0,p1,...`` (explicit probabilities for equal contiguous groups of clients). The clients train as
+batched steps (:mod:`pyfedkern.algorithms.batched`, in chunks that fit memory) unless the engine's ``--batched false``
+asks for a loop over clients.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ import numpy as np
 import torch
 
 from pyfedkern import ops
-from pyfedkern.algorithms.base import Algorithm, ClientStore, FLContext, RoundStats, local_sgd
-from pyfedkern.algorithms.batched import BatchedTrainer, batched_local_sgd_, can_batch
+from pyfedkern.algorithms.base import Algorithm, ClientStore, FLContext, RoundStats, local_sgd, mean_loss
+from pyfedkern.algorithms.batched import batched_local_sgd_, client_chunks, use_batched
 
 _LINK_SEED = 811  # purpose key of the link model's seed stream
 
@@ -76,7 +76,6 @@ class _LinkAlgorithm(Algorithm):
         sigma0: σ0 of the log-normal class weights used to derive p_i from label histograms.
         delta: floor δ of every p_i.
         link_probs: explicit probabilities instead (m values, or g values for g equal contiguous client groups).
-        batched: train the clients' local SGD as one batched step (False: a Python loop over clients).
     """
 
     links: str = "bernoulli"
@@ -86,7 +85,6 @@ class _LinkAlgorithm(Algorithm):
     sigma0: float = 10.0
     delta: float = 0.02
     link_probs: tuple[float, ...] = ()
-    batched: bool = True
 
     def __post_init__(self) -> None:
         from pyfedkern.links import PATTERNS, TIME_VARYING, check_gamma
@@ -110,7 +108,7 @@ class _LinkAlgorithm(Algorithm):
             raise ValueError(f"link_probs must lie in (0, 1], got {self.link_probs}")
 
     def setup_links(self, ctx: FLContext) -> None:
-        """Build the link model (seeded from ctx.rng) and the batched trainer."""
+        """Build the link model (seeded from ctx.rng)."""
         from pyfedkern.links import make_links
 
         seed = int(ctx.rng(_LINK_SEED).integers(2**62))
@@ -126,7 +124,6 @@ class _LinkAlgorithm(Algorithm):
             cycle_length=self.cycle_length,
             seed=seed,
         )
-        self.trainer = BatchedTrainer(ctx.local) if self.batched and can_batch(ctx.local) else None
 
     @staticmethod
     def present_clients(ctx: FLContext) -> np.ndarray:
@@ -141,23 +138,22 @@ class _LinkAlgorithm(Algorithm):
         """A^t: the present clients whose uplink is ON in round t (sorted int64 ids)."""
         return np.intersect1d(self.link_model.active_indices(t), present, assume_unique=True)
 
-    def train_(self, ctx: FLContext, t: int, models: torch.Tensor, clients: np.ndarray) -> np.ndarray:
-        """Local SGD of ``clients`` from the rows of ``models`` (in place); returns the per-client mean losses."""
+    def train_(self, ctx: FLContext, t: int, models: torch.Tensor, clients: np.ndarray) -> torch.Tensor:
+        """Local SGD of ``clients`` from the rows of ``models`` (in place, batched in chunks that fit memory, or a
+        loop over clients); returns the per-client mean losses, float64 [k] on the device."""
         with ctx.timer("local"):
-            if self.trainer is not None:
-                losses, _ = batched_local_sgd_(ctx, t, models, clients, trainer=self.trainer)
-            else:
-                losses = np.zeros(len(clients))
-                for r, cid in enumerate(clients):
-                    result = local_sgd(ctx, int(cid), t, models[r])
-                    models[r].copy_(result.x)
-                    losses[r] = result.loss
-        return losses
-
-
-def _mean(values: np.ndarray) -> float:
-    finite = values[np.isfinite(values)]
-    return float(finite.mean()) if finite.size else float("nan")
+            if use_batched(ctx):
+                losses = torch.empty(len(clients), dtype=torch.float64, device=models.device)
+                for rows in client_chunks(ctx, np.arange(len(clients)), 0):
+                    a, b = int(rows[0]), int(rows[-1]) + 1
+                    losses[a:b] = batched_local_sgd_(ctx, t, models[a:b], clients[a:b])
+                return losses
+            values = []
+            for r, cid in enumerate(clients):
+                result = local_sgd(ctx, int(cid), t, models[r])
+                models[r].copy_(result.x)
+                values.append(result.loss)
+            return torch.tensor(values, dtype=torch.float64, device=models.device)
 
 
 @dataclass
@@ -195,7 +191,7 @@ class FedPBC(_LinkAlgorithm):
         gap = float(torch.linalg.vector_norm(self.x - self.mean_model()))
         return RoundStats(
             clients=active,
-            local_loss=_mean(losses),
+            local_loss=mean_loss(losses),
             upload_floats=len(active) * d,
             download_floats=len(active) * d,
             extras={"active": float(len(active)), "consensus_dist": gap},
@@ -246,7 +242,7 @@ class FedAvgLinks(_LinkAlgorithm):
     def after_round(self, t: int, active: np.ndarray) -> None:
         """Update per-client bookkeeping once round t's links are known (FedAU's interval counters)."""
 
-    def local_models(self, ctx: FLContext, t: int, active: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
+    def local_models(self, ctx: FLContext, t: int, active: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         models = self.x.unsqueeze(0).repeat(len(active), 1)
         return models, self.train_(ctx, t, models, active)
 
@@ -260,7 +256,7 @@ class FedAvgLinks(_LinkAlgorithm):
         d = int(self.x.numel())
         return RoundStats(
             clients=active,
-            local_loss=_mean(losses),
+            local_loss=mean_loss(losses),
             upload_floats=len(active) * d,
             download_floats=len(self.present) * d,
             extras={"active": float(len(active))},

@@ -5,9 +5,10 @@
   x ← x − η[(1−α)g1 + αg2 − ĝ_i + (1/λ)(x − x^t) + wd·x] with the fused kernels of :mod:`pyfedkern.ops.fedspeed`.
   ``begin_round`` / ``end_round`` bracket one FL round (h_i += x_K − x^t, upload x̂_i = x_K + h_i).
 - :class:`FedSpeed` is the client/server algorithm (Algorithm 1 in the storage form h_i = −λ·ĝ_i of
-  specs/fedspeed.md), with the switches ``use_prox``, ``use_correction``, ``use_perturb`` (the Table 7 ablation),
-  ``ref_compat`` (FL-Simulator's clip of the loss gradient + correction at ``clip_norm``) and ``corr_avg`` ("all":
-  the reference server x^{t+1} = mean_S(x_K) + mean_m(h_i)).
+  specs/fedspeed.md; the engine trains a round's participants together with the [k, d] row forms of the same
+  fused kernels, one norm per row), with the switches ``use_prox``, ``use_correction``, ``use_perturb`` (the
+  Table 7 ablation), ``ref_compat`` (FL-Simulator's clip of the loss gradient + correction at ``clip_norm``) and
+  ``corr_avg`` ("all": the reference server x^{t+1} = mean_S(x_K) + mean_m(h_i)).
 
 The prox parameter is λ (``lam``); the "prox weight" of the paper's experiments (0.1, 0.01, 0.001) is 1/λ.
 """
@@ -23,7 +24,8 @@ import numpy as np
 import torch
 
 from pyfedkern import ops
-from pyfedkern.algorithms.base import Algorithm, ClientStore, FLContext, RoundStats
+from pyfedkern.algorithms.base import Algorithm, ClientStore, FLContext, RoundStats, mean_loss
+from pyfedkern.algorithms.batched import BatchedLocal, client_chunks, use_batched
 
 RHO_MODES = ("normalized", "raw")
 CORR_AVG = ("active", "all")
@@ -383,41 +385,102 @@ class FedSpeed(Algorithm):
             clip_norm=self.clip_norm if self.ref_compat else None,
         )
 
+    def state_rows_per_client(self, ctx: FLContext) -> int:
+        return 5  # h_i, D = h_i − x^t, the perturbed point, the second gradient, the first one kept for α < 1
+
     def round(self, t: int, ctx: FLContext) -> RoundStats:
         clients = self.participants(t, ctx)
-        losses = []
         self._acc.zero_()
         opt = self.optimizer
         opt.param_groups[0]["lr"] = ctx.lr(t)
         opt.param_groups[0]["weight_decay"] = ctx.weight_decay
-        reference_server = self.corr_avg == "all"
-        with ctx.timer("local"):
-            for cid in clients:
-                cid = int(cid)
-                ctx.local.load_(self.x)
-                h = self.h_store[cid] if self.use_correction else None
-                opt.begin_round(h)
-                loss = self._local_steps(t, cid, ctx)
-                losses.append(loss)
-                opt.end_round(
-                    self._acc,
-                    acc_weight=1.0 / len(clients),
-                    include_h=not reference_server,
-                    h_sum=self.h_total if reference_server and self.use_correction else None,
-                )
+        weight = 1.0 / len(clients) if len(clients) else 0.0
+        losses: list[torch.Tensor] = []
+        for chunk in client_chunks(ctx, clients, self.state_rows_per_client(ctx)):
+            with ctx.timer("local"):
+                if use_batched(ctx):
+                    losses.append(self._batched_clients(t, chunk, ctx, weight))
+                else:
+                    losses.append(self._looped_clients(t, chunk, ctx, weight))
         with ctx.timer("aggregation"):
             if len(clients):
-                if reference_server:
+                if self.corr_avg == "all":
                     ops.weighted_sum([self._acc, self.h_total], [1.0, 1.0 / self.num_clients], out=self.x)
                 else:
                     self.x.copy_(self._acc)
-        finite = [v for v in losses if np.isfinite(v)]
         return RoundStats(
             clients=np.asarray(clients, dtype=np.int64),
-            local_loss=float(np.mean(finite)) if finite else float("nan"),
+            local_loss=mean_loss(losses),
             upload_floats=len(clients) * self.x.numel(),
             download_floats=len(clients) * self.broadcast_floats(),
         )
+
+    def _looped_clients(self, t: int, clients: np.ndarray, ctx: FLContext, weight: float) -> torch.Tensor:
+        """Each client's local round with :class:`FedSpeedOptimizer`, its upload added into the server's sum with
+        ``weight``; the mean losses [k]."""
+        opt = self.optimizer
+        reference_server = self.corr_avg == "all"
+        losses = []
+        for cid in clients:
+            cid = int(cid)
+            ctx.local.load_(self.x)
+            h = self.h_store[cid] if self.use_correction else None
+            opt.begin_round(h)
+            losses.append(self._local_steps(t, cid, ctx))
+            opt.end_round(
+                self._acc,
+                acc_weight=weight,
+                include_h=not reference_server,
+                h_sum=self.h_total if reference_server and self.use_correction else None,
+            )
+        return torch.tensor(losses, dtype=torch.float64, device=self.x.device)
+
+    def _batched_clients(self, t: int, clients: np.ndarray, ctx: FLContext, weight: float) -> torch.Tensor:
+        """The local rounds of ``clients`` together, as :meth:`_looped_clients`: every step one batched gradient
+        (two with the perturbation) and the row forms of :func:`~pyfedkern.ops.sam_perturb` and
+        :func:`~pyfedkern.ops.fedspeed_update_`, then :func:`~pyfedkern.ops.fedspeed_round_end_` over the rows."""
+        run = BatchedLocal(ctx, t, clients)
+        x = run.start(self.x)
+        h = self.h_store.data[run.index] if self.use_correction else None
+        prox = self.use_prox
+        anchor = None
+        if prox:  # D = h_i − x^t (h_i = 0 without the correction)
+            anchor = h - self.x if h is not None else torch.neg(self.x).expand(len(run), -1)
+        perturb = self.use_perturb and self.rho > 0
+        alpha = self.alpha if perturb else 1.0
+        for step in run.run(x):
+            g1 = run.gradients(step)
+            g2 = g1
+            if perturb:
+                normalize = self.rho_mode == "normalized"
+                x_pert = ops.sam_perturb(step.x, g1, self.rho, eps=self.eps, normalize=normalize)
+                g2 = run.gradients(step, x_pert, record=False)
+            ops.fedspeed_update_(
+                step.x,
+                g2,
+                run.lr,
+                g1=g1 if alpha < 1 else None,
+                alpha=alpha,
+                anchor=anchor[: step.rows] if prox else None,
+                prox_coef=1.0 / self.lam if prox else 0.0,
+                weight_decay=ctx.weight_decay,
+                clip_norm=self.clip_norm if self.ref_compat else None,
+            )
+        reference_server = self.corr_avg == "all"
+        if h is not None:
+            ops.fedspeed_round_end_(
+                h,
+                x,
+                self.x,
+                acc=self._acc,
+                acc_weight=weight,
+                include_h=not reference_server,
+                h_sum=self.h_total if reference_server else None,
+            )
+            self.h_store.data.index_copy_(0, run.index, h)
+        else:
+            self._acc.add_(ops.weighted_sum(x, np.full(len(run), weight)))
+        return run.losses()
 
     def _local_steps(self, t: int, cid: int, ctx: FLContext) -> float:
         """Client cid's local steps of round t; the mean loss at x over the steps (nan without steps).

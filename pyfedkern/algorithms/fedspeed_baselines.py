@@ -19,8 +19,17 @@ import numpy as np
 import torch
 
 from pyfedkern import ops
-from pyfedkern.algorithms.base import Algorithm, ClientMessage, ClientStore, FLContext, local_sgd
-from pyfedkern.algorithms.fedavg import FedAvg, _check_positive, server_average_
+from pyfedkern.algorithms.base import (
+    Algorithm,
+    ClientMessage,
+    ClientStore,
+    ClientUpdates,
+    FLContext,
+    RoundSums,
+    local_sgd,
+)
+from pyfedkern.algorithms.batched import BatchedLocal, Step
+from pyfedkern.algorithms.fedavg import FedAvg, _check_positive, add_weighted_models, server_average_
 
 
 def _no_momentum(name: str, ctx: FLContext) -> None:
@@ -54,6 +63,9 @@ class FedDyn(Algorithm):
         self.h_total = torch.zeros_like(self.x)
         self.num_clients = int(ctx.num_clients)
 
+    def state_rows_per_client(self, ctx: FLContext) -> int:
+        return 3  # h_i, h_i − x^t, the model change
+
     def client_update(self, t: int, cid: int, ctx: FLContext) -> ClientMessage:
         h_i = self.h_store[cid]
         anchor = h_i - self.x
@@ -72,11 +84,36 @@ class FedDyn(Algorithm):
         h_i.add_(delta)
         return ClientMessage(cid, 1.0, {"model": result.x, "delta": delta}, result.loss, result.steps)
 
-    def server_step(self, t: int, messages: list[ClientMessage], ctx: FLContext) -> None:
-        for m in messages:
-            self.h_total.add_(m.vectors["delta"])
-        models = torch.stack([m.vectors["model"] for m in messages]).mean(0)
-        self.x.copy_(models + self.h_total / self.num_clients)
+    def batched_client_update(self, t: int, clients: np.ndarray, ctx: FLContext) -> ClientUpdates:
+        run = BatchedLocal(ctx, t, clients)
+        anchor = self.h_store.data[run.index] - self.x
+        c, wd = 1.0 / self.lam, ctx.weight_decay
+
+        def dual(g: torch.Tensor, step: Step) -> None:  # the rows of `dual` in client_update
+            x, a = step.x, anchor[: step.rows]
+            if self.ref_compat:
+                v = g - wd * x + c * a
+                k = torch.clamp(self.clip_norm / (torch.linalg.vector_norm(v, dim=1) + 1e-6), max=1.0)
+                g.copy_(k[:, None] * v + (c + wd) * x)
+            else:
+                g.add_(x + a, alpha=c)
+
+        models = run.sgd_(run.start(self.x), correction=dual)
+        delta = models - self.x
+        self.h_store.data.index_add_(0, run.index, delta)
+        return ClientUpdates.of(run, ctx, {"model": models, "delta": delta}, weights=np.ones(len(run)))
+
+    def accumulate(self, t: int, sums: RoundSums, updates: ClientUpdates, ctx: FLContext) -> None:
+        ones = np.ones(len(updates))
+        sums.add("model", updates.vectors["model"], ones)
+        sums.add("delta", updates.vectors["delta"], ones)
+        sums.add_scalar("count", len(updates))
+
+    def server_step(self, t: int, sums: RoundSums, ctx: FLContext) -> None:
+        self.h_total.add_(sums.vector("delta"))
+        ops.weighted_sum(
+            [sums.vector("model"), self.h_total], [1.0 / sums.scalar("count"), 1.0 / self.num_clients], out=self.x
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "h": self.h_store.data, "h_total": self.h_total}
@@ -127,6 +164,20 @@ class FedSAM(FedAvg):
         loss = total / n if n else float("nan")
         return ClientMessage(cid, float(ctx.client_sizes[cid]), {"model": x.clone()}, loss, n)
 
+    def batched_client_update(self, t: int, clients: np.ndarray, ctx: FLContext) -> ClientUpdates:
+        run = BatchedLocal(ctx, t, clients)
+        models = run.start(self.x)
+        wd = ctx.weight_decay
+        for step in run.run(models):
+            g = run.gradients(step)
+            denom = torch.linalg.vector_norm(g, dim=1) + self.eps  # one norm per client
+            scale = torch.where(denom > 0, self.rho / denom, torch.zeros_like(denom))
+            g = run.gradients(step, step.x + scale[:, None] * g, record=False)
+            if wd:
+                g.add_(step.x, alpha=wd)
+            step.x.add_(g, alpha=-run.lr)
+        return ClientUpdates.of(run, ctx, {"model": models})
+
 
 @dataclass
 class FedCM(FedAvg):
@@ -149,24 +200,26 @@ class FedCM(FedAvg):
     def broadcast_floats(self) -> int:
         return 2 * int(self.x.numel())
 
-    def client_update(self, t: int, cid: int, ctx: FLContext) -> ClientMessage:
-        a = self.client_momentum
+    def correction(self, t: int, ctx: FLContext, run: BatchedLocal | None = None):
+        a, direction = self.client_momentum, self.direction
 
-        def mix(g: torch.Tensor, x: torch.Tensor) -> None:
-            g.mul_(a).add_(self.direction, alpha=1.0 - a)
+        def mix(g: torch.Tensor, where: Any) -> None:  # the same for one client (g [d]) and for rows (g [k, d])
+            g.mul_(a).add_(direction, alpha=1.0 - a)
 
-        result = local_sgd(ctx, cid, t, self.x, correction=mix)
-        return ClientMessage(cid, float(ctx.client_sizes[cid]), {"model": result.x}, result.loss, result.steps)
+        return mix
 
-    def server_step(self, t: int, messages: list[ClientMessage], ctx: FLContext) -> None:
-        p = np.array([m.weight for m in messages], dtype=np.float64)
-        p /= p.sum()
-        steps = float(np.mean([m.steps for m in messages]))
+    def accumulate(self, t: int, sums: RoundSums, updates: ClientUpdates, ctx: FLContext) -> None:
+        add_weighted_models(sums, updates)
+        sums.add_scalar("steps", updates.steps.sum())
+        sums.add_scalar("count", len(updates))
+
+    def server_step(self, t: int, sums: RoundSums, ctx: FLContext) -> None:
+        total, weight = sums.vector("model"), sums.scalar("weight")
+        steps = sums.scalar("steps") / sums.scalar("count")
         if steps > 0:
             scale = 1.0 / (steps * ctx.lr(t))
-            models = [m.vectors["model"] for m in messages]
-            ops.weighted_sum([self.x, *models], np.concatenate([[scale], -scale * p]), out=self.direction)
-        server_average_(self.x, [m.vectors["model"] for m in messages], p, self.server_lr)
+            ops.weighted_sum([self.x, total], [scale, -scale / weight], out=self.direction)
+        server_average_(self.x, total, weight, self.server_lr)
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "direction": self.direction}
@@ -202,10 +255,8 @@ class FedAdam(FedAvg):
         self.v = torch.zeros_like(self.x)
         self.steps = 0
 
-    def server_step(self, t: int, messages: list[ClientMessage], ctx: FLContext) -> None:
-        p = np.array([m.weight for m in messages], dtype=np.float64)
-        p /= p.sum()
-        delta = ops.weighted_sum([self.x, *(m.vectors["model"] for m in messages)], np.concatenate([[-1.0], p]))
+    def server_step(self, t: int, sums: RoundSums, ctx: FLContext) -> None:
+        delta = ops.weighted_sum([self.x, sums.vector("model")], [-1.0, 1.0 / sums.scalar("weight")])
         self.steps += 1
         self.m.mul_(self.beta1).add_(delta, alpha=1 - self.beta1)
         self.v.mul_(self.beta2).addcmul_(delta, delta, value=1 - self.beta2)

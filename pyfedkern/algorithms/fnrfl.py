@@ -22,6 +22,13 @@ zero and the refinement is plain CE fine-tuning on D_pub. ``reg_mode`` chooses:
 - ``"literal"``: the printed constant J (logged, no gradient: reproduces the paper's algorithm as written).
 
 With p = 0 (no client selected) the algorithm is exactly FedAvg.
+
+The engine trains a round's participants batched (FedAvg's batched local update), computes their public-set
+statistics with one vmapped forward over the [k, d] models (:meth:`FNRFL.batched_public_statistics`) and refines the
+selected clients together (:meth:`FNRFL.batched_refine`, vmapped gradients of CE + λ·J with J in plain torch
+operations); :meth:`FNRFL.public_statistics` and :meth:`FNRFL.refine` do the same for one client. The refinement
+needs the selected clients' own models after all statistics are known, so FNR-FL keeps every participant's model
+of the round ([k, d]).
 """
 
 from __future__ import annotations
@@ -32,14 +39,18 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
+from torch.func import functional_call, grad_and_value, vmap
 
 from pyfedkern import ops
-from pyfedkern.algorithms.base import ClientMessage, FLContext, RoundStats
+from pyfedkern.algorithms.base import ClientUpdates, FLContext, RoundStats, RoundSums, mean_loss
+from pyfedkern.algorithms.batched import client_chunks, trainer_for, use_batched
 from pyfedkern.algorithms.fedavg import FedAvg, _check_positive
 
 REG_MODES = ("abs", "sq", "literal")
 _REFINE_STREAM = 0x464E52  # purpose key of the refinement batch order ("FNR")
 _STAT_BATCH = 1024
+_VMAP_ELEMENTS = 1 << 24  # feature elements of one vmapped forward over the public set (rows × samples × width)
 
 
 @dataclass
@@ -97,6 +108,61 @@ def regularizer(
     else:
         terms = (tsum / tcount.clamp(min=1) - f_hat).square()
     return torch.where(active, rho * terms, torch.zeros_like(terms)).sum()
+
+
+def plain_regularizer(
+    mode: str,
+    features: torch.Tensor,
+    labels: torch.Tensor,
+    num_classes: int,
+    target_sum: torch.Tensor,
+    target_count: torch.Tensor,
+    delta: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`regularizer` in plain torch operations (no custom autograd op), so that ``torch.func`` can take its
+    gradient for many clients at once; the same value and gradient to rounding."""
+    onehot = (labels[:, None] == torch.arange(num_classes, device=labels.device)).to(features.dtype)  # [B, K]
+    counts = onehot.sum(0)
+    if mode == "literal":
+        return (counts.to(torch.float64) / labels.shape[0] * delta).sum()
+    f_hat = (torch.linalg.vector_norm(features, dim=1) @ onehot) / counts.clamp(min=1)
+    rho = counts / labels.shape[0]
+    active = (counts > 0) & (target_count > 0)
+    tsum, tcount = target_sum.to(features.dtype), target_count.to(features.dtype)
+    if mode == "abs":
+        terms = (tsum - tcount * f_hat).abs()
+    else:
+        terms = (tsum / tcount.clamp(min=1) - f_hat).square()
+    return torch.where(active, rho * terms, torch.zeros_like(terms)).sum()
+
+
+class _Heads(nn.Module):
+    """forward(x) = (features, logits) of the wrapped model, for functional calls with swapped parameters."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        feats = self.model.features(x)
+        return feats, self.model.classifier(feats)
+
+
+class _RefineObjective(nn.Module):
+    """forward(xb, yb, delta) = (CE + λ·J (λ·J left out in literal mode), (CE, J)) of the wrapped model."""
+
+    def __init__(self, local: Any, mode: str, lam: float, num_classes: int, target: tuple[torch.Tensor, ...]) -> None:
+        super().__init__()
+        self.model = local.module
+        self.local = [local]  # a plain list: not registered as a submodule
+        self.mode, self.lam, self.num_classes, self.target = mode, lam, num_classes, target
+
+    def forward(self, xb: torch.Tensor, yb: torch.Tensor, delta: torch.Tensor):
+        feats = self.model.features(xb)
+        loss = self.local[0].objective(self.model.classifier(feats), yb)
+        reg = plain_regularizer(self.mode, feats, yb, self.num_classes, *self.target, delta)
+        total = loss + self.lam * reg if self.mode != "literal" else loss
+        return total, (loss.detach(), reg.detach())
 
 
 def _split_model(module: torch.nn.Module) -> None:
@@ -211,41 +277,147 @@ class FNRFL(FedAvg):
             epoch += 1
         return x.clone(), total_loss / max(step, 1), total_reg / max(step, 1)
 
+    @torch.no_grad()
+    def batched_public_statistics(self, models: torch.Tensor, ctx: FLContext) -> list[PublicStats]:
+        """:meth:`public_statistics` of every row of ``models`` [k, d], with vmapped forwards over the public set
+        (rows in groups whose features fit a fixed budget) and one :func:`pyfedkern.ops.class_feature_norms` call
+        per group (class l of row r counted as class r·K + l)."""
+        px, py = _public_set(ctx)
+        module = ctx.local.module
+        module.eval()
+        K, P = _num_classes(module), px.shape[0]
+        heads = _Heads(module)
+        forward = vmap(lambda params: functional_call(heads, params, (px,)))
+        params = trainer_for(ctx.local).params(models)
+        counts = torch.bincount(py, minlength=K)
+        present = counts > 0
+        group = self._stat_rows(P, module)
+        out: list[PublicStats] = []
+        for a in range(0, models.shape[0], group):
+            b = min(models.shape[0], a + group)
+            feats, logits = forward({name: v[a:b] for name, v in params.items()})
+            rows = b - a
+            labels = (py[None, :] + K * torch.arange(rows, device=py.device)[:, None]).reshape(-1)
+            res = ops.class_feature_norms(feats.reshape(rows * P, -1), labels, rows * K)
+            sums = res.class_sum.reshape(rows, K).to(torch.float64)
+            mean = torch.where(present, sums / counts.clamp(min=1), torch.zeros_like(sums))
+            accuracy = (logits.argmax(-1) == py).sum(1).cpu().numpy() / P
+            out += [PublicStats(mean[r], present, float(accuracy[r])) for r in range(rows)]
+        return out
+
+    @staticmethod
+    def _stat_rows(samples: int, module: torch.nn.Module) -> int:
+        """Rows per vmapped forward over the public set: features and logits within a fixed element budget."""
+        width = module.classifier.in_features + module.classifier.out_features
+        return max(1, _VMAP_ELEMENTS // (samples * width))
+
+    def batched_refine(
+        self,
+        t: int,
+        clients: np.ndarray,
+        starts: torch.Tensor,
+        ctx: FLContext,
+        target: tuple[torch.Tensor, torch.Tensor],
+        deltas: torch.Tensor,
+    ) -> tuple[torch.Tensor, np.ndarray]:
+        """:meth:`refine` of every client in ``clients`` from its row of ``starts`` [r, d] with its Δ row of
+        ``deltas`` [r, K], trained together (vmapped gradients, the same minibatches); (models [r, d], mean J of
+        each)."""
+        px, py = _public_set(ctx)
+        local = ctx.local
+        K, n, r = _num_classes(local.module), px.shape[0], len(clients)
+        lr = ctx.lr(t)
+        size = min(ctx.batch_size, n)
+        steps = math.ceil(self.refine_epochs * n / size - 1e-9)
+        epochs = -(-steps // -(-n // size))  # epochs begun
+        perms = np.zeros((r, epochs, n), dtype=np.int64)
+        for j, cid in enumerate(clients):
+            for e in range(epochs):
+                perms[j, e] = ctx.rng(_REFINE_STREAM, t, int(cid), e).permutation(n)
+        objective = _RefineObjective(local, self.reg_mode, self.lam, K, target)
+        step_fn = vmap(grad_and_value(lambda p, xb, yb, dl: functional_call(objective, p, (xb, yb, dl)), has_aux=True))
+        x = starts.clone()
+        params = trainer_for(local).params(x)
+        momentum = torch.zeros_like(x) if ctx.momentum else None
+        reg_sum = torch.zeros(r, dtype=torch.float64, device=x.device)
+        local.module.train()
+        step = 0
+        for e in range(epochs):
+            index = torch.as_tensor(perms[:, e], device=px.device)
+            for b in range(0, n, size):
+                if step >= steps:
+                    break
+                idx = index[:, b : b + size]
+                grads, (_, (_, reg)) = step_fn(params, px[idx], py[idx], deltas)
+                g = torch.cat([grads[name].reshape(r, -1) for name in params], dim=1)
+                reg_sum += reg
+                if ctx.weight_decay:
+                    g.add_(x, alpha=ctx.weight_decay)
+                direction = g
+                if momentum is not None:
+                    direction = momentum.copy_(g) if step == 0 else momentum.mul_(ctx.momentum).add_(g)
+                x.add_(direction, alpha=-lr)
+                step += 1
+        return x, (reg_sum / max(step, 1)).cpu().numpy()
+
     def round(self, t: int, ctx: FLContext) -> RoundStats:
         clients = self.participants(t, ctx)
         _split_model(ctx.local.module)
-        messages: list[ClientMessage] = []
+        batched = use_batched(ctx)
+        chunks: list[ClientUpdates] = []
         stats: list[PublicStats] = []
         with ctx.timer("local"):
-            for cid in clients:
-                messages.append(self.client_update(t, int(cid), ctx))
-                stats.append(self.public_statistics(messages[-1].vectors["model"], ctx))
-        accuracies = np.array([s.accuracy for s in stats])
-        chosen = select_lowest(accuracies, selection_count(len(clients), self.p))
-        others = [s for k, s in enumerate(stats) if k not in set(chosen.tolist())]
-        reg_values = []
+            for chunk in client_chunks(ctx, clients, 2):
+                updates = self.client_updates(t, chunk, ctx)
+                chunks.append(updates)
+                models = updates.vectors["model"]
+                if batched:
+                    stats += self.batched_public_statistics(models, ctx)
+                else:
+                    stats += [self.public_statistics(models[r], ctx) for r in range(len(updates))]
+        # every row as (chunk, row), in ascending client id: selection ties go to the lower id
+        ids = np.concatenate([u.clients for u in chunks]) if chunks else np.zeros(0, dtype=np.int64)
+        where = [(c, r) for c, u in enumerate(chunks) for r in range(len(u))]
+        by_id = np.argsort(ids, kind="stable")
+        accuracies = np.array([s.accuracy for s in stats])[by_id]
+        chosen = by_id[select_lowest(accuracies, selection_count(len(clients), self.p))]
+        chosen_set = set(chosen.tolist())
+        others = [s for k, s in enumerate(stats) if k not in chosen_set]
+        reg_values = np.zeros(0)
         if chosen.size:
             target = reference_sums(others) if others else _empty_target(stats[0])
+            deltas = torch.stack([differences(*target, stats[k]) for k in chosen])
+            starts = torch.stack([chunks[where[k][0]].vectors["model"][where[k][1]] for k in chosen])
             with ctx.timer("local"):
-                for k in chosen:
-                    delta = differences(*target, stats[k])
-                    model, _, reg = self.refine(t, int(clients[k]), messages[k].vectors["model"], ctx, target, delta)
-                    messages[k].vectors["model"] = model
-                    reg_values.append(reg)
+                if batched:
+                    refined, reg_values = self.batched_refine(t, ids[chosen], starts, ctx, target, deltas)
+                else:
+                    results = [
+                        self.refine(t, int(ids[k]), starts[j], ctx, target, deltas[j]) for j, k in enumerate(chosen)
+                    ]
+                    refined = torch.stack([model for model, _, _ in results]) if results else starts
+                    reg_values = np.array([reg for _, _, reg in results])
+            for j, k in enumerate(chosen):
+                c, r = where[k]
+                chunks[c].vectors["model"][r] = refined[j]
         with ctx.timer("aggregation"):
-            self.server_step(t, messages, ctx)
+            sums = RoundSums()
+            for updates in chunks:
+                self.accumulate(t, sums, updates, ctx)
+            if len(clients):
+                self.server_step(t, sums, ctx)
         P = int(self.x.numel())
         K = int(stats[0].class_mean.numel()) if stats else 0
         return RoundStats(
             clients=np.asarray(clients, dtype=np.int64),
-            local_loss=float(np.mean([m.loss for m in messages])) if messages else float("nan"),
+            local_loss=mean_loss([u.losses for u in chunks]) if chunks else float("nan"),
             upload_floats=len(clients) * (P + K + 1) + len(chosen) * P,
             download_floats=len(clients) * P + len(chosen) * K,
             extras={
                 "fnr_refined": float(len(chosen)),
                 "fnr_public_acc_mean": float(accuracies.mean()) if len(accuracies) else float("nan"),
                 "fnr_public_acc_min": float(accuracies.min()) if len(accuracies) else float("nan"),
-                "fnr_reg": float(np.mean(reg_values)) if reg_values else float("nan"),
+                "fnr_reg": float(np.mean(reg_values)) if len(reg_values) else float("nan"),
             },
         )
 

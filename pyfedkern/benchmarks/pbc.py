@@ -12,8 +12,9 @@ Sizes: the paper's CNNs, d = 273,706 (SVHN), 551,786 (CIFAR-10), 1,193,130 (CINI
 - ``fedpbc_round``: one engine round of FedPBC (every client trains s = 5 steps of batch 16, then the postponed
   broadcast) on digits with the MLP, m = 100 clients (quick: 20), one CPU thread as the engine uses for small models:
   batched local training ("pyfedkern": one step for all clients, batches gathered at once) vs the per-client
-  loop (``batched=False``). Both compute the same round. Limit: the round's matrix products (each Linear layer's
-  forward, weight gradient and input gradient over all the clients' batches) as plain GEMMs on one shared model.
+  loop (the engine's ``batched=False``). Both compute the same round. Limit: the round's matrix products (each
+  Linear layer's forward, weight gradient and input gradient over all the clients' batches) as plain GEMMs on one
+  shared model.
 """
 
 from __future__ import annotations
@@ -210,7 +211,7 @@ def round_cases(clients: int, device: str) -> list[Case]:
 
     def make(batched: bool):
         def build():
-            sim = Simulation(replace(config, algorithm_params={**config.algorithm_params, "batched": batched}))
+            sim = Simulation(replace(config, batched=batched))
             algo = sim.algorithm
             algo.setup(sim, sim.initial_vector)
             rounds = itertools.count()
@@ -229,7 +230,7 @@ def round_cases(clients: int, device: str) -> list[Case]:
     sim = Simulation(config)
     layers = [(m.in_features, m.out_features) for m in sim.local.module.modules() if isinstance(m, torch.nn.Linear)]
     samples = [
-        len(rows) * xb.shape[1] for rows, xb, _, _ in sim.stacked_batches(range(clients), 0, steps=config.local_steps)
+        xb.shape[0] * xb.shape[1] for xb, _, _ in sim.stacked_batches(range(clients), 0, steps=config.local_steps)
     ]
     per_sample = sum(2 * i * o * (2 if j == 0 else 3) for j, (i, o) in enumerate(layers))
     flops = sum(samples) * per_sample

@@ -695,8 +695,8 @@ def config_from_run_config(run_config: dict[str, Any]) -> Any:
     """An :class:`~pyfedkern.sim.engine.ExperimentConfig` from a Flower run config.
 
     Keys are ExperimentConfig fields with ``-`` for ``_`` (``local-steps``, ``lr-schedule``, ...);
-    ``algorithm-params`` and ``model-params`` are JSON objects; ``local-steps = 0`` means unset; other keys are
-    ignored (they belong to the app).
+    ``algorithm-params`` and ``model-params`` are JSON objects; ``local-steps = 0`` (and ``client-chunk = 0``) means
+    unset; other keys are ignored (they belong to the app).
     """
     from pyfedkern.sim.config import ExperimentConfig
 
@@ -708,7 +708,7 @@ def config_from_run_config(run_config: dict[str, Any]) -> Any:
             continue
         if name in ("algorithm_params", "model_params") and isinstance(value, str):
             value = json.loads(value) if value.strip() else {}
-        if name in ("local_steps", "threads", "data_root") and value in (0, ""):
+        if name in ("local_steps", "threads", "data_root", "client_chunk") and value in (0, ""):
             value = None
         values[name] = value
     config = ExperimentConfig(**values)

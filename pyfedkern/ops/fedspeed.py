@@ -12,6 +12,12 @@ run on the caller's current stream and the norms stay on the device (``norm_out`
 Norm outputs are one-element arrays of the accumulation dtype (float64 for float64 inputs, else float32).
 Torch tensors are read and written as data: an output that requires grad is refused while grad mode is on, and
 written tensors get their autograd version bumped (as torch's own in-place ops).
+
+Row forms (batched FL clients): pass [k, d] matrices instead of [d] vectors and each row is one client's vector,
+handled exactly as the 1-D op would handle it (bit for bit on the CPU): :func:`sam_perturb` and
+:func:`fedspeed_update_` compute one norm per row (``norm_out`` then has k elements); :func:`fedspeed_round_end_`
+updates every row of h, takes x_global as one [d] vector shared by all rows (or [k, d]), and adds every row's
+term to the [d] accumulators ``acc`` and ``h_sum``, in row order.
 """
 
 from __future__ import annotations
@@ -123,6 +129,8 @@ def sam_perturb(
     Returns:
         ``out``, or a new [d] array of x's library, device and dtype.
     """
+    if _is_rows(x):
+        return _perturb_rows(x, grad, rho, eps=eps, normalize=normalize, out=out, norm_out=norm_out)
     xr = _vector(x, "x")
     gr = _like(grad, "grad", xr, "x")
     r = _scalar(rho, "rho", low=0.0)
@@ -199,6 +207,19 @@ def fedspeed_update_(
 
     The inputs must not overlap x. Returns ``x``.
     """
+    if _is_rows(x):
+        return _update_rows(
+            x,
+            g2,
+            lr,
+            g1=g1,
+            alpha=alpha,
+            anchor=anchor,
+            prox_coef=prox_coef,
+            weight_decay=weight_decay,
+            clip_norm=clip_norm,
+            norm_out=norm_out,
+        )
     xr = _vector(x, "x")
     _arrays.check_output(xr, "x")
     g2r = _like(g2, "g2", xr, "x")
@@ -273,6 +294,8 @@ def fedspeed_round_end_(
 
     Outputs must not overlap each other or the inputs. Returns ``h``.
     """
+    if _is_rows(h):
+        return _round_end_rows(h, x_local, x_global, acc=acc, acc_weight=acc_weight, include_h=include_h, h_sum=h_sum)
     hr = _vector(h, "h")
     _arrays.check_output(hr, "h")
     xl = _like(x_local, "x_local", hr, "h")
@@ -301,6 +324,231 @@ def fedspeed_round_end_(
         xl.strides[0],
         xg.ptr,
         xg.strides[0],
+        accr.ptr if accr else 0,
+        accr.strides[0] if accr else 1,
+        hsr.ptr if hsr else 0,
+        hsr.strides[0] if hsr else 1,
+        w,
+        include_h,
+    )
+    _arrays.mark_written(*outs.values())
+    return h
+
+
+# Row forms ([k, d]: one client per row) ------------------------------------------------------------------------
+
+
+def _is_rows(x: Any) -> bool:
+    return _arrays.is_array(x) and len(_arrays.describe(x, "x").shape) == 2
+
+
+def _matrix(x: Any, name: str) -> ArrayRef:
+    ref = _arrays.describe(x, name)
+    if len(ref.shape) != 2:
+        raise ValueError(f"{name} must be a [k, d] matrix (one row per client), got shape {ref.shape}")
+    _arrays.check_float_dtype(ref, name)
+    if ref.shape[0] == 0 or ref.shape[1] == 0:
+        raise ValueError(f"{name} is empty (shape {ref.shape})")
+    return ref
+
+
+def _matrix_like(x: Any, name: str, like: ArrayRef, like_name: str) -> ArrayRef:
+    ref = _matrix(x, name)
+    _arrays.check_same(ref, like, name, like_name)
+    if ref.shape != like.shape:
+        raise ValueError(f"{name} has shape {ref.shape}, expected {like.shape} (the shape of {like_name})")
+    return ref
+
+
+def _row_norms(norm_out: Any, like: ArrayRef) -> ArrayRef | None:
+    """norm_out of a row form: [k] (accumulation dtype, like's library and device), or None."""
+    if norm_out is None:
+        return None
+    ref = _arrays.describe(norm_out, "norm_out")
+    if ref.lib != like.lib or ref.device != like.device:
+        raise ValueError(f"norm_out is a {ref.where} array but x is a {like.where} array; mixing is not allowed")
+    want = _acc_dtype(like)
+    if ref.dtype != want:
+        raise TypeError(f"norm_out has dtype {ref.dtype}, expected {want} (the accumulation dtype of {like.dtype})")
+    if len(ref.shape) != 1 or ref.shape[0] != like.shape[0]:
+        raise ValueError(f"norm_out must be a [{like.shape[0]}] vector (one norm per row), got shape {ref.shape}")
+    _arrays.check_output(ref, "norm_out")
+    return ref
+
+
+def _row_workspace(like: ArrayRef, norm: ArrayRef | None, needed: bool) -> tuple[Any, int, int, int, int]:
+    """(keep-alive object, workspace ptr, length, norm ptr, norm stride) for a row-form call on like's device."""
+    norm_ptr, norm_stride = (norm.ptr, norm.strides[0]) if norm is not None else (0, 1)
+    if like.device < 0 or not needed:
+        return None, 0, 0, norm_ptr, norm_stride
+    rows = like.shape[0]
+    size = int(native().fedspeed_row_workspace_size(like.shape[1], rows))
+    ws = _arrays.empty_like_lib(like, (size + rows,), _acc_dtype(like))
+    ws_ref = _arrays.describe(ws, "workspace")
+    if norm is None:  # the norms still have to live on the device: the rows slots after the partial sums
+        norm_ptr, norm_stride = ws_ref.ptr + size * ws_ref.itemsize, 1
+    return ws, ws_ref.ptr, size, norm_ptr, norm_stride
+
+
+def _perturb_rows(x: Any, grad: Any, rho: float, *, eps: float, normalize: bool, out: Any, norm_out: Any) -> Any:
+    xr = _matrix(x, "x")
+    gr = _matrix_like(grad, "grad", xr, "x")
+    r = _scalar(rho, "rho", low=0.0)
+    e = _scalar(eps, "eps", low=0.0)
+    if not isinstance(normalize, bool):
+        raise TypeError(f"normalize must be a bool, got {type(normalize).__qualname__}")
+    if not normalize and norm_out is not None:
+        raise ValueError("norm_out needs normalize=True (with normalize=False no norm is computed)")
+    if out is None:
+        out = _arrays.empty_like_lib(xr, xr.shape)
+        outr = _arrays.describe(out, "out")
+    else:
+        outr = _matrix_like(out, "out", xr, "x")
+        _arrays.check_output(outr, "out")
+        _disjoint(outr, "out", {"grad": gr})
+        if outr.overlaps(xr) and not _same_view(outr, xr):
+            raise ValueError("out partially overlaps x; pass x itself or a separate array")
+    norm = _row_norms(norm_out, xr)
+    keep, ws_ptr, ws_len, norm_ptr, norm_stride = _row_workspace(xr, norm, normalize)
+    native().fedspeed_perturb_rows(
+        xr.device,
+        _arrays.stream_handle(xr),
+        xr.dtype,
+        xr.shape[0],
+        xr.shape[1],
+        xr.ptr,
+        xr.strides[0],
+        xr.strides[1],
+        gr.ptr,
+        gr.strides[0],
+        gr.strides[1],
+        outr.ptr,
+        outr.strides[0],
+        outr.strides[1],
+        r,
+        e,
+        normalize,
+        norm_ptr,
+        norm_stride,
+        ws_ptr,
+        ws_len,
+    )
+    del keep
+    _arrays.mark_written(outr, *([norm] if norm is not None else []))
+    return out
+
+
+def _update_rows(
+    x: A,
+    g2: Any,
+    lr: float,
+    *,
+    g1: Any,
+    alpha: float,
+    anchor: Any,
+    prox_coef: float,
+    weight_decay: float,
+    clip_norm: float | None,
+    norm_out: Any,
+) -> A:
+    xr = _matrix(x, "x")
+    _arrays.check_output(xr, "x")
+    g2r = _matrix_like(g2, "g2", xr, "x")
+    eta = _scalar(lr, "lr", low=0.0)
+    a = _scalar(alpha, "alpha", low=0.0, high=1.0)
+    c = _scalar(prox_coef, "prox_coef", low=0.0)
+    wd = _scalar(weight_decay, "weight_decay", low=0.0)
+    clip = 0.0 if clip_norm is None else _scalar(clip_norm, "clip_norm", low=0.0, strict=True)
+    g1r = None
+    if a < 1.0:
+        if g1 is None:
+            raise ValueError(f"g1 is required when alpha < 1 (alpha = {a})")
+        g1r = _matrix_like(g1, "g1", xr, "x")
+    anchor_r = None
+    if c > 0.0:
+        if anchor is None:
+            raise ValueError(f"anchor (D = h - x^t) is required when prox_coef > 0 (prox_coef = {c})")
+        anchor_r = _matrix_like(anchor, "anchor", xr, "x")
+    if norm_out is not None and clip_norm is None:
+        raise ValueError("norm_out needs clip_norm (the norm is only computed for clipping)")
+    _disjoint(xr, "x", {"g1": g1r, "g2": g2r, "anchor": anchor_r})
+    norm = _row_norms(norm_out, xr)
+    keep, ws_ptr, ws_len, norm_ptr, norm_stride = _row_workspace(xr, norm, clip > 0.0)
+    native().fedspeed_update_rows(
+        xr.device,
+        _arrays.stream_handle(xr),
+        xr.dtype,
+        xr.shape[0],
+        xr.shape[1],
+        xr.ptr,
+        xr.strides[0],
+        xr.strides[1],
+        g1r.ptr if g1r else 0,
+        g1r.strides[0] if g1r else 0,
+        g1r.strides[1] if g1r else 1,
+        g2r.ptr,
+        g2r.strides[0],
+        g2r.strides[1],
+        anchor_r.ptr if anchor_r else 0,
+        anchor_r.strides[0] if anchor_r else 0,
+        anchor_r.strides[1] if anchor_r else 1,
+        1.0 - a,
+        a,
+        c,
+        c + wd,
+        eta,
+        clip,
+        norm_ptr,
+        norm_stride,
+        ws_ptr,
+        ws_len,
+    )
+    del keep
+    _arrays.mark_written(xr, *([norm] if norm is not None else []))
+    return x
+
+
+def _round_end_rows(
+    h: A, x_local: Any, x_global: Any, *, acc: Any, acc_weight: float, include_h: bool, h_sum: Any
+) -> A:
+    hr = _matrix(h, "h")
+    _arrays.check_output(hr, "h")
+    xl = _matrix_like(x_local, "x_local", hr, "h")
+    xg = _arrays.describe(x_global, "x_global")
+    if len(xg.shape) == 1:  # one x^t for every row
+        xg = _like(x_global, "x_global", hr.row(0), "a row of h")
+        xg_row_stride, xg_stride = 0, xg.strides[0]
+    else:
+        xg = _matrix_like(x_global, "x_global", hr, "h")
+        xg_row_stride, xg_stride = xg.strides
+    w = _scalar(acc_weight, "acc_weight")
+    if not isinstance(include_h, bool):
+        raise TypeError(f"include_h must be a bool, got {type(include_h).__qualname__}")
+    outs: dict[str, ArrayRef] = {"h": hr}
+    for name, value in (("acc", acc), ("h_sum", h_sum)):
+        if value is not None:
+            ref = _like(value, name, hr.row(0), "a row of h")
+            _arrays.check_output(ref, name)
+            outs[name] = ref
+    names = list(outs)
+    for i, name in enumerate(names):
+        _disjoint(outs[name], name, {"x_local": xl, "x_global": xg, **{n: outs[n] for n in names[i + 1 :]}})
+    accr, hsr = outs.get("acc"), outs.get("h_sum")
+    native().fedspeed_round_end_rows(
+        hr.device,
+        _arrays.stream_handle(hr),
+        hr.dtype,
+        hr.shape[0],
+        hr.shape[1],
+        hr.ptr,
+        hr.strides[0],
+        hr.strides[1],
+        xl.ptr,
+        xl.strides[0],
+        xl.strides[1],
+        xg.ptr,
+        xg_row_stride,
+        xg_stride,
         accr.ptr if accr else 0,
         accr.strides[0] if accr else 1,
         hsr.ptr if hsr else 0,

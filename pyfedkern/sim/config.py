@@ -15,6 +15,7 @@ from typing import Any
 from pyfedkern.data.spec import parse_spec
 
 LR_SCHEDULES = ("const", "exp", "invsqrt")
+DTYPES = ("float32", "float64")  # of the model and the float data (float64 for checks to rounding)
 DEVICE = re.compile(r"cpu|cuda(:[0-9]+)?")
 
 
@@ -27,6 +28,11 @@ class ExperimentConfig:
     pyfedkern during the run (None: 1 for models under 1M parameters, whose tiny ops only lose time to threading
     overhead, else torch's default). eval_train_max caps the training
     samples used to measure the global model's train loss (a fixed seeded subset when the train set is larger).
+    batched: train a round's participants as batched steps (:mod:`pyfedkern.algorithms.batched`; models with
+    buffers such as BatchNorm always use the per-client loop); False: a loop over clients (same results to
+    rounding). client_chunk: train at most this many participants at once (None: as many as fit a share of the free
+    memory; chunking changes only the order of the server's sums). dtype: of the model parameters and the float
+    data, "float32" or "float64".
     """
 
     algorithm: str = "fedavg"
@@ -54,6 +60,9 @@ class ExperimentConfig:
     device: str = "cpu"
     checkpoint_every: int = 10
     threads: int | None = None
+    batched: bool = True
+    client_chunk: int | None = None
+    dtype: str = "float32"
 
     def validate(self) -> None:
         """Raise ValueError for invalid settings, before any work starts (no data is loaded).
@@ -81,11 +90,14 @@ class ExperimentConfig:
         for name in ("algorithm_params", "model_params"):
             if not isinstance(getattr(self, name), dict):
                 raise ValueError(f"{name} must be a dict, got {getattr(self, name)!r}")
-        if not isinstance(self.parity, bool):
-            raise ValueError(f"parity must be true or false, got {self.parity!r}")
+        for name in ("parity", "batched"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         for name in ("clients", "rounds", "batch_size", "eval_every", "checkpoint_every", "eval_train_max"):
             positive_int(name, getattr(self, name))
-        for name in ("local_steps", "threads"):
+        for name in ("local_steps", "threads", "client_chunk"):
             if getattr(self, name) is not None:
                 positive_int(name, getattr(self, name))
         if isinstance(self.seed, bool) or not (isinstance(self.seed, int) and self.seed >= 0):

@@ -13,9 +13,11 @@ continues exactly as an uninterrupted one would.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +26,7 @@ import torch
 
 from pyfedkern import models
 from pyfedkern.algorithms import Algorithm, LocalModel, make_algorithm
-from pyfedkern.algorithms.batched import padding_weights
+from pyfedkern.algorithms.batched import can_batch, padding_weights
 from pyfedkern.data import datasets, partitions
 from pyfedkern.ops import seeded_permutations
 from pyfedkern.sim.config import ExperimentConfig, check_client_count, check_device, parse_lr_schedule
@@ -32,6 +34,8 @@ from pyfedkern.sim.results import RunWriter, config_differences, is_finished, re
 
 # Purposes of the random streams (first key after the seed).
 _SAMPLE, _BATCH, _FIXED_ORDER, _NOISE, _PUBLIC, _EVAL_SUBSET = 1, 2, 3, 4, 5, 6
+logger = logging.getLogger("pyfedkern")
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
 class Simulation:
@@ -43,6 +47,7 @@ class Simulation:
         self.config = config
         self.seed = config.seed
         self.device = torch.device(config.device)
+        self.dtype = DTYPES[config.dtype]
         self.batch_size = config.batch_size
         self.local_epochs = config.local_epochs
         self.local_steps = config.local_steps
@@ -77,8 +82,7 @@ class Simulation:
             empty = np.flatnonzero(self.client_sizes == 0).tolist()
             raise ValueError(f"partition {config.partition!r} left clients {empty} without data; use fewer clients")
 
-        x_train = torch.as_tensor(data.x_train, device=self.device)
-        y_train = torch.as_tensor(data.y_train, device=self.device)
+        x_train, y_train = self._tensor(data.x_train), self._tensor(data.y_train)
         # every client's samples, client after client; client_x/client_y are views of these (stacked_batches
         # gathers the batches of many clients from them at once)
         stacked = torch.as_tensor(np.concatenate(self.client_indices).astype(np.int64), device=self.device)
@@ -89,8 +93,7 @@ class Simulation:
         self.client_y = [self._all_y[a:b] for a, b in spans]
         self.public_x, self.public_y = x_train[public_idx], y_train[public_idx]
         self.noise_std = self.partition.noise_std
-        self.x_test = torch.as_tensor(data.x_test, device=self.device)
-        self.y_test = torch.as_tensor(data.y_test, device=self.device)
+        self.x_test, self.y_test = self._tensor(data.x_test), self._tensor(data.y_test)
         eval_idx = np.arange(len(data.y_train))
         if eval_idx.size > config.eval_train_max:
             eval_idx = np.sort(self.rng(_EVAL_SUBSET).choice(eval_idx, config.eval_train_max, replace=False))
@@ -102,8 +105,18 @@ class Simulation:
 
         torch.manual_seed(config.seed)
         module = models.build_model(config.model, data.input_shape, data.num_classes, **config.model_params)
-        self.local = LocalModel(module.to(self.device))
+        self.local = LocalModel(module.to(device=self.device, dtype=self.dtype))
         self.initial_vector = self.local.flat.data.detach().clone()
+        #: Batched training of each round's participants (FLContext.batched), in chunks of client_chunk.
+        self.batched = config.batched
+        self.client_chunk = config.client_chunk
+        #: One training sample (the memory estimate of batched training measures the model's activations on it).
+        self.sample_input = self._all_x[0]
+        if config.batched and not can_batch(self.local):
+            logger.warning(
+                "model %r has buffers (e.g. BatchNorm statistics): its clients train one after another, not batched",
+                config.model,
+            )
         self._timers: dict[str, float] = {}
 
     # FLContext -------------------------------------------------------------------------------------------
@@ -166,20 +179,49 @@ class Simulation:
         drop_last: bool = False,
         batch_size: int | None = None,
     ) -> list[list[np.ndarray]]:
-        """:meth:`batch_indices` of every client in ``clients``, their seeded permutations drawn in one native call
-        (:func:`pyfedkern.ops.seeded_permutations`, equal to ``self.rng(...).permutation(n)`` of each stream)."""
-        if order not in ("reshuffle", "fixed"):
-            raise ValueError(f"order must be 'reshuffle' or 'fixed', got {order!r}")
-        clients = np.asarray(clients, dtype=np.int64).reshape(-1)
+        """:meth:`batch_indices` of every client in ``clients`` (see :meth:`_plan`)."""
+        plan = self._plan(clients, t, epochs, steps, order, drop_last, batch_size)
+        ends = np.cumsum(plan.counts)
+        batches = [plan.perms[a : a + n] for a, n in zip(plan.first.tolist(), plan.length.tolist(), strict=True)]
+        return [batches[e - n : e] for e, n in zip(ends.tolist(), plan.counts.tolist(), strict=True)]
+
+    def _step_counts(
+        self, clients: np.ndarray, epochs: float | None, steps: int | None, drop_last: bool, batch_size: int | None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(samples n, batch size min(B, n), local steps) of each client: ``steps``, else ⌈E·n/b⌉ (⌊E·n/b⌋ with
+        drop_last)."""
         n = self.client_sizes[clients]
         size = np.minimum(batch_size or self.batch_size, n)
-        per_epoch = n // size if drop_last else -(-n // size)
         if steps is None:
             work = (epochs if epochs is not None else self.local_epochs) * n / size
             counts = np.floor(work + 1e-9) if drop_last else np.ceil(work - 1e-9)
         else:
             counts = np.full(len(clients), steps)
-        counts = np.maximum(counts, 0).astype(np.int64)  # every client holds data, so per_epoch >= 1
+        return n, size, np.maximum(counts, 0).astype(np.int64)
+
+    def _plan(
+        self,
+        clients: Any,
+        t: int,
+        epochs: float | None,
+        steps: int | None,
+        order: str,
+        drop_last: bool,
+        batch_size: int | None,
+    ) -> _Plan:
+        """Every minibatch of ``clients`` in round t, client after client, without a loop over clients.
+
+        Client c of n samples takes ``steps`` steps, else ⌈E·n/b⌉ (⌊E·n/b⌋ with drop_last) with b = min(B, n); step
+        s is batch s mod (batches per epoch) of epoch ⌊s / (batches per epoch)⌋, cut from the epoch's permutation
+        of the seeded stream (t, c, e) ("reshuffle") or of the client's one fixed permutation ("fixed"). The
+        permutations of all clients come from one native call (:func:`pyfedkern.ops.seeded_permutations`, equal to
+        ``self.rng(...).permutation(n)`` of each stream).
+        """
+        if order not in ("reshuffle", "fixed"):
+            raise ValueError(f"order must be 'reshuffle' or 'fixed', got {order!r}")
+        clients = np.asarray(clients, dtype=np.int64).reshape(-1)
+        n, size, counts = self._step_counts(clients, epochs, steps, drop_last, batch_size)
+        per_epoch = n // size if drop_last else -(-n // size)  # every client holds data, so per_epoch >= 1
         if order == "fixed":  # the client's one fixed permutation, when it takes a step
             draws = (counts > 0).astype(np.int64)
             keys = np.stack([np.full(len(clients), _FIXED_ORDER), clients], axis=1)[counts > 0]
@@ -190,17 +232,14 @@ class Simulation:
             keys = np.stack([np.full(len(owner), _BATCH), np.full(len(owner), t), clients[owner], epoch], axis=1)
         perms = seeded_permutations(self.seed, keys, np.repeat(n, draws))
         starts = np.cumsum(draws * n) - draws * n  # where each client's permutations begin in perms
-        epoch_stride = 0 if order == "fixed" else 1  # a new permutation per epoch, or the fixed one again
-        plans: list[list[np.ndarray]] = []
-        for c in range(len(clients)):
-            width, per, length = int(size[c]), int(per_epoch[c]), int(n[c])
-            plan = []
-            for step in range(int(counts[c])):
-                e, b = divmod(step, per)
-                first = int(starts[c]) + epoch_stride * e * length + b * width
-                plan.append(perms[first : first + min(width, length - b * width)])
-            plans.append(plan)
-        return plans
+        owner = np.repeat(np.arange(len(clients)), counts)
+        step = np.arange(len(owner)) - np.repeat(np.cumsum(counts) - counts, counts)
+        epoch, b = np.divmod(step, per_epoch[owner])
+        if order == "fixed":
+            epoch[:] = 0  # the fixed permutation again
+        first = starts[owner] + epoch * n[owner] + b * size[owner]
+        length = np.minimum(size[owner], n[owner] - b * size[owner])
+        return _Plan(clients, counts, perms, owner, step, first, length)
 
     def batches(
         self,
@@ -226,33 +265,26 @@ class Simulation:
             yield self._add_noise(x[idx], cid, t, step), y[idx]
 
     def stacked_batches(
-        self, clients: Any, t: int, *, epochs: float | None = None, steps: int | None = None
-    ) -> Iterator[tuple[np.ndarray, torch.Tensor, torch.Tensor, torch.Tensor | None]]:
-        """The minibatches of many clients in round t, step by step, each step gathered in one go.
-
-        Yields (rows, xb, yb, wb) per step: rows, int64 positions in ``clients`` of the clients that still have a
-        batch; xb [len(rows), B, ...] and yb [len(rows), B] their batches, client r's batch equal to the one
-        ``batches(clients[r], t, epochs=epochs, steps=steps)`` yields at that step; wb None when every batch has B
-        samples, else [len(rows), B] weights 1/b_r on client r's b_r samples and 0 on the padding after them.
-        """
+        self,
+        clients: Any,
+        t: int,
+        *,
+        epochs: float | None = None,
+        steps: int | None = None,
+        order: str = "reshuffle",
+        drop_last: bool = False,
+        batch_size: int | None = None,
+    ) -> RoundBatches:
+        """The minibatches of many clients in round t, gathered a step at a time
+        (:class:`~pyfedkern.algorithms.batched.StackedBatches`): the clients ordered by descending number of steps,
+        and at step s the batches of those that still have one, client r's equal to what
+        ``batches(clients[r], t, ...)`` yields at step s (noise included). The whole round's sample index is built on
+        the host without a loop over clients and copied to the device once."""
         clients = np.asarray(clients, dtype=np.int64).reshape(-1)
-        plans = self.batch_plans(clients, t, epochs=epochs, steps=steps)
-        noisy = self.noise_std is not None and bool(np.any(np.asarray(self.noise_std)[clients] > 0))
-        for step in range(max((len(p) for p in plans), default=0)):
-            rows = np.array([r for r, plan in enumerate(plans) if step < len(plan)], dtype=np.int64)
-            sizes = np.array([len(plans[r][step]) for r in rows])
-            width = int(sizes.max())
-            starts = self._client_offsets[clients[rows]]
-            index = np.repeat(starts[:, None], width, axis=1)  # padding: a real sample, weighted 0
-            real = np.arange(width)[None, :] < sizes[:, None]
-            index[real] += np.concatenate([plans[r][step] for r in rows])
-            idx = torch.as_tensor(index, device=self.device)
-            xb, yb = self._all_x[idx], self._all_y[idx]
-            if noisy:
-                for j, r in enumerate(rows):
-                    xb[j, : sizes[j]] = self._add_noise(xb[j, : sizes[j]], clients[r], t, step)
-            wb = padding_weights(sizes, xb) if np.any(sizes != width) else None
-            yield rows, xb, yb, wb
+        counts = self._step_counts(clients, epochs, steps, drop_last, batch_size)[2]
+        ordered = clients[np.argsort(-counts, kind="stable")]
+        kwargs = (epochs, steps, order, drop_last, batch_size)
+        return RoundBatches(self, self._plan(ordered, t, *kwargs), t)
 
     def _add_noise(self, xb: torch.Tensor, cid: int, t: int, step: int) -> torch.Tensor:
         """xb plus client cid's Gaussian feature noise of (round t, step) (feature-skew partitions), else xb."""
@@ -262,6 +294,11 @@ class Simulation:
         gen = torch.Generator(device=self.device)
         gen.manual_seed(int(self.rng(_NOISE, t, cid, step).integers(2**62)))
         return xb + sigma * torch.randn(xb.shape, generator=gen, device=self.device, dtype=xb.dtype)
+
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        """A data array on the device, floating-point data in the run's dtype."""
+        tensor = torch.as_tensor(array, device=self.device)
+        return tensor.to(self.dtype) if tensor.is_floating_point() else tensor
 
     # Data helpers for algorithms -------------------------------------------------------------------------
 
@@ -403,6 +440,64 @@ class Simulation:
         result = self.evaluate(vector)
         result["time_evaluation"] = time.perf_counter() - start
         return result
+
+
+@dataclass
+class _Plan:
+    """Every minibatch of a round's clients, client after client (:meth:`Simulation._plan`): ``counts`` [k] steps
+    per client; per minibatch, its client's row ``owner``, its ``step``, and its positions in the client's data,
+    ``perms[first : first + length]``."""
+
+    clients: np.ndarray
+    counts: np.ndarray
+    perms: np.ndarray
+    owner: np.ndarray
+    step: np.ndarray
+    first: np.ndarray
+    length: np.ndarray
+
+
+class RoundBatches:
+    """What :meth:`Simulation.stacked_batches` returns (see
+    :class:`~pyfedkern.algorithms.batched.StackedBatches`): the plan's sample index, step after step, on the device.
+
+    Attributes:
+        clients, steps: the clients (descending number of steps) and their steps.
+    """
+
+    def __init__(self, sim: Simulation, plan: _Plan, t: int) -> None:
+        self.clients, self.steps = plan.clients, plan.counts
+        self._sim, self._t = sim, t
+        order = np.lexsort((plan.owner, plan.step))  # step after step; each step's clients are a prefix
+        owner, first, length = plan.owner[order], plan.first[order], plan.length[order]
+        self._rows = np.bincount(plan.step, minlength=int(plan.counts.max(initial=0)))
+        self._starts = np.cumsum(self._rows) - self._rows
+        if not len(owner):
+            return
+        self._widths = np.maximum.reduceat(length, self._starts)
+        self._ragged = np.minimum.reduceat(length, self._starts) < self._widths
+        cols = np.arange(int(self._widths.max()))
+        real = cols[None, :] < length[:, None]
+        local = plan.perms[np.minimum(first[:, None] + cols, len(plan.perms) - 1)]  # padding: any sample, weight 0
+        index = np.where(real, local, 0) + sim._client_offsets[plan.clients[owner]][:, None]
+        self._index = torch.as_tensor(index, device=sim.device)
+        self._length = torch.as_tensor(length, device=sim.device) if self._ragged.any() else None
+        self._noisy = sim.noise_std is not None and bool(np.any(np.asarray(sim.noise_std)[plan.clients] > 0))
+        self._length_host = length
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+        sim = self._sim
+        for step, (rows, start) in enumerate(zip(self._rows.tolist(), self._starts.tolist(), strict=True)):
+            idx = self._index[start : start + rows, : int(self._widths[step])]
+            xb, yb = sim._all_x[idx], sim._all_y[idx]
+            if self._noisy:
+                for r in range(rows):
+                    b = int(self._length_host[start + r])
+                    xb[r, :b] = sim._add_noise(xb[r, :b], int(self.clients[r]), self._t, step)
+            wb = None
+            if self._ragged[step]:
+                wb = padding_weights(self._length[start : start + rows], xb)
+            yield xb, yb, wb
 
 
 @contextlib.contextmanager

@@ -15,7 +15,8 @@ from torch import nn
 
 from pyfedkern import ops, reference
 from pyfedkern.algorithms import ALGORITHMS, make_algorithm
-from pyfedkern.algorithms.base import ClientMessage, local_sgd
+from pyfedkern.algorithms.base import ClientMessage, ClientUpdates, local_sgd
+from pyfedkern.algorithms.batched import BatchedLocal
 from pyfedkern.algorithms.bherd import GradientRecorder
 from pyfedkern.algorithms.fedavg import FedAvg
 from pyfedkern.cli import main
@@ -52,6 +53,10 @@ class FixedOrderFedAvg(FedAvg):
     def client_update(self, t, cid, ctx):
         result = local_sgd(ctx, cid, t, self.x, order="fixed", drop_last=True)
         return ClientMessage(cid, float(ctx.client_sizes[cid]), {"model": result.x}, result.loss, result.steps)
+
+    def batched_client_update(self, t, clients, ctx):
+        run = BatchedLocal(ctx, t, clients, order="fixed", drop_last=True)
+        return ClientUpdates.of(run, ctx, {"model": run.sgd_(run.start(self.x))})
 
 
 def _run(config: ExperimentConfig, algo=None, rounds: int | None = None) -> list[torch.Tensor]:

@@ -254,13 +254,15 @@ def test_parse_host_params_types_values_like_the_fields():
 def test_footprint_rounds_shift_the_stacked_batches_like_the_batches():
     sim = Simulation(config())
     view = SessionContext(sim, 0, T, round_key=10**9 + 4)
-    ours = list(view.stacked_batches([0, 2], 1, steps=2))
-    base = list(sim.stacked_batches([0, 2], 10**9 + 5, steps=2))
-    assert len(ours) == len(base) == 2
-    for (rows_a, xa, ya, _), (rows_b, xb, yb, _) in zip(ours, base, strict=True):
-        assert rows_a.tolist() == rows_b.tolist() and torch.equal(xa, xb) and torch.equal(ya, yb)
+    ours = view.stacked_batches([0, 2], 1, steps=2)
+    base = sim.stacked_batches([0, 2], 10**9 + 5, steps=2)
+    assert ours.clients.tolist() == base.clients.tolist() == [0, 2]
+    steps = list(ours)
+    assert len(steps) == len(list(base)) == 2
+    for (xa, ya, _), (xb, yb, _) in zip(steps, base, strict=True):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
     x0, y0 = next(iter(view.batches(2, 1, steps=2)))
-    assert torch.equal(ours[0][1][1, : len(y0)], x0) and torch.equal(ours[0][2][1, : len(y0)], y0)
+    assert torch.equal(steps[0][0][1, : len(y0)], x0) and torch.equal(steps[0][1][1, : len(y0)], y0)
 
 
 def test_transition_accuracy():

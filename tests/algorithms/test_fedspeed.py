@@ -226,6 +226,7 @@ def test_round_loss_is_the_mean_of_the_step_losses():
     client's mean step loss."""
     algo = FedSpeed(lam=4.0, rho=0.1)
     ctx = ToyContext(weight_decay=1e-3)
+    ctx.batched = False  # the per-client optimizer, spied on (the batched path: tests/sim/test_batched_engine.py)
     algo.setup(ctx, ctx.x0)
     seen = []
     step = algo.optimizer.step

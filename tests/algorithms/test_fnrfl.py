@@ -4,6 +4,8 @@ with refined models substituted, p = 0 ≡ FedAvg, λ = 0 ≡ literal, the publi
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -132,7 +134,7 @@ def test_public_set_is_carved_disjoint_from_clients():
 
 
 def test_refined_clients_are_the_lowest_accuracy_and_aggregation_substitutes_them(monkeypatch):
-    sim = Simulation(_config(p=0.5))
+    sim = Simulation(dataclasses.replace(_config(p=0.5), batched=False))  # the per-client methods, spied on
     algo: FNRFL = sim.algorithm
     algo.setup(sim, sim.initial_vector)
     x0 = algo.x.clone()

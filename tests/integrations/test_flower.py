@@ -435,7 +435,7 @@ def test_client_train_equals_sim_client_update():
 
 
 def test_client_fedpbc_keeps_its_model_when_not_adopting():
-    config = _tiny("fedpbc", algorithm_params={"batched": False})
+    config = _tiny("fedpbc", batched=False)
     state = RecordDict()
     x0 = pf.initial_arrays(config)["model"].numpy()
     first = pf.client_train(config, 0, 1, _server_content(x0, 1, **{"pbc-adopt": True}), state)
@@ -579,7 +579,7 @@ def test_real_superlink_fedpbc_with_killed_node_equals_sim(flower_deployment):
 
     from pyfedkern.algorithms.fedpbc import FedPBC as FedPBCAlgorithm
 
-    run_config = {"algorithm": "fedpbc", "algorithm-params": '{"batched": false}', "seed": 4, **RUN}
+    run_config = {"algorithm": "fedpbc", "batched": False, "seed": 4, **RUN}
     dep = flower_deployment(3)
     model, history = _killed_run(dep, run_config)
     _check_killed_node_history(history)
@@ -593,7 +593,7 @@ def test_real_superlink_fedpbc_with_killed_node_equals_sim(flower_deployment):
             self.link_model = _Schedule([[0, 1, 2], survivors, survivors])
 
     config = pf.config_from_run_config(run_config)
-    expected = _run_sim(config, Scheduled(batched=False))
+    expected = _run_sim(config, Scheduled())
     np.testing.assert_allclose(model, expected, rtol=1e-5, atol=1e-6)
     # The killed client did not take part: the run differs from one where all three stayed connected.
     everyone = _run_sim(config)

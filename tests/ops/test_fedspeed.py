@@ -296,7 +296,7 @@ V = np.ones(8, np.float32)
         (dict(grad=np.ones(9, np.float32)), ValueError, "grad has length 9, expected 8"),
         (dict(grad=np.ones(8, np.float64)), TypeError, "grad has dtype float64"),
         (dict(grad=torch.ones(8)), ValueError, "mixing"),
-        (dict(x=np.ones((2, 4), np.float32)), ValueError, "1-D"),
+        (dict(x=np.ones((2, 2, 2), np.float32)), ValueError, "1-D"),
         (dict(x=np.ones(0, np.float32), grad=np.ones(0, np.float32)), ValueError, "empty"),
         (dict(x=np.ones(8, np.int32), grad=np.ones(8, np.int32)), TypeError, "dtype int32"),
         (dict(out=np.ones(8, np.float64)), TypeError, "out has dtype"),
@@ -359,6 +359,136 @@ def test_round_end_bad_input():
         ops.fedspeed_round_end_(h, x, x.copy(), acc=np.zeros(8, np.float32), acc_weight=float("nan"))
     with pytest.raises(TypeError, match="x_global has dtype"):
         ops.fedspeed_round_end_(h, x, np.ones(8))
+
+
+# row forms ([k, d], one client per row) ----------------------------------------------------------------------
+
+ROW_SHAPES = [(1, 7), (5, 1), (9, 1000), (3, 20_011)]  # d < one chunk (rows in parallel) and d > one chunk
+
+
+def row_inputs(k: int, d: int, seed: int):
+    rng = np.random.default_rng(seed)
+    x, g1, g2 = (rng.standard_normal((k, d)) for _ in range(3))
+    anchor = rng.standard_normal((k, d)) * 3
+    if k > 2:  # adversarial rows: a zero gradient, a huge one (the clip acts), a tiny one
+        g1[1] = 0.0
+        g2[1] = 0.0
+        g2[2] *= 1e4
+        g1[-1] *= 1e-30
+    return x, g1, g2, anchor
+
+
+@pytest.mark.parametrize("lib", LIBS_CPU)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("k", "d"), ROW_SHAPES)
+def test_row_forms_match_the_reference(lib, dtype, k, d):
+    skip_unsupported(lib, dtype)
+    x, g1, g2, anchor = row_inputs(k, d, k * d)
+    xr, g1r, g2r, dr = (rounded(v, dtype) for v in (x, g1, g2, anchor))
+    norms = make(lib, np.zeros(k), acc_dtype(dtype))
+    out = ops.sam_perturb(make(lib, x, dtype), make(lib, g1, dtype), 0.05, norm_out=norms)
+    norm_ref = np.zeros(k)
+    expected = reference.sam_perturb(xr, g1r, 0.05, norm_out=norm_ref)
+    scale = 0.05 / (norm_ref + 1e-7)
+    assert_close(out, expected, np.abs(xr) + scale[:, None] * np.abs(g1r), dtype)
+    assert np.all(np.abs(to_numpy64(norms) - norm_ref) <= 1e-6 * norm_ref)
+    assert k <= 2 or np.array_equal(to_numpy64(out)[1], to_numpy64(make(lib, x, dtype))[1])  # zero gradient row
+
+    kwargs = dict(alpha=0.75, prox_coef=0.1, weight_decay=1e-3, clip_norm=10.0)
+    xa = make(lib, x, dtype)
+    clip_norms = make(lib, np.zeros(k), acc_dtype(dtype))
+    ops.fedspeed_update_(xa, make(lib, g2, dtype), 0.1, g1=make(lib, g1, dtype), anchor=make(lib, anchor, dtype),
+                         norm_out=clip_norms, **kwargs)  # fmt: skip
+    exp = xr.copy()
+    clip_ref = np.zeros(k)
+    reference.fedspeed_update_(exp, g2r, 0.1, g1=g1r, anchor=dr, norm_out=clip_ref, **kwargs)
+    v_abs = 0.25 * np.abs(g1r) + 0.75 * np.abs(g2r) + 0.1 * np.abs(dr)
+    assert_close(xa, exp, np.abs(xr) + 0.1 * (v_abs + 0.101 * np.abs(xr)), dtype)
+    assert np.all(np.abs(to_numpy64(clip_norms) - clip_ref) <= 1e-6 * np.linalg.norm(v_abs, axis=1))
+
+    rng = np.random.default_rng(1)
+    h, acc, hs, xt = rng.standard_normal((k, d)), rng.standard_normal(d), rng.standard_normal(d), x[0] + 1
+    arrays = [make(lib, v, dtype) for v in (h, x, xt, acc, hs)]
+    ops.fedspeed_round_end_(arrays[0], arrays[1], arrays[2], acc=arrays[3], acc_weight=0.25, h_sum=arrays[4])
+    he, xe, te, ae, hse = (rounded(v, dtype) for v in (h, x, xt, acc, hs))
+    reference.fedspeed_round_end_(he, xe, te, acc=ae, acc_weight=0.25, h_sum=hse)
+    row_scale = np.abs(he) + np.abs(xe) + np.abs(te)
+    total_scale = np.abs(ae) + np.abs(hse) + row_scale.sum(0)
+    assert_close(arrays[0], he, row_scale, dtype)
+    assert_close(arrays[3], ae, k * total_scale, dtype)
+    assert_close(arrays[4], hse, k * total_scale, dtype)
+
+
+@pytest.mark.parametrize(("k", "d"), ROW_SHAPES)
+def test_each_row_is_bit_for_bit_the_one_dimensional_op(k, d):
+    """Row r of a row-form call gives exactly the bits of the 1-D op on row r (the batched FedSpeed clients equal the
+    per-client loop's); round end adds the rows into acc in row order, as the 1-D op called row after row."""
+    x, g1, g2, anchor = (v.astype(np.float32) for v in row_inputs(k, d, 3))
+    norms = np.zeros(k, np.float32)
+    out = ops.sam_perturb(x, g1, 0.1, norm_out=norms)
+    rows = x.copy()
+    ops.fedspeed_update_(rows, g2, 0.1, g1=g1, alpha=0.5, anchor=anchor, prox_coef=0.1, clip_norm=1.0)
+    for r in range(k):
+        norm = np.zeros(1, np.float32)
+        assert np.array_equal(out[r], ops.sam_perturb(x[r], g1[r], 0.1, norm_out=norm)) and norm[0] == norms[r]
+        one = x[r].copy()
+        ops.fedspeed_update_(one, g2[r], 0.1, g1=g1[r], alpha=0.5, anchor=anchor[r], prox_coef=0.1, clip_norm=1.0)
+        assert np.array_equal(rows[r], one)
+    h, acc, hsum = anchor.copy(), np.zeros(d, np.float32), np.zeros(d, np.float32)
+    ops.fedspeed_round_end_(h, x, g1[0], acc=acc, acc_weight=0.3, include_h=False, h_sum=hsum)
+    h1, acc1, hsum1 = anchor.copy(), np.zeros(d, np.float32), np.zeros(d, np.float32)
+    for r in range(k):
+        ops.fedspeed_round_end_(h1[r], x[r], g1[0], acc=acc1, acc_weight=0.3, include_h=False, h_sum=hsum1)
+    assert np.array_equal(h, h1) and np.array_equal(acc, acc1) and np.array_equal(hsum, hsum1)
+
+
+def test_row_forms_strided_and_thread_invariant():
+    rng = np.random.default_rng(8)
+    base = rng.standard_normal((6, 3, 5002))
+    x, g = base[:, 0, ::2], base[::-1, 1, 1::2]  # strided rows and columns
+    out = np.zeros((6, 2 * 2501))
+    before = pyfedkern.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2, 3):
+            pyfedkern.set_num_threads(n)
+            norms = np.zeros(6)
+            ops.sam_perturb(x, g, 0.2, out=out[:, ::2], norm_out=norms)
+            results.append((out.copy(), norms))
+    finally:
+        pyfedkern.set_num_threads(before)
+    assert np.allclose(out[:, ::2], reference.sam_perturb(x, g, 0.2), rtol=1e-14, atol=1e-14)
+    assert np.all(out[:, 1::2] == 0)
+    for r in results[1:]:
+        assert np.array_equal(r[0], results[0][0]) and np.array_equal(r[1], results[0][1])
+    h = np.zeros((6, 2501))
+    ops.fedspeed_round_end_(h, x, g[0])  # one strided x^t for every row
+    assert np.allclose(h, x - g[0], rtol=1e-15, atol=1e-15)
+
+
+M = np.ones((3, 8), np.float32)
+
+
+@pytest.mark.parametrize(
+    ("call", "exc", "match"),
+    [
+        (lambda: ops.sam_perturb(M, np.ones((3, 9), np.float32), 0.1), ValueError, "grad has shape"),
+        (lambda: ops.sam_perturb(M, np.ones(8, np.float32), 0.1), ValueError, r"\[k, d\] matrix"),
+        (lambda: ops.sam_perturb(M, M.copy(), 0.1, norm_out=np.zeros(1, np.float32)), ValueError, "one norm per row"),
+        (lambda: ops.sam_perturb(M, M.copy(), 0.1, norm_out=np.zeros(3)), TypeError, "norm_out has dtype"),
+        (lambda: ops.sam_perturb(M, M, 0.1, out=M), ValueError, "out overlaps grad"),
+        (lambda: ops.sam_perturb(np.ones((0, 8), np.float32), np.ones((0, 8), np.float32), 0.1), ValueError, "empty"),
+        (lambda: ops.fedspeed_update_(M.copy(), M, 0.1, alpha=0.5), ValueError, "g1 is required"),
+        (lambda: ops.fedspeed_update_(M.copy(), M, 0.1, prox_coef=0.1, anchor=M[:2]), ValueError, "anchor has shape"),
+        (lambda: ops.fedspeed_update_(np.broadcast_to(M[0], (3, 8)), M, 0.1), ValueError, "read-only"),
+        (lambda: ops.fedspeed_round_end_(M.copy(), M, np.ones(9, np.float32)), ValueError, "x_global has length 9"),
+        (lambda: ops.fedspeed_round_end_(M.copy(), M, M[0], acc=np.ones((3, 8), np.float32)), ValueError, "1-D"),
+        (lambda: ops.fedspeed_round_end_(M.copy(), M[:2], M[0]), ValueError, "x_local has shape"),
+    ],
+)
+def test_row_forms_bad_input(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
 
 
 # CUDA ----------------------------------------------------------------------------------------------------
@@ -432,6 +562,38 @@ def test_cuda_zero_gradient_and_determinism():
     a = ops.sam_perturb(g, g, 0.1, out=torch.empty_like(g), norm_out=n1)
     b = ops.sam_perturb(g, g, 0.1, out=torch.empty_like(g), norm_out=n2)
     assert torch.equal(a, b) and torch.equal(n1, n2)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
+@pytest.mark.parametrize(("k", "d"), [(1, 7), (9, 1000), (3, 300_007), (70_000, 3)])
+def test_cuda_row_forms_match_the_reference(dtype, k, d):
+    """The row forms on the GPU: one norm per row (zero, huge and tiny rows), round end summing every row; more rows
+    than a grid dimension holds (70,000)."""
+    x, g1, g2, anchor = row_inputs(k, d, d)
+    xr, g1r, g2r, dr = (rounded(v, dtype) for v in (x, g1, g2, anchor))
+    dev = lambda v: make("torch", v, dtype, "cuda")  # noqa: E731
+    norms = torch.zeros(k, dtype=getattr(torch, acc_dtype(dtype)), device="cuda")
+    out = ops.sam_perturb(dev(x), dev(g1), 0.05, norm_out=norms)
+    norm_ref = np.zeros(k)
+    expected = reference.sam_perturb(xr, g1r, 0.05, norm_out=norm_ref)
+    assert_close(out, expected, np.abs(xr) + (0.05 / (norm_ref + 1e-7))[:, None] * np.abs(g1r), dtype)
+    assert np.all(np.abs(norms.double().cpu().numpy() - norm_ref) <= 1e-5 * norm_ref)
+    kwargs = dict(alpha=0.75, prox_coef=0.1, weight_decay=1e-3, clip_norm=10.0)
+    xa = dev(x)
+    ops.fedspeed_update_(xa, dev(g2), 0.1, g1=dev(g1), anchor=dev(anchor), **kwargs)
+    exp = xr.copy()
+    reference.fedspeed_update_(exp, g2r, 0.1, g1=g1r, anchor=dr, **kwargs)
+    v_abs = 0.25 * np.abs(g1r) + 0.75 * np.abs(g2r) + 0.1 * np.abs(dr)
+    assert_close(xa, exp, np.abs(xr) + 0.1 * (v_abs + 0.101 * np.abs(xr)) + 1e-6 * np.abs(exp), dtype)
+    h, acc, hs = dev(anchor), dev(g2[0]), dev(g1[0])
+    ops.fedspeed_round_end_(h, dev(x), dev(g1[-1]), acc=acc, acc_weight=0.5, h_sum=hs)
+    he, ae, hse = dr.copy(), g2r[0].copy(), g1r[0].copy()
+    reference.fedspeed_round_end_(he, xr, g1r[-1], acc=ae, acc_weight=0.5, h_sum=hse)
+    row_scale = np.abs(dr) + np.abs(xr) + np.abs(g1r[-1])
+    assert_close(h, he, 2 * row_scale, dtype)
+    for got, want in ((acc, ae), (hs, hse)):
+        assert_close(got, want, 2 * k * (np.abs(want) + row_scale.sum(0)), dtype)
 
 
 # benchmark cases ---------------------------------------------------------------------------------------

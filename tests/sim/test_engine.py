@@ -298,30 +298,43 @@ def test_batch_plans_follow_the_seeded_streams(kwargs):
         assert all(np.array_equal(a, b) for a, b in zip(sim.batch_indices(cid, t, **kwargs), plan, strict=True))
 
 
-@pytest.mark.parametrize(("partition", "kwargs"), [("dirichlet:0.3", {"epochs": 1.5}), ("noise:0.5", {"steps": 4})])
+@pytest.mark.parametrize(
+    ("partition", "kwargs"),
+    [
+        ("dirichlet:0.3", {"epochs": 1.5}),
+        ("noise:0.5", {"steps": 4}),
+        ("dirichlet:0.3", {"epochs": 2.3, "drop_last": True, "order": "fixed"}),
+    ],
+)
 def test_stacked_batches_are_every_clients_batches(partition, kwargs):
-    """stacked_batches gathers, per step, exactly the batch batches() gives each client (noise included); clients
-    whose batches run out drop out, and unequal batch sizes are zero-weighted padding."""
+    """stacked_batches orders the clients by descending number of steps (ties keep the given order) and gathers,
+    per step, exactly the batch batches() gives each client that still has one (noise included), as a prefix of
+    the rows; unequal batch sizes are zero-weighted padding."""
     sim = Simulation(dataclasses.replace(SMALL, clients=6, partition=partition, batch_size=16, model="mlp"))
     clients = [5, 0, 3, 2]
-    expected = [list(sim.batches(cid, 7, **kwargs)) for cid in clients]
-    stacked = list(sim.stacked_batches(clients, 7, **kwargs))
-    assert len(stacked) == max(len(e) for e in expected)
+    stacked = sim.stacked_batches(clients, 7, **kwargs)
+    counts = [len(sim.batch_indices(cid, 7, **kwargs)) for cid in clients]
+    order = np.argsort(-np.array(counts), kind="stable")
+    assert stacked.clients.tolist() == [clients[i] for i in order]
+    assert stacked.steps.tolist() == sorted(counts, reverse=True)
+    expected = [list(sim.batches(int(cid), 7, **kwargs)) for cid in stacked.clients]
+    steps = list(stacked)
+    assert len(steps) == max(counts)
     padded = 0
-    for step, (rows, xb, yb, wb) in enumerate(stacked):
-        assert rows.tolist() == [r for r, e in enumerate(expected) if step < len(e)]
-        for j, r in enumerate(rows):
+    for step, (xb, yb, wb) in enumerate(steps):
+        assert xb.shape[0] == sum(len(e) > step for e in expected)
+        for r in range(xb.shape[0]):
             x, y = expected[r][step]
             b = y.shape[0]
-            assert torch.equal(xb[j, :b], x) and torch.equal(yb[j, :b], y)
+            assert torch.equal(xb[r, :b], x) and torch.equal(yb[r, :b], y)
             if wb is None:
                 assert b == xb.shape[1]
             else:
-                assert torch.allclose(wb[j, :b], torch.full((b,), 1.0 / b)) and not wb[j, b:].any()
+                assert torch.allclose(wb[r, :b], torch.full((b,), 1.0 / b)) and not wb[r, b:].any()
                 padded += b < xb.shape[1]
-    first = sim.batch_indices(clients[0], 7, **kwargs)[0]
-    raw = sim.client_x[clients[0]][torch.as_tensor(first)]
-    assert torch.equal(stacked[0][1][0, : len(first)], raw) == (partition != "noise:0.5")  # noise, when on
+    first = sim.batch_indices(int(stacked.clients[0]), 7, **kwargs)[0]
+    raw = sim.client_x[int(stacked.clients[0])][torch.as_tensor(first)]
+    assert torch.equal(steps[0][0][0, : len(first)], raw) == (partition != "noise:0.5")  # noise, when on
     assert list(sim.stacked_batches([], 7, steps=2)) == []
-    if kwargs.get("epochs"):
+    if kwargs.get("epochs") and not kwargs.get("drop_last"):
         assert padded > 0  # 1.5 epochs of batch 16 end on partial batches of unequal sizes
