@@ -21,7 +21,7 @@ from torch import nn
 from pyfedkern import models
 from pyfedkern.algorithms import batched
 from pyfedkern.algorithms.batched import BatchedLocal, client_chunks, trainer_for
-from pyfedkern.sim.engine import ExperimentConfig, Simulation
+from pyfedkern.sim.engine import ExperimentConfig, Simulation, _cpu_threads
 
 BASE = ExperimentConfig(
     dataset="digits",
@@ -80,7 +80,7 @@ def config(algorithm: str, params: dict, momentum: float, model: str, **changes)
 
 
 def run(cfg: ExperimentConfig, monkeypatch) -> tuple[torch.Tensor, float, int]:
-    """(global model, last round's local loss, batched runs built) after cfg.rounds rounds."""
+    """(global model after cfg.rounds rounds minus the initial one, last round's local loss, batched runs built)."""
     built = []
     init = BatchedLocal.__init__
 
@@ -92,10 +92,11 @@ def run(cfg: ExperimentConfig, monkeypatch) -> tuple[torch.Tensor, float, int]:
     sim = Simulation(cfg)
     algo = sim.algorithm
     algo.setup(sim, sim.initial_vector)
-    for t in range(cfg.rounds):
-        stats = algo.round(t, sim)
+    with _cpu_threads(1):  # as Simulation.run for small models (threads spinning on a busy machine cost seconds)
+        for t in range(cfg.rounds):
+            stats = algo.round(t, sim)
     monkeypatch.setattr(BatchedLocal, "__init__", init)
-    return algo.global_model().clone(), stats.local_loss, len(built)
+    return algo.global_model() - sim.initial_vector, stats.local_loss, len(built)
 
 
 @pytest.mark.parametrize("model", ["mlp", "cnn"])
@@ -105,7 +106,7 @@ def test_batched_rounds_equal_the_per_client_loop(case, algorithm, params, momen
     x_batched, loss_batched, runs = run(cfg, monkeypatch)
     x_loop, loss_loop, loop_runs = run(dataclasses.replace(cfg, batched=False), monkeypatch)
     assert runs > 0 and loop_runs == 0  # each run took the path it was asked for
-    assert not torch.equal(x_batched, Simulation(cfg).initial_vector)
+    assert x_batched.abs().max() > 1e-3  # the model moved
     torch.testing.assert_close(x_batched, x_loop, rtol=1e-10, atol=1e-12)
     assert np.isfinite(loss_batched) and loss_batched == pytest.approx(loss_loop, rel=1e-10)
 
