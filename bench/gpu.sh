@@ -2,8 +2,8 @@
 # Build, test, sanitize and benchmark pyfedkern on a CUDA machine in one go (the lent GPU of a development session).
 # Usage: bash bench/gpu.sh OUT_DIR [STEPS]   STEPS: a comma list of build,test,sanitize,overhead,profile,bench,engine
 # (default build,test,sanitize,bench); BENCH_FILES limits the bench step to some suites.
-# Writes logs, the pytest-benchmark JSON, its report and the wheel into OUT_DIR; a wheel already in OUT_DIR or in
-# ./wheels is installed instead of rebuilding.
+# Writes the pytest-benchmark JSONs, their reports and logs.tgz into OUT_DIR; a wheel already in ./wheels is
+# installed instead of rebuilding unless STEPS has build.
 set -uo pipefail
 out=${1:?usage: bash bench/gpu.sh OUT_DIR [STEPS]}
 steps=${2:-build,test,sanitize,bench}
@@ -20,7 +20,6 @@ if has build || [ -z "$wheel" ]; then
   CMAKE_BUILD_PARALLEL_LEVEL=16 PYFEDKERN_CUDA=ON $py -m pip wheel --no-build-isolation --no-deps -w wheels \
     --config-settings=cmake.define.PYFEDKERN_CUDA_ARCHS=90-real . >"$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
   wheel=$(ls -t wheels/pyfedkern-*.whl | head -1)
-  cp "$wheel" "$out/"
 fi
 $py -m pip install -q --no-deps --force-reinstall "$wheel" >/dev/null 2>&1
 $py -P -c "import pyfedkern; print(pyfedkern.build_info())" | tee -a "$out/gpu.txt"
@@ -61,4 +60,6 @@ if has engine; then
   $py -P bench/report.py "$out/bench-engine.json" --title "pyfedkern engine on CUDA ($(head -1 "$out/gpu.txt"))" \
     >"$out/bench-engine.md"
 fi
+# logs in one archive (a lent machine returns few files)
+(cd "$out" && tar czf logs.tgz --remove-files $(ls *.log profile.txt overhead-cuda.json 2>/dev/null))
 stamp done

@@ -39,8 +39,8 @@ __device__ __forceinline__ const typename AccOf<T>::type* weights_of(const ArgBl
 }
 
 // W elements per access in the body, then the last d % W elements one by one. Rows are read four at a time (four
-// loads in flight per thread) and added in row order. SkipZero: the weights may hold zeros whose rows must not be
-// read (device weights, or a stack with zero weights); otherwise every row of the table is read.
+// loads in flight per thread) and added in row order. SkipZero: the weights may hold zeros, whose rows are neither
+// read nor added (device weights, or a stack with zero weights); otherwise every row of the table is read.
 template <typename T, int W, bool SkipZero, size_t NB>
 __global__ void weighted_sum_vec_kernel(const __grid_constant__ ArgBlock<NB> block, const void* global, RowTables t,
                                         const typename AccOf<T>::type* device_weights, T* __restrict__ out, int64_t d,
@@ -61,17 +61,19 @@ __global__ void weighted_sum_vec_kernel(const __grid_constant__ ArgBlock<NB> blo
       for (int i = 0; i < W; ++i) acc[i] = Acc(0);
     }
     int k = 0;
-    if constexpr (!SkipZero) {
-      for (; k + 4 <= K; k += 4) {
-        Acc x[4][W];
+    for (; k + 4 <= K; k += 4) {
+      Acc w[4], x[4][W];
 #pragma unroll
-        for (int j = 0; j < 4; ++j) load_pack<W>(static_cast<const T*>(rows.ptr(k + j)), v, x[j]);
+      for (int j = 0; j < 4; ++j) w[j] = weights[k + j];
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const Acc w = weights[k + j];
+      for (int j = 0; j < 4; ++j) {  // the four loads are issued together (predicated on the weights)
+        if (!SkipZero || w[j] != Acc(0)) load_pack<W>(static_cast<const T*>(rows.ptr(k + j)), v, x[j]);
+      }
 #pragma unroll
-          for (int i = 0; i < W; ++i) acc[i] = acc[i] + w * x[j][i];
-        }
+      for (int j = 0; j < 4; ++j) {
+        if (SkipZero && w[j] == Acc(0)) continue;
+#pragma unroll
+        for (int i = 0; i < W; ++i) acc[i] = acc[i] + w[j] * x[j][i];
       }
     }
     for (; k < K; ++k) {

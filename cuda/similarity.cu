@@ -34,28 +34,33 @@ struct SimTables {
   int64_t first_chunk;
 };
 
-// Sum of three per-thread values over the block, in double, fixed order; the result is valid in thread 0.
-__device__ void block_sum3(double v[3], double* shared) {
+// Sum of N per-thread values over the block, in double, each in the same fixed order (a warp tree, then the warps
+// in order); the results are valid in thread 0.
+template <int N>
+__device__ void block_sum(double (&v)[N], double* shared) {
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) {
 #pragma unroll
-    for (int i = 0; i < 3; ++i) v[i] += __shfl_down_sync(0xffffffffu, v[i], off);
+    for (int i = 0; i < N; ++i) v[i] += __shfl_down_sync(0xffffffffu, v[i], off);
   }
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   if (lane == 0) {
 #pragma unroll
-    for (int i = 0; i < 3; ++i) shared[warp * 3 + i] = v[i];
+    for (int i = 0; i < N; ++i) shared[warp * N + i] = v[i];
   }
   __syncthreads();
   if (threadIdx.x == 0) {
-    for (int i = 0; i < 3; ++i) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
       double total = 0.0;
-      for (int w = 0; w < kWarps; ++w) total += shared[w * 3 + i];
+      for (int w = 0; w < kWarps; ++w) total += shared[w * N + i];
       v[i] = total;
     }
   }
   __syncthreads();
 }
+
+constexpr int kRowsPerSum = 4;  // bank rows whose statistics share one block reduction (fewer barriers)
 
 // Diff: the rows' statistic is Σ(q − b)² (the l2 metric); otherwise Σq·b and Σb². All products and sums in double
 // (16-bit and float values convert exactly), like the CPU kernel.
@@ -63,7 +68,8 @@ template <typename T, bool Diff, size_t NB>
 __global__ void __launch_bounds__(kThreads)
     chunk_stats_kernel(const __grid_constant__ ArgBlock<NB> block, const void* global, SimTables t,
                        const T* __restrict__ query, int64_t query_stride, double* __restrict__ partials) {
-  __shared__ double shared[3 * kWarps];
+  constexpr int S = Diff ? 1 : 2;  // statistics per row
+  __shared__ double shared[kRowsPerSum * S * kWarps];
   const unsigned char* base = table_base(block, global);
   const RowRef* bank = table_at<RowRef>(base, t.bank);
   const int64_t* seg_begin = table_at<int64_t>(base, t.seg_begin);
@@ -85,38 +91,45 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t item_begin = seg_begin[lo] + (it - first_chunk[lo]) * kChunk;
     const int64_t item_end = min(item_begin + kChunk, seg_end[lo]);
     double q[kPerThread];
-    double v[3] = {0.0, 0.0, 0.0};
+    double v[1] = {0.0};
 #pragma unroll
     for (int i = 0; i < kPerThread; ++i) {
       const int64_t e = item_begin + static_cast<int64_t>(i) * kThreads + threadIdx.x;
       q[i] = e < item_end ? static_cast<double>(to_acc(query[e * query_stride])) : 0.0;
       v[0] += q[i] * q[i];
     }
-    block_sum3(v, shared);
+    block_sum(v, shared);
     double* out = partials + it * pitch;
     if (threadIdx.x == 0) out[0] = v[0];
-    for (int k = 0; k < K; ++k) {
-      const T* __restrict__ r = static_cast<const T*>(bank[k].ptr);
-      const int64_t s = bank[k].stride;
-      double w[3] = {0.0, 0.0, 0.0};
+    for (int k0 = 0; k0 < K; k0 += kRowsPerSum) {
+      double w[kRowsPerSum * S] = {};
 #pragma unroll
-      for (int i = 0; i < kPerThread; ++i) {
-        const int64_t e = item_begin + static_cast<int64_t>(i) * kThreads + threadIdx.x;
-        if (e < item_end) {
-          const double b = static_cast<double>(to_acc(r[e * s]));
-          if (Diff) {
-            w[2] += (q[i] - b) * (q[i] - b);
-          } else {
-            w[0] += q[i] * b;
-            w[1] += b * b;
+      for (int g = 0; g < kRowsPerSum; ++g) {
+        if (k0 + g >= K) break;
+        const T* __restrict__ r = static_cast<const T*>(bank[k0 + g].ptr);
+        const int64_t s = bank[k0 + g].stride;
+#pragma unroll
+        for (int i = 0; i < kPerThread; ++i) {
+          const int64_t e = item_begin + static_cast<int64_t>(i) * kThreads + threadIdx.x;
+          if (e < item_end) {
+            const double b = static_cast<double>(to_acc(r[e * s]));
+            if (Diff) {
+              w[g] += (q[i] - b) * (q[i] - b);
+            } else {
+              w[2 * g] += q[i] * b;
+              w[2 * g + 1] += b * b;
+            }
           }
         }
       }
-      block_sum3(w, shared);
+      block_sum(w, shared);
       if (threadIdx.x == 0) {
-        out[1 + 3 * k] = w[0];
-        out[2 + 3 * k] = w[1];
-        out[3 + 3 * k] = w[2];
+        for (int g = 0; g < kRowsPerSum && k0 + g < K; ++g) {
+          const int k = k0 + g;
+          out[1 + 3 * k] = Diff ? 0.0 : w[2 * g];
+          out[2 + 3 * k] = Diff ? 0.0 : w[2 * g + 1];
+          out[3 + 3 * k] = Diff ? w[g] : 0.0;
+        }
       }
     }
   }

@@ -402,7 +402,10 @@ def host_float64(values: Any, name: str, length: int | None = None) -> np.ndarra
     """A 1-D float64 numpy copy of real numbers: a list/tuple or an array of any library or device (a GPU array is
     copied to the host, which synchronises). TypeError for anything that is not a real number (strings, None,
     complex, objects), ValueError for a wrong shape or a non-finite value."""
-    if isinstance(values, (list, tuple)):  # the common case: a short list of Python floats
+    if type(values) is np.ndarray and values.dtype == np.float64 and values.ndim == 1:  # already the right kind
+        if (length is None or values.shape[0] == length) and np.isfinite(values).all():
+            return values.copy()
+    elif isinstance(values, (list, tuple)):  # the common case: a short list of Python floats
         try:
             if all(map(math.isfinite, values)):
                 arr = np.asarray(values, dtype=np.float64)
