@@ -26,7 +26,7 @@ struct PerturbArgs {
   double eps = 0.0;
   bool normalize = true;
   void* norm_out = nullptr;   // one accumulator-typed element (float, or double for float64), may be null on CPU
-  void* workspace = nullptr;  // CUDA only: workspace_len accumulator-typed elements for the partial sums
+  void* workspace = nullptr;  // CUDA only: workspace_len doubles for the partial sums of squares
   int64_t workspace_len = 0;
 };
 

@@ -74,32 +74,31 @@ __device__ Acc block_sum(Acc v) {
 }
 
 template <typename T, bool HasG1, bool HasD>
-__global__ void sumsq_partial_kernel(int64_t d, int64_t nvec, DevCombo<T> k,
-                                     typename AccOf<T>::type* __restrict__ partials) {
+__global__ void sumsq_partial_kernel(int64_t d, int64_t nvec, DevCombo<T> k, double* __restrict__ partials) {
   using Acc = typename AccOf<T>::type;
-  Acc sum = Acc(0);
+  double sum = 0.0;
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   for (int64_t p = first; p < nvec; p += step) {
     Acc v[kPack<T>];
     combo_pack<T, HasG1, HasD>(k, p, v);
 #pragma unroll
-    for (int i = 0; i < kPack<T>; ++i) sum = sum + v[i] * v[i];
+    for (int i = 0; i < kPack<T>; ++i) sum += static_cast<double>(v[i]) * static_cast<double>(v[i]);
   }
   for (int64_t i = nvec * kPack<T> + first; i < d; i += step) {
-    const Acc v = combo_at<T, HasG1, HasD>(k, i);
-    sum = sum + v * v;
+    const double v = static_cast<double>(combo_at<T, HasG1, HasD>(k, i));
+    sum += v * v;
   }
-  const Acc total = block_sum(sum);
+  const double total = block_sum(sum);
   if (threadIdx.x == 0) partials[blockIdx.x] = total;
 }
 
 template <typename Acc>
-__global__ void norm_finalize_kernel(const Acc* __restrict__ partials, int count, Acc* __restrict__ norm_out) {
-  Acc sum = Acc(0);
-  for (int i = threadIdx.x; i < count; i += blockDim.x) sum = sum + partials[i];
-  const Acc total = block_sum(sum);
-  if (threadIdx.x == 0) norm_out[0] = sqrt(total);
+__global__ void norm_finalize_kernel(const double* __restrict__ partials, int count, Acc* __restrict__ norm_out) {
+  double sum = 0.0;
+  for (int i = threadIdx.x; i < count; i += blockDim.x) sum += partials[i];
+  const double total = block_sum(sum);
+  if (threadIdx.x == 0) norm_out[0] = static_cast<Acc>(sqrt(total));
 }
 
 template <typename T>
@@ -233,7 +232,7 @@ template <typename T, bool HasG1, bool HasD>
 void device_norm(cudaStream_t stream, int64_t d, int64_t nvec, const DevCombo<T>& k, void* workspace, void* norm_out) {
   using Acc = typename AccOf<T>::type;
   const int blocks = partial_blocks(d);
-  Acc* partials = static_cast<Acc*>(workspace);
+  double* partials = static_cast<double*>(workspace);
   sumsq_partial_kernel<T, HasG1, HasD><<<blocks, kThreads, 0, stream>>>(d, nvec, k, partials);
   check(cudaGetLastError(), "fedspeed norm partial kernel launch");
   norm_finalize_kernel<Acc><<<1, kThreads, 0, stream>>>(partials, blocks, static_cast<Acc*>(norm_out));
@@ -326,30 +325,29 @@ __device__ __forceinline__ DevCombo<T> combo_row(DevCombo<T> k, int64_t r, int64
 
 template <typename T, bool HasG1, bool HasD>
 __global__ void rows_sumsq_partial_kernel(int64_t rows, int64_t d, DevCombo<T> k, int64_t r1, int64_t r2, int64_t ra,
-                                          typename AccOf<T>::type* __restrict__ partials) {
-  using Acc = typename AccOf<T>::type;
+                                          double* __restrict__ partials) {
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {  // uniform in the block: block_sum may synchronise
     const DevCombo<T> kr = combo_row(k, r, r1, r2, ra);
-    Acc sum = Acc(0);
+    double sum = 0.0;
     for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < d; i += step) {
-      const Acc v = combo_at<T, HasG1, HasD>(kr, i);
-      sum = sum + v * v;
+      const double v = static_cast<double>(combo_at<T, HasG1, HasD>(kr, i));
+      sum += v * v;
     }
-    const Acc total = block_sum(sum);
+    const double total = block_sum(sum);
     if (threadIdx.x == 0) partials[r * gridDim.x + blockIdx.x] = total;
     __syncthreads();
   }
 }
 
 template <typename Acc>
-__global__ void rows_norm_finalize_kernel(const Acc* __restrict__ partials, int count, int64_t rows,
+__global__ void rows_norm_finalize_kernel(const double* __restrict__ partials, int count, int64_t rows,
                                           Acc* __restrict__ norm_out, int64_t norm_stride) {
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    Acc sum = Acc(0);
-    for (int i = threadIdx.x; i < count; i += blockDim.x) sum = sum + partials[r * count + i];
-    const Acc total = block_sum(sum);
-    if (threadIdx.x == 0) norm_out[r * norm_stride] = sqrt(total);
+    double sum = 0.0;
+    for (int i = threadIdx.x; i < count; i += blockDim.x) sum += partials[r * count + i];
+    const double total = block_sum(sum);
+    if (threadIdx.x == 0) norm_out[r * norm_stride] = static_cast<Acc>(sqrt(total));
     __syncthreads();
   }
 }
@@ -433,7 +431,7 @@ void rows_device_norm(cudaStream_t stream, int64_t rows, int64_t d, const DevCom
   using Acc = typename AccOf<T>::type;
   const int partials = static_cast<int>(fedspeed_row_partials(d));
   const dim3 grid(static_cast<unsigned>(partials), static_cast<unsigned>(rows < kMaxGridY ? rows : kMaxGridY));
-  Acc* parts = static_cast<Acc*>(workspace);
+  double* parts = static_cast<double*>(workspace);
   rows_sumsq_partial_kernel<T, HasG1, HasD><<<grid, kThreads, 0, stream>>>(rows, d, k, r1, r2, ra, parts);
   check(cudaGetLastError(), "fedspeed rows norm partial kernel launch");
   const unsigned blocks = static_cast<unsigned>(rows < kMaxGridY ? rows : kMaxGridY);

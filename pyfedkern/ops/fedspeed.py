@@ -93,7 +93,7 @@ def _workspace(like: ArrayRef, norm: ArrayRef | None, needed: bool) -> tuple[Any
     if like.device < 0 or not needed:
         return None, 0, 0, norm_ptr
     size = int(native().fedspeed_workspace_size())
-    ws = _arrays.empty_like_lib(like, (size + 1,), _acc_dtype(like))
+    ws = _arrays.empty_like_lib(like, (size + 1,), "float64")  # partial sums of squares in double
     ws_ref = _arrays.describe(ws, "workspace")
     if norm is None:  # the norm still has to live on the device: the slot after the partial sums
         norm_ptr = ws_ref.ptr + size * ws_ref.itemsize
@@ -383,7 +383,7 @@ def _row_workspace(like: ArrayRef, norm: ArrayRef | None, needed: bool) -> tuple
         return None, 0, 0, norm_ptr, norm_stride
     rows = like.shape[0]
     size = int(native().fedspeed_row_workspace_size(like.shape[1], rows))
-    ws = _arrays.empty_like_lib(like, (size + rows,), _acc_dtype(like))
+    ws = _arrays.empty_like_lib(like, (size + rows,), "float64")  # partial sums of squares in double
     ws_ref = _arrays.describe(ws, "workspace")
     if norm is None:  # the norms still have to live on the device: the rows slots after the partial sums
         norm_ptr, norm_stride = ws_ref.ptr + size * ws_ref.itemsize, 1
