@@ -20,6 +20,8 @@ of :mod:`pyfedkern.sim`, so a Flower run reproduces the simulation). Messages ca
 
 from __future__ import annotations
 
+import numbers
+
 try:
     import flwr  # noqa: F401
     from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
@@ -93,16 +95,37 @@ def array_view(array: Array) -> np.ndarray:
 
 
 def _check_counts(counts: list[Any], name: str) -> list[Any]:
-    """The clients' num_examples as given (Flower's arithmetic depends on their Python/NumPy types)."""
+    """The clients' num_examples as given (Flower's arithmetic depends on their Python/NumPy types): real numbers
+    (not strings, None, bools or complex), finite, >= 0, with a positive finite sum."""
     if len(counts) == 0:
         raise ValueError(f"{name} is empty: nothing to aggregate")
-    try:
-        w = np.asarray(counts, dtype=np.float64)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name}: num_examples must be real numbers, got {counts!r}") from None
-    if w.ndim != 1 or not np.all(np.isfinite(w)) or np.any(w < 0) or w.sum() <= 0:
-        raise ValueError(f"{name}: num_examples must be finite, >= 0 and sum to > 0, got {counts!r}")
+    for k, n in enumerate(counts):
+        if isinstance(n, (bool, np.bool_)) or not isinstance(n, numbers.Real):
+            raise TypeError(f"{name}[{k}]: num_examples must be a real number, got {type(n).__qualname__} {n!r}")
+    w = np.asarray([float(n) for n in counts], dtype=np.float64)
+    if not np.all(np.isfinite(w)) or np.any(w < 0):
+        raise ValueError(f"{name}: num_examples must be finite and >= 0, got {counts!r}")
+    with np.errstate(over="ignore"):
+        total = w.sum()
+    if not np.isfinite(total) or total <= 0:
+        raise ValueError(f"{name}: num_examples must sum to a positive finite number, got a sum of {total}")
     return list(counts)
+
+
+def _check_layers(models: list[list[Any]]) -> list[list[np.ndarray]]:
+    """Every client's layers as real-valued NumPy arrays (None, strings, objects and complex are refused)."""
+    checked = []
+    for k, layers in enumerate(models):
+        arrays = []
+        for i, layer in enumerate(layers):
+            if layer is None:
+                raise TypeError(f"results[{k}] layer {i} is None; every layer must be a NumPy array")
+            a = np.asarray(layer)
+            if a.dtype.kind not in "biuf":
+                raise TypeError(f"results[{k}] layer {i} has dtype {a.dtype}; layers must hold real numbers")
+            arrays.append(a)
+        checked.append(arrays)
+    return checked
 
 
 def _check_shapes(layers: list[np.ndarray]) -> None:
@@ -177,14 +200,14 @@ def aggregate(results: list[tuple[list[np.ndarray], int]]) -> list[np.ndarray]:
         raise TypeError(f"results must be a list of (NDArrays, num_examples) pairs, got {type(results).__name__}")
     counts = _check_counts([n for _, n in results], "results")
     total = sum(counts)
-    models = [list(layers) for layers, _ in results]
+    models = _check_layers([list(layers) for layers, _ in results])
     num_layers = len(models[0])
     for k, layers in enumerate(models):
         if len(layers) != num_layers:
             raise ValueError(f"results[{k}] has {len(layers)} layers, expected {num_layers} (as results[0])")
     means = []
     for i in range(num_layers):
-        summed = _flower_layer_sum([np.asarray(m[i]) for m in models], counts)
+        summed = _flower_layer_sum([m[i] for m in models], counts)
         if summed.dtype.kind == "f" and np.result_type(summed, total) == summed.dtype:
             means.append(np.divide(summed, total, out=summed))  # the same division, in place
         else:
@@ -244,6 +267,8 @@ class _RunningSum:
         """The weighted mean of every name (ValueError when nothing or only zero weight was added)."""
         if self.count == 0 or self.total <= 0:
             raise ValueError("no results with a positive weight to average")
+        if not math.isfinite(self.total):
+            raise ValueError(f"the results' weights (num-examples) sum to {self.total}: too large to average")
         if self.deferred:
             p = np.asarray(self.weights, dtype=np.float64) / self.total
             return {name: _layer_mean(views, p) for name, views in self.views.items()}
@@ -521,7 +546,13 @@ class BHerd(FedAvg):
         running, metrics = self.stream_train(server_round, replies)
         if running.count == 0 or running.total <= 0:
             return None, None
-        g = running.mean()["g"].reshape(-1)
+        means = running.mean()
+        if "g" not in means:
+            raise ValueError(
+                f"BHerd: the replies carry the arrays {sorted(means)} but no 'g' (the sum of each client's "
+                "herding-selected gradients); pair this strategy with make_client_app for algorithm 'bherd'"
+            )
+        g = means["g"].reshape(-1)
         step = self.ctx.lr(server_round - 1) * self.algorithm.server_scale(self.ctx)
         x = self._current.astype(g.dtype, copy=False)
         new = ops.weighted_sum([x, g], [1.0, -step])

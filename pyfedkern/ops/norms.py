@@ -69,6 +69,10 @@ def _prepare_labels(labels: Any, feats: ArrayRef, num_classes: int) -> tuple[Any
     if ref.shape != (feats.shape[0],):
         raise ValueError(f"labels must have shape ({feats.shape[0]},) (one per feature row), got {ref.shape}")
     if ref.dtype not in LABEL_DTYPES:
+        if ref.dtype in ("uint32", "uint64") and ref.device < 0 and ref.size:  # 2^63 and above would wrap to < 0
+            top = int(labels.max())
+            if top >= num_classes:
+                raise ValueError(f"labels contain {top}, out of range [0, {num_classes})")
         labels = labels.astype(np.int64) if ref.lib != "torch" else labels.long()
         ref = _arrays.describe(labels, "labels")
     return labels, ref  # the range is checked by the kernels (on a GPU without a host round trip)
@@ -258,6 +262,11 @@ def per_sample_grad_norms(layer: Any, activations: Any, grad_outputs: Any, *, sq
 
     if not isinstance(activations, torch.Tensor) or not isinstance(grad_outputs, torch.Tensor):
         raise TypeError("per_sample_grad_norms: activations and grad_outputs must be torch tensors")
+    if activations.dim() == 0 or grad_outputs.dim() == 0:
+        raise ValueError(
+            "per_sample_grad_norms: activations and grad_outputs need a batch dimension, got shapes "
+            f"{tuple(activations.shape)} and {tuple(grad_outputs.shape)}"
+        )
     if activations.shape[0] != grad_outputs.shape[0]:
         raise ValueError(
             f"activations and grad_outputs must have the same batch size, got {activations.shape[0]} and "

@@ -310,6 +310,16 @@ def test_bherd_server_step():
     np.testing.assert_allclose(new["model"].numpy(), x - 0.2 * (1.0 / 0.5) * mean, rtol=1e-6)
 
 
+def test_bherd_reply_without_g_is_a_clear_error():
+    config = ExperimentConfig(algorithm="bherd", algorithm_params={"alpha": 0.5}, clients=2, lr=0.2, local_steps=4)
+    grid = FakeGrid([1, 2], lambda node, msg: _reply({"model": np.ones(2, np.float32)}, node))
+    strategy = pf.BHerd(config, min_available_nodes=1, min_train_nodes=2)
+    strategy._grid = pf.ArrivalGrid(grid)
+    msgs = strategy.configure_train(1, ArrayRecord({"model": Array(np.zeros(2, np.float32))}), ConfigRecord(), grid)
+    with pytest.raises(ValueError, match="no 'g'"):
+        strategy.aggregate_train(1, strategy._grid.send_and_receive(msgs, timeout=1))
+
+
 def _dynamic_config(**params):
     return ExperimentConfig(
         algorithm="dynamic",
