@@ -100,7 +100,6 @@ def test_unsigned_labels_are_reported_as_given(dtype):
         ops.class_feature_norms(np.ones((2, 2), np.float32), big, 4)
 
 
-@pytest.mark.slow
 def test_row_norms_stay_accurate_at_two_to_the_31_elements():
     # one row of 2^31 + 1 ones read through a zero stride: the norm is √(2^31 + 1) ≈ 46341 (a float32 sum of the
     # squares stops growing at 2^24 per lane: 16384 before the fix)
