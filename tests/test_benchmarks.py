@@ -104,3 +104,22 @@ def test_machine_load_warns_when_busy(monkeypatch):
     monkeypatch.setattr(os, "getloadavg", lambda: (3.5, 2.0, 1.0))
     text = runner.machine_load()
     assert text.startswith("machine load: 3.50 (1-minute average) on 2 CPUs\nwarning: the machine is busy")
+
+
+def test_engine_round_peers_compute_the_same_round():
+    """Each engine_round group's batched round and per-client loop give the same global model; the Flower task's
+    group has pyfedkern's round (and Flower's when Ray is installed)."""
+    from pyfedkern.benchmarks import engine
+
+    cases = engine.cases(quick=True)
+    groups = dict.fromkeys(c.group for c in cases if c.group.startswith("engine_round"))
+    assert len(groups) == len(engine.ALGORITHMS)
+    for group in groups:
+        results = {c.name: _flat(c.make()()) for c in cases if c.group == group}
+        assert set(results) == {"pyfedkern", "per-client loop (batched=False)"}
+        np.testing.assert_allclose(
+            results["per-client loop (batched=False)"], results["pyfedkern"], rtol=1e-4, atol=1e-5
+        )
+    flower = [c.name for c in cases if c.group.startswith("flower_round")]
+    assert flower == ["pyfedkern"] + (["flower simulation engine (Ray)"] if engine.flower_available() else [])
+    assert engine.client_steps(engine.flower_config(engine.QUICK_FLOWER_CLIENTS)) > engine.QUICK_FLOWER_CLIENTS

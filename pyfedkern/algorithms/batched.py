@@ -187,14 +187,17 @@ class LinearChainGradients:
                     h += self._view(rows, step.bias)[:, None]
         if weights is None:
             weights = torch.full((k, batch), 1.0 / batch, dtype=h.dtype, device=h.device)
-        log_p = torch.log_softmax(h, dim=-1)
+        # log-softmax by hand: torch's kernel is slow over a last dimension as short as the number of classes
+        shifted = h - h.amax(-1, keepdim=True)
+        dz = shifted.exp()
+        log_norm = dz.sum(-1, keepdim=True)
+        dz.div_(log_norm)  # softmax
+        log_norm.log_()
         target = yb.unsqueeze(-1)
-        losses = -(log_p.gather(-1, target).squeeze(-1) * weights).sum(1)
+        losses = ((log_norm - shifted.gather(-1, target)).squeeze(-1) * weights).sum(1)
         if soft is not None:
-            kl = (soft.exp() * (soft - log_p)).sum(-1)
+            kl = (soft.exp() * (soft - shifted + log_norm)).sum(-1)
             losses = losses + kd_weight * (kl * weights).sum(1)
-        dz = log_p.exp_()  # softmax
-        if soft is not None:
             dz = dz.mul_(1.0 + kd_weight).sub_(soft.exp(), alpha=kd_weight)
         dz.scatter_add_(-1, target, torch.full(target.shape, -1.0, dtype=dz.dtype, device=dz.device))
         dz.mul_(weights[..., None])
@@ -321,7 +324,8 @@ class StackedBatches(Protocol):
     Iterating yields, for step s = 0, 1, ..., ``(xb, yb, wb)`` of the a_s = #{r: steps[r] > s} first clients:
     xb [a_s, B, ...] and yb [a_s, B] their batches (client r's batch is the one ``ctx.batches(clients[r], ...)``
     yields at step s), wb None when every batch of the step has B samples, else [a_s, B] weights 1/b_r on client
-    r's b_r samples and 0 on the padding after them.
+    r's b_r samples and 0 on the padding after them. A step's tensors may be overwritten by the next step's (the
+    engine reuses its buffers): copy them to keep them.
     """
 
     clients: np.ndarray

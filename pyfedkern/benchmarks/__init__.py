@@ -8,6 +8,17 @@ compute the same thing (pyfedkern, the peers users run today) plus the machine's
 from pyfedkern.benchmarks.common import Case, InputCache
 
 #: family name → module under pyfedkern.benchmarks ("flower" has no cases without flwr installed)
-FAMILIES = ["aggregate", "fedspeed", "flower", "herding", "norms", "pbc", "sampling", "shared_cpu", "similarity"]
+FAMILIES = [
+    "aggregate",
+    "engine",
+    "fedspeed",
+    "flower",
+    "herding",
+    "norms",
+    "pbc",
+    "sampling",
+    "shared_cpu",
+    "similarity",
+]
 
 __all__ = ["FAMILIES", "Case", "InputCache"]

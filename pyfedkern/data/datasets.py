@@ -225,33 +225,58 @@ def _synthetic(args: list[float], normalize: str, seed: int) -> Dataset:
     u = rng.normal(0.0, alpha, clients)
     b_shift = rng.normal(0.0, beta, clients)
     feature_std = np.arange(1, dim + 1, dtype=np.float64) ** -0.6  # sqrt of Σ_jj = j^-1.2
-    parts: dict[str, list[np.ndarray]] = {"xtr": [], "ytr": [], "xte": [], "yte": [], "ids": []}
-    for k in range(clients):
-        v = rng.normal(b_shift[k], 1.0, dim)
-        w = rng.normal(u[k], 1.0, (dim, classes))
-        b = rng.normal(u[k], 1.0, classes)
-        x = v + rng.standard_normal((sizes[k], dim)) * feature_std
-        y = np.argmax(x @ w + b, axis=1)
-        n_train = _synthetic_train_part(sizes[k])
-        parts["xtr"].append(x[:n_train])
-        parts["ytr"].append(y[:n_train])
-        parts["xte"].append(x[n_train:])
-        parts["yte"].append(y[n_train:])
-        parts["ids"].append(np.full(n_train, k))
-    x_train = np.concatenate(parts["xtr"]).astype(np.float32)
-    x_test = np.concatenate(parts["xte"]).astype(np.float32)
+    n_train = np.array([_synthetic_train_part(n) for n in sizes.tolist()], dtype=np.int64)
+    n_test = sizes - n_train
+    x_train, x_test = np.empty((n_train.sum(), dim), np.float32), np.empty((n_test.sum(), dim), np.float32)
+    y_train, y_test = np.empty(n_train.sum(), np.int64), np.empty(n_test.sum(), np.int64)
+    at_train, at_test = np.cumsum(n_train) - n_train, np.cumsum(n_test) - n_test  # client k's rows start here
+    for group in _synthetic_groups(sizes, dim, classes):
+        for k, x, y in _synthetic_clients(rng, group, sizes, u, b_shift, feature_std, classes):
+            a, b, m = at_train[k], at_test[k], n_train[k]
+            x_train[a : a + m], y_train[a : a + m] = x[:m], y[:m]
+            x_test[b : b + n_test[k]], y_test[b : b + n_test[k]] = x[m:], y[m:]
     x_train, x_test, how = _normalize(x_train, x_test, normalize, per="feature", pixel_max=None)
     return Dataset(
         f"synthetic:{alpha:g},{beta:g},{clients},{dim},{classes}",
         x_train,
-        np.concatenate(parts["ytr"]).astype(np.int64),
+        y_train,
         x_test,
-        np.concatenate(parts["yte"]).astype(np.int64),
+        y_test,
         classes,
         (dim,),
         how,
-        client_ids=np.concatenate(parts["ids"]).astype(np.int64),
+        client_ids=np.repeat(np.arange(clients, dtype=np.int64), n_train),
     )
+
+
+_SYNTHETIC_DRAW = 1 << 22  # standard normals drawn per call (32 MiB)
+
+
+def _synthetic_groups(sizes: np.ndarray, dim: int, classes: int) -> list[np.ndarray]:
+    """Consecutive clients whose draws (v, W, b, then x: dim + dim·classes + classes + n·dim normals each) make
+    about one call of :data:`_SYNTHETIC_DRAW` normals."""
+    per_client = dim + dim * classes + classes + sizes * dim
+    cuts = np.searchsorted(np.cumsum(per_client), np.arange(_SYNTHETIC_DRAW, per_client.sum(), _SYNTHETIC_DRAW))
+    return [g for g in np.split(np.arange(len(sizes)), np.unique(cuts)) if len(g)]
+
+
+def _synthetic_clients(rng, group, sizes, u, b_shift, feature_std, classes):
+    """(k, x_k, y_k) of the clients in ``group``, from one standard-normal draw for all of them.
+
+    Bit for bit the per-client draws v ~ N(B_k, 1) [dim], W ~ N(u_k, 1) [dim, classes], b ~ N(u_k, 1) [classes],
+    x = v + N(0, 1)[n_k, dim]·std (NumPy's normal(loc, 1) is loc + one standard normal, in stream order)."""
+    dim = feature_std.size
+    head = dim + dim * classes + classes
+    lengths = head + sizes[group] * dim
+    z = rng.standard_normal(int(lengths.sum()))
+    starts = np.cumsum(lengths) - lengths
+    for j, k in enumerate(group.tolist()):
+        block = z[starts[j] : starts[j] + lengths[j]]
+        v = b_shift[k] + block[:dim]
+        w = u[k] + block[dim : dim + dim * classes].reshape(dim, classes)
+        b = u[k] + block[dim + dim * classes : head]
+        x = v + block[head:].reshape(-1, dim) * feature_std
+        yield k, x, np.argmax(x @ w + b, axis=1)
 
 
 def _quadratic_args(args: list[float]) -> tuple[int, int]:

@@ -434,7 +434,8 @@ def _natural(labels: np.ndarray, num_clients: int, client_ids: np.ndarray | None
     ids = np.asarray(client_ids)
     if ids.shape != labels.shape:
         raise ValueError(f"client_ids has shape {ids.shape}, labels {labels.shape}")
-    distinct = np.unique(ids)
+    distinct, counts = np.unique(ids, return_counts=True)
     if num_clients > distinct.size:
         raise ValueError(f"partition natural: the data has {distinct.size} natural clients, asked for {num_clients}")
-    return _finish([np.flatnonzero(ids == v) for v in distinct[:num_clients]])
+    order = np.argsort(ids, kind="stable")  # each natural client's samples, ascending
+    return np.split(order, np.cumsum(counts))[:num_clients]

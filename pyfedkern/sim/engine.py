@@ -460,6 +460,7 @@ class _Plan:
 class RoundBatches:
     """What :meth:`Simulation.stacked_batches` returns (see
     :class:`~pyfedkern.algorithms.batched.StackedBatches`): the plan's sample index, step after step, on the device.
+    Each step's batches are gathered with ``index_select`` into buffers reused from step to step.
 
     Attributes:
         clients, steps: the clients (descending number of steps) and their steps.
@@ -476,10 +477,13 @@ class RoundBatches:
             return
         self._widths = np.maximum.reduceat(length, self._starts)
         self._ragged = np.minimum.reduceat(length, self._starts) < self._widths
-        cols = np.arange(int(self._widths.max()))
-        real = cols[None, :] < length[:, None]
-        local = plan.perms[np.minimum(first[:, None] + cols, len(plan.perms) - 1)]  # padding: any sample, weight 0
-        index = np.where(real, local, 0) + sim._client_offsets[plan.clients[owner]][:, None]
+        # step s: its rows × its width, flattened, one after another (padding: any sample of the client, weight 0)
+        width = np.repeat(self._widths, self._rows)  # of each row
+        self._offsets = np.concatenate([[0], np.cumsum(self._rows * self._widths)])  # where each step begins
+        row = np.repeat(np.arange(len(owner)), width)
+        col = np.arange(row.size) - np.repeat(np.cumsum(width) - width, width)
+        local = plan.perms[np.where(col < length[row], first[row] + col, first[row])]
+        index = local + sim._client_offsets[plan.clients[owner[row]]]
         self._index = torch.as_tensor(index, device=sim.device)
         self._length = torch.as_tensor(length, device=sim.device) if self._ragged.any() else None
         self._noisy = sim.noise_std is not None and bool(np.any(np.asarray(sim.noise_std)[plan.clients] > 0))
@@ -487,13 +491,20 @@ class RoundBatches:
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
         sim = self._sim
+        if not len(self._rows):
+            return
+        most = int(np.max(self._rows * self._widths))
+        x_buffer = torch.empty(most, *sim._all_x.shape[1:], dtype=sim._all_x.dtype, device=sim.device)
+        y_buffer = torch.empty(most, *sim._all_y.shape[1:], dtype=sim._all_y.dtype, device=sim.device)
         for step, (rows, start) in enumerate(zip(self._rows.tolist(), self._starts.tolist(), strict=True)):
-            idx = self._index[start : start + rows, : int(self._widths[step])]
-            xb, yb = sim._all_x[idx], sim._all_y[idx]
+            width, (a, b) = int(self._widths[step]), self._offsets[step : step + 2].tolist()
+            idx = self._index[a:b]
+            xb = torch.index_select(sim._all_x, 0, idx, out=x_buffer[: b - a]).view(rows, width, *x_buffer.shape[1:])
+            yb = torch.index_select(sim._all_y, 0, idx, out=y_buffer[: b - a]).view(rows, width, *y_buffer.shape[1:])
             if self._noisy:
                 for r in range(rows):
-                    b = int(self._length_host[start + r])
-                    xb[r, :b] = sim._add_noise(xb[r, :b], int(self.clients[r]), self._t, step)
+                    n = int(self._length_host[start + r])
+                    xb[r, :n] = sim._add_noise(xb[r, :n], int(self.clients[r]), self._t, step)
             wb = None
             if self._ragged[step]:
                 wb = padding_weights(self._length[start : start + rows], xb)

@@ -89,6 +89,28 @@ def test_synthetic_shapes_determinism_and_clients():
     assert x0[:, 0].std() > 2 * x0[:, -1].std()
 
 
+def test_synthetic_draws_are_the_per_client_streams(monkeypatch):
+    """The generator draws many clients' normals at once but must give exactly the data of drawing them client by
+    client (v, W, b, then x, with NumPy's normal), as every recorded synthetic result was made with."""
+    monkeypatch.setattr(datasets, "_SYNTHETIC_DRAW", 5000)  # several groups of clients
+    data = load_dataset("synthetic:0.7,1.3,9,6,4", split_seed=2, normalize="none")
+    rng = np.random.default_rng(2)
+    sizes = np.minimum(rng.lognormal(4.0, 2.0, 9).astype(np.int64) + 50, 1000)
+    u, shift = rng.normal(0.0, 0.7, 9), rng.normal(0.0, 1.3, 9)
+    std = np.arange(1, 7, dtype=np.float64) ** -0.6
+    xs, ys = [], []
+    for k in range(9):
+        v, w, b = rng.normal(shift[k], 1.0, 6), rng.normal(u[k], 1.0, (6, 4)), rng.normal(u[k], 1.0, 4)
+        x = v + rng.standard_normal((sizes[k], 6)) * std
+        xs.append(x)
+        ys.append(np.argmax(x @ w + b, axis=1))
+    n_train = [int(0.8 * n) for n in sizes]
+    x_train = np.concatenate([x[:m] for x, m in zip(xs, n_train, strict=True)]).astype(np.float32)
+    np.testing.assert_array_equal(data.x_train, x_train)
+    np.testing.assert_array_equal(data.y_test, np.concatenate([y[m:] for y, m in zip(ys, n_train, strict=True)]))
+    np.testing.assert_array_equal(data.client_ids, np.repeat(np.arange(9), n_train))
+
+
 def test_synthetic_defaults_and_standardisation():
     s = load_dataset("synthetic:1,1")
     assert s.name == "synthetic:1,1,30,60,10" and s.input_shape == (60,) and s.num_classes == 10
