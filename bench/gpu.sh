@@ -53,12 +53,17 @@ if has bench; then
     >"$out/bench-cuda.md" && grep -E "^\| " "$out/bench-cuda.md" | head -0
 fi
 if has engine; then
-  stamp "engine benchmarks (cuda)"
-  timeout 420 $py -P -m pytest bench/ -k "cuda and (fedpbc_round or engine)" -q -p no:cacheprovider \
-    --benchmark-json="$out/bench-engine.json" >"$out/bench-engine.log" 2>&1
-  tail -2 "$out/bench-engine.log"
-  $py -P bench/report.py "$out/bench-engine.json" --title "pyfedkern engine on CUDA ($(head -1 "$out/gpu.txt"))" \
-    >"$out/bench-engine.md"
+  stamp "engine rounds ($py bench/engine_gpu.py) and 10,000-client runs on cuda and cpu"
+  timeout 300 $py -P bench/engine_gpu.py cuda | tee "$out/engine-rounds.md"
+  for dev in cuda cpu; do
+    /usr/bin/time -f "%e s wall" timeout 200 $py -P -m pyfedkern run --algorithm fedavg --dataset synthetic:1,1,10000 \
+      --partition natural --clients 10000 --model logreg --rounds 5 --device $dev --no-progress \
+      --out "/tmp/run10k-$dev" >"$out/run10k-$dev.log" 2>&1
+    tail -1 "$out/run10k-$dev.log"
+    $py -c "import json,sys; [print(sys.argv[1], r['round'], 'round %.3f s local %.3f s aggregation %.3f s' % \
+      (r['time_round'], r['time_local'], r['time_aggregation'])) for r in map(json.loads, open(sys.argv[2]))]" \
+      $dev "/tmp/run10k-$dev/metrics.jsonl" | tee -a "$out/run10k.txt"
+  done
 fi
 # logs in one archive (a lent machine returns few files)
 (cd "$out" && tar czf logs.tgz --remove-files $(ls *.log profile.txt overhead-cuda.json 2>/dev/null))
