@@ -1,4 +1,5 @@
-"""ServerApp: a pyfedkern strategy chosen by the run config's ``algorithm``; saves the final model if asked."""
+"""ServerApp: a pyfedkern strategy chosen by the run config's ``algorithm``. Every round it logs the clients' mean
+local loss and the global model's test and train loss and accuracy; it saves the final model if asked."""
 
 import json
 import time
@@ -27,22 +28,23 @@ def make_strategy(config):
     return pf.FedAvg(**common)
 
 
-def pause_hook(pause_dir: str):
-    """After each round, write ``round-N.json`` (who replied, who failed) and wait for ``go-N`` (scripted runs)."""
-    if not pause_dir:
-        return None
-    folder = Path(pause_dir)
+def evaluate_each_round(config, pause_dir: str):
+    """Evaluate the global model after each round (test and train loss/accuracy, as pyfedkern's simulator does);
+    with ``pause_dir`` (scripted runs), also write ``round-N.json`` (who replied, who failed) and wait for
+    ``go-N``."""
+    evaluate = pf.server_evaluation(config)
 
     def after_round(server_round: int, arrays: ArrayRecord):
-        if server_round == 0:
-            return None
-        record = strategy.history[-1]
-        (folder / f"round-{server_round}.json").write_text(
-            json.dumps({"received": record.received, "failed": record.failed})
-        )
-        while not (folder / f"go-{server_round}").exists():
-            time.sleep(0.1)
-        return None
+        metrics = evaluate(server_round, arrays)
+        if pause_dir and server_round > 0:
+            record = strategy.history[-1]
+            folder = Path(pause_dir)
+            (folder / f"round-{server_round}.json").write_text(
+                json.dumps({"received": record.received, "failed": record.failed})
+            )
+            while not (folder / f"go-{server_round}").exists():
+                time.sleep(0.1)
+        return metrics
 
     return after_round
 
@@ -71,9 +73,15 @@ def main(grid: Grid, context: Context) -> None:
         initial_arrays=pf.initial_arrays(config),
         num_rounds=config.rounds,
         timeout=float(run_config.get("train-timeout", 60.0)),
-        evaluate_fn=pause_hook(str(run_config.get("pause-dir", ""))),
+        evaluate_fn=evaluate_each_round(config, str(run_config.get("pause-dir", ""))),
     )
     if run_config.get("out-file"):
+        out = run_config["out-file"]
         model = result.arrays[pf.MODEL_KEY].numpy() if result.arrays is not None else np.zeros(0)
-        np.save(run_config["out-file"], model)
-        Path(run_config["out-file"] + ".history.json").write_text(json.dumps([vars(r) for r in strategy.history]))
+        Path(out + ".history.json").write_text(json.dumps([vars(r) for r in strategy.history]))
+        metrics = {
+            "train": {rnd: dict(m) for rnd, m in result.train_metrics_clientapp.items()},
+            "evaluate": {rnd: dict(m) for rnd, m in result.evaluate_metrics_serverapp.items()},
+        }
+        Path(out + ".metrics.json").write_text(json.dumps(metrics))
+        np.save(out, model)  # last: its existence tells a scripted run that the other files are there

@@ -3,14 +3,16 @@
 Server side (Flower's Message API, ``flwr.serverapp``):
 
 - :func:`aggregate` / :func:`aggregate_inplace`: drop-in replacements of ``flwr.server.strategy.aggregate.aggregate``
-  and ``aggregate_inplace`` (same signatures and results) computed with :func:`pyfedkern.ops.weighted_sum` /
-  :func:`pyfedkern.ops.accumulate_`: one pass over the inputs, one output model of memory, inputs untouched.
+  (Flower's results bit for bit, in its dtypes) and ``aggregate_inplace`` computed with
+  :func:`pyfedkern.ops.weighted_sum`: one pass over the inputs, one output model of memory, inputs untouched.
 - :class:`FedAvg`: ``flwr.serverapp.strategy.FedAvg`` that adds each reply into one running sum per array as the
   reply arrives (:func:`pyfedkern.ops.accumulate_` on a zero-copy view of the reply's bytes), so aggregation needs
   one model of memory instead of one per client. Its ``start`` pulls replies from the SuperLink as they come
   instead of waiting for the slowest node.
 - :class:`FedPBC`, :class:`BHerd`, :class:`FedSpeed`, :class:`DynamicInit`: the papers' server steps on top of it.
 - :class:`LegacyFedAvg`: the same for the legacy ``flwr.server.strategy.FedAvg.aggregate_fit``.
+- :func:`mean_metrics` (the strategies' train-metric aggregation: real measurements only) and
+  :func:`server_evaluation` (an ``evaluate_fn``: the global model's test/train loss and accuracy each round).
 
 Client side: :func:`make_client_app` returns a ``ClientApp`` that runs a pyfedkern algorithm's local update on
 the node's partition of an :class:`~pyfedkern.sim.engine.ExperimentConfig` (the data, model and random streams
@@ -305,6 +307,39 @@ def aggregate_inplace(results: list[tuple[Any, Any]]) -> list[np.ndarray]:
     return [layers[str(i)] for i in range(len(layers))]
 
 
+# Metrics -------------------------------------------------------------------------------------------------
+
+
+def mean_metrics(records: list[RecordDict], weighting_metric_name: str, *, uniform: bool = False) -> MetricRecord:
+    """The replies' metrics averaged key by key, weighted by ``weighting_metric_name`` (or with equal weights when
+    ``uniform``), which is itself left out of the result. Each key averages the replies that report a finite value
+    for it (a client without local steps reports a NaN loss), so the result holds only real measurements.
+    Drop-in for Flower's ``train_metrics_aggr_fn`` / ``evaluate_metrics_aggr_fn``."""
+    sums: dict[str, list[float]] = {}
+    for content in records:
+        values = {k: v for record in content.metric_records.values() for k, v in record.items()}
+        weight = 1.0 if uniform else float(values[weighting_metric_name])
+        for key, value in values.items():
+            if key == weighting_metric_name or isinstance(value, list) or not math.isfinite(value):
+                continue
+            total = sums.setdefault(key, [0.0, 0.0])
+            total[0] += weight * float(value)
+            total[1] += weight
+    return MetricRecord({key: num / den for key, (num, den) in sums.items() if den > 0})
+
+
+def server_evaluation(config: Any) -> Callable[[int, ArrayRecord], MetricRecord]:
+    """An ``evaluate_fn`` for ``Strategy.start``: the global model's "test-loss", "test-acc", "train-loss" and
+    "train-acc" on ``config``'s test set and train-evaluation subset, as the simulator measures them each round."""
+    sim = _simulation(config)
+
+    def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        scores = sim.evaluate(torch.from_numpy(_flat(arrays)).to(sim.initial_vector))
+        return MetricRecord({key.replace("_", "-"): float(value) for key, value in scores.items()})
+
+    return evaluate
+
+
 # Streaming replies ---------------------------------------------------------------------------------------
 
 
@@ -372,9 +407,11 @@ class FedAvg(_FlowerFedAvg):
 
     ``history`` keeps a :class:`RoundRecord` per training round. Replies must carry one ArrayRecord and a
     MetricRecord with ``weighted_by_key`` (unless ``uniform``); a malformed reply is a ValueError naming its node.
+    Every round's train metrics average the replies' metrics (:func:`mean_metrics`), for every strategy.
     """
 
     def __init__(self, *args: Any, uniform: bool = False, poll_interval: float = 0.1, **kwargs: Any) -> None:
+        kwargs.setdefault("train_metrics_aggr_fn", mean_metrics)
         super().__init__(*args, **kwargs)
         self.uniform = uniform
         self.poll_interval = poll_interval
@@ -430,7 +467,13 @@ class FedAvg(_FlowerFedAvg):
         return running, metrics
 
     def _metrics(self, metrics: list[RecordDict]) -> MetricRecord | None:
-        return self.train_metrics_aggr_fn(metrics, self.weighted_by_key) if metrics and not self.uniform else None
+        """The round's train metrics: ``train_metrics_aggr_fn`` (default :func:`mean_metrics`) weighted by
+        ``weighted_by_key``, or the replies' plain mean for ``uniform`` strategies."""
+        if not metrics:
+            return None
+        if self.uniform:
+            return mean_metrics(metrics, self.weighted_by_key, uniform=True)
+        return self.train_metrics_aggr_fn(metrics, self.weighted_by_key)
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -486,11 +529,11 @@ class FedPBC(FedAvg):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        running, _ = self.stream_train(server_round, replies)
+        running, metrics = self.stream_train(server_round, replies)
         self.receivers = set(self.history[-1].received)
         if running.count == 0:
             return None, None
-        return _record(running.mean()), None
+        return _record(running.mean()), self._metrics(metrics)
 
 
 @dataclass
@@ -779,7 +822,8 @@ class _OneClient:
 
 def client_train(config: Any, cid: int, server_round: int, content: RecordDict, state: RecordDict) -> RecordDict:
     """One local update of client ``cid`` for Flower round ``server_round`` (round t = server_round − 1 of the
-    simulation); returns the reply content (ArrayRecord "arrays" of flat vectors, MetricRecord "metrics").
+    simulation); returns the reply content: ArrayRecord "arrays" of flat vectors, MetricRecord "metrics" with
+    "num-examples" (the partition's size) and "local-loss" (the mean loss of the local steps, NaN without steps).
 
     ``state`` is the node's persistent ``Context.state``: FedPBC keeps the client's model there, FedSpeed its h_i.
     For "dynamic" the host's update runs in the session's context (LR restarted at ``session-start``), or, in
@@ -809,7 +853,7 @@ def client_train(config: Any, cid: int, server_round: int, content: RecordDict, 
             x = torch.from_numpy(_flat(start))
             result = local_sgd(sim, cid, t, x)
             state.array_records["pbc"] = _record({MODEL_KEY: result.x.numpy()})
-            vectors, loss, steps = {MODEL_KEY: result.x}, result.loss, result.steps
+            vectors, loss = {MODEL_KEY: result.x}, result.loss
         elif config.algorithm == "fedspeed":
             x = torch.from_numpy(_flat(received))
             one = _OneClient(sim)
@@ -825,7 +869,7 @@ def client_train(config: Any, cid: int, server_round: int, content: RecordDict, 
             upload = opt.end_round(None, include_h=True)
             if algo.h_store is not None:
                 state.array_records["fedspeed"] = _record({"h": algo.h_store[0].numpy()})
-            vectors, steps = {MODEL_KEY: upload}, 0
+            vectors = {MODEL_KEY: upload}
         elif config.algorithm == "dynamic":
             settings = content.config_records["config"]
             if "footprint-round" in settings:
@@ -835,19 +879,12 @@ def client_train(config: Any, cid: int, server_round: int, content: RecordDict, 
             host = algo.make_host()
             host.setup(view, torch.from_numpy(_flat(received)))
             message = host.client_update(t, cid, view)
-            vectors, loss, steps = message.vectors, message.loss, message.steps
+            vectors, loss = message.vectors, message.loss
         else:
             algo.setup(sim, torch.from_numpy(_flat(received)))
             message = algo.client_update(t, cid, sim)
-            vectors, loss, steps = message.vectors, message.loss, message.steps
-    metrics = MetricRecord(
-        {
-            "num-examples": int(sim.client_sizes[cid]),
-            "train-loss": float(loss) if math.isfinite(loss) else 0.0,
-            "steps": int(steps),
-            "cid": int(cid),
-        }
-    )
+            vectors, loss = message.vectors, message.loss
+    metrics = MetricRecord({"num-examples": int(sim.client_sizes[cid]), "local-loss": float(loss)})
     arrays = _record({name: v.detach().cpu().numpy() for name, v in vectors.items()})
     return RecordDict({"arrays": arrays, "metrics": metrics})
 
@@ -917,4 +954,6 @@ __all__ = [
     "dynamic_algorithm",
     "initial_arrays",
     "make_client_app",
+    "mean_metrics",
+    "server_evaluation",
 ]

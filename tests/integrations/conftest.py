@@ -1,5 +1,6 @@
-"""Fixture ``flower_deployment``: a real Flower deployment on loopback (SuperLink + SuperNodes, free ports chosen
-at run time) that runs examples/flower with ``flwr run``; afterwards no process it started is left.
+"""Fixtures ``flower_deployment``: a real Flower deployment on loopback (SuperLink + SuperNodes, free ports chosen
+at run time), and ``flower_simulation``: a SuperLink running Flower's simulation runtime (Ray) with simulated
+SuperNodes; both run examples/flower with ``flwr run``, and afterwards no process they started is left.
 
 Every process of a deployment carries ``PYFEDKERN_FLOWER_DEPLOYMENT=<tag>`` in its environment (children inherit
 it), so the deployment finds all of them in /proc, also those that left our process groups: the SuperLink starts
@@ -22,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+import pyfedkern
 
 ROOT = Path(__file__).resolve().parents[2]
 APP = ROOT / "examples" / "flower"
@@ -102,13 +105,18 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 class Deployment:
-    """A SuperLink and ``nodes`` SuperNodes (partition-id 0..nodes-1) in ``workdir``; use as a context manager."""
+    """A SuperLink and ``nodes`` SuperNodes (partition-id 0..nodes-1) in ``workdir``, or with ``simulation`` a
+    SuperLink in simulation mode whose runs simulate ``nodes`` SuperNodes; use as a context manager."""
 
-    def __init__(self, workdir: Path, nodes: int) -> None:
+    def __init__(self, workdir: Path, nodes: int, simulation: bool = False) -> None:
         self.workdir = workdir
         self.nodes = nodes
+        self.simulation = simulation
         self.tag = uuid.uuid4().hex
         self.env = {**os.environ, "FLWR_HOME": str(workdir / "flwr-home"), "PYTHONUNBUFFERED": "1"}
+        # The apps' processes import this pyfedkern (also when it runs from a checkout, not installed).
+        source = str(Path(pyfedkern.__file__).resolve().parents[1])
+        self.env["PYTHONPATH"] = os.pathsep.join(p for p in (source, os.environ.get("PYTHONPATH")) if p)
         self.env[TAG_VARIABLE] = self.tag
         self.env["PATH"] = f"{BIN}{os.pathsep}{self.env.get('PATH', '')}"
         self.link: subprocess.Popen | None = None
@@ -131,11 +139,12 @@ class Deployment:
                     "--port",
                     str(self.port),
                     "--disable-runtime-dependency-installation",
+                    *(["--simulation", "--isolation", "subprocess"] if self.simulation else []),
                 ],
                 "superlink.log",
             )
             wait_port(self.port, self.link, log)
-            for i in range(self.nodes):
+            for i in range(0 if self.simulation else self.nodes):
                 node_port = free_port()
                 proc, log = self._spawn(
                     [
@@ -196,8 +205,10 @@ class Deployment:
         cfg = {**run_config, "out-file": str(out), "pause-dir": str(pause)}
         overrides = self.workdir / "run-config.toml"  # a file: JSON-valued strings break the inline syntax
         overrides.write_text("".join(f'"{k}" = {json.dumps(v)}\n' for k, v in cfg.items()))
+        federation = ["--federation-config", f"num-supernodes={self.nodes}"] if self.simulation else []
         proc, _ = self._spawn(
-            [str(BIN / "flwr"), "run", str(app), "local", "--run-config", str(overrides), "--stream"], "flwr-run.log"
+            [str(BIN / "flwr"), "run", str(app), "local", "--run-config", str(overrides), *federation, "--stream"],
+            "flwr-run.log",
         )
         try:
             end = time.monotonic() + timeout
@@ -222,19 +233,21 @@ class Deployment:
         finally:
             stop(proc)
 
+    def metrics(self) -> dict:
+        """The last run's per-round metrics as the example app saved them: {"train": ..., "evaluate": ...}."""
+        return json.loads((self.workdir / "final.npy.metrics.json").read_text())
+
     def logs(self) -> str:
         return "\n".join(f"== {p.name}\n{p.read_text()[-2500:]}" for p in sorted(self.workdir.glob("*.log")))
 
 
-@pytest.fixture
-def flower_deployment(tmp_path):
-    """``flower_deployment(nodes)`` starts a deployment in tmp_path; all its processes stop after the test."""
+def _deployments(tmp_path: Path, simulation: bool):
     if not Path("/proc/self/environ").exists():
         pytest.skip("finding every process of a deployment needs Linux's /proc")
     started: list[Deployment] = []
 
     def start(nodes: int) -> Deployment:
-        dep = Deployment(tmp_path, nodes).__enter__()
+        dep = Deployment(tmp_path, nodes, simulation).__enter__()
         started.append(dep)
         return dep
 
@@ -242,3 +255,17 @@ def flower_deployment(tmp_path):
     for dep in started:
         dep.close()
         assert dep.processes() == {}, "a process of the deployment outlived close()"
+
+
+@pytest.fixture
+def flower_deployment(tmp_path):
+    """``flower_deployment(nodes)`` starts a deployment in tmp_path; all its processes stop after the test."""
+    yield from _deployments(tmp_path, simulation=False)
+
+
+@pytest.fixture
+def flower_simulation(tmp_path):
+    """``flower_simulation(nodes)`` starts a SuperLink running Flower's simulation runtime in tmp_path, whose runs
+    simulate ``nodes`` SuperNodes with Ray; skipped without Ray. All its processes stop after the test."""
+    pytest.importorskip("ray", reason="Flower's simulation runtime needs Ray: pip install 'pyfedkern[simulation]'")
+    yield from _deployments(tmp_path, simulation=True)

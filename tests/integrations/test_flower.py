@@ -474,6 +474,62 @@ def test_client_fedspeed_matches_sim_round():
     assert "fedspeed" in states[0].array_records  # h_i lives on the client
 
 
+def _client_grid(config):
+    """A FakeGrid whose nodes 1..clients run pyfedkern's ClientApp logic (node n is client n - 1)."""
+    states = {n: RecordDict() for n in range(1, config.clients + 1)}
+
+    def handler(node, msg):
+        server_round = int(msg.content["config"]["server-round"])
+        return pf.client_train(config, node - 1, server_round, msg.content, states[node])
+
+    return FakeGrid(list(states), handler)
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg", "fedpbc", "bherd", "fedspeed", "dynamic"])
+def test_every_strategy_reports_loss_and_accuracy_every_round(algorithm):
+    """Train metrics are the clients' mean local loss (no client id or step count averaged as a metric); the
+    server evaluation gives the global model's test/train loss and accuracy, every round, for every strategy."""
+    params = {"dynamic": {"sessions": 3}}.get(algorithm, {})
+    config = _tiny(algorithm, algorithm_params=params)
+    common = {"min_available_nodes": 1, "min_train_nodes": 1, "fraction_evaluate": 0.0, "poll_interval": 0.01}
+    strategy = {
+        "fedavg": lambda: pf.FedAvg(**common),
+        "fedpbc": lambda: pf.FedPBC(**common),
+        "bherd": lambda: pf.BHerd(config, **common),
+        "fedspeed": lambda: pf.FedSpeed(**common),
+        "dynamic": lambda: pf.DynamicInit(config, **common),
+    }[algorithm]()
+    result = strategy.start(
+        grid=_client_grid(config),
+        initial_arrays=pf.initial_arrays(config),
+        num_rounds=2,
+        timeout=30,
+        evaluate_fn=pf.server_evaluation(config),
+    )
+    assert sorted(result.train_metrics_clientapp) == [1, 2]
+    for metrics in result.train_metrics_clientapp.values():
+        assert set(metrics) == {"local-loss"} and np.isfinite(metrics["local-loss"])
+    assert sorted(result.evaluate_metrics_serverapp) == [0, 1, 2]
+    for metrics in result.evaluate_metrics_serverapp.values():
+        assert set(metrics) == {"test-loss", "test-acc", "train-loss", "train-acc"}
+        assert 0.0 <= metrics["test-acc"] <= 1.0
+    sim = Simulation(config)
+    expected = sim.evaluate(sim.initial_vector)
+    assert result.evaluate_metrics_serverapp[0]["test-acc"] == pytest.approx(expected["test_acc"])
+
+
+def test_mean_metrics_averages_only_finite_measurements():
+    replies = [
+        RecordDict({"metrics": MetricRecord({"num-examples": 10, "local-loss": 1.0, "acc": 0.5})}),
+        RecordDict({"metrics": MetricRecord({"num-examples": 30, "local-loss": 3.0})}),
+        RecordDict({"metrics": MetricRecord({"num-examples": 60, "local-loss": float("nan"), "acc": 1.0})}),
+    ]
+    weighted = pf.mean_metrics(replies, "num-examples")
+    assert dict(weighted) == {"local-loss": pytest.approx(2.5), "acc": pytest.approx((5 + 60) / 70)}
+    uniform = pf.mean_metrics(replies, "num-examples", uniform=True)
+    assert dict(uniform) == {"local-loss": 2.0, "acc": 0.75}
+
+
 def test_config_from_run_config():
     cfg = pf.config_from_run_config(
         {"algorithm": "fedprox", "algorithm-params": '{"mu": 0.5}', "local-steps": 0, "clients": 4, "out-file": "x"}
@@ -583,31 +639,63 @@ class _Schedule:
         return np.asarray(self.active[t], dtype=np.int64)
 
 
-@pytest.mark.slow
-def test_real_superlink_fedpbc_with_killed_node_equals_sim(flower_deployment):
+def _fedpbc_scheduled(active):
+    """FedPBC whose links in round t are up exactly for the clients in ``active[t]``."""
     from dataclasses import dataclass
 
     from pyfedkern.algorithms.fedpbc import FedPBC as FedPBCAlgorithm
 
+    @dataclass
+    class Scheduled(FedPBCAlgorithm):
+        def setup(self, ctx, x0):
+            super().setup(ctx, x0)
+            self.link_model = _Schedule(active)
+
+    return Scheduled()
+
+
+@pytest.mark.slow
+def test_real_superlink_fedpbc_with_killed_node_equals_sim(flower_deployment):
     run_config = {"algorithm": "fedpbc", "batched": False, "seed": 4, **RUN}
     dep = flower_deployment(3)
     model, history = _killed_run(dep, run_config)
     _check_killed_node_history(history)
     _close_and_check_processes(dep)
 
-    @dataclass
-    class Scheduled(FedPBCAlgorithm):
-        def setup(self, ctx, x0):
-            super().setup(ctx, x0)
-            survivors = [c for c in range(3) if c != KILLED]
-            self.link_model = _Schedule([[0, 1, 2], survivors, survivors])
-
+    survivors = [c for c in range(3) if c != KILLED]
     config = pf.config_from_run_config(run_config)
-    expected = _run_sim(config, Scheduled())
+    expected = _run_sim(config, _fedpbc_scheduled([[0, 1, 2], survivors, survivors]))
     np.testing.assert_allclose(model, expected, rtol=1e-5, atol=1e-6)
     # The killed client did not take part: the run differs from one where all three stayed connected.
     everyone = _run_sim(config)
     assert np.abs(everyone - model).max() > 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ["fedavg", "fedpbc"])
+def test_simulation_runtime_equals_sim(flower_simulation, algorithm):
+    """The example app under Flower's simulation runtime (Ray, 10 simulated SuperNodes, 3 rounds) computes the
+    model of pyfedkern's own simulator and reports loss and accuracy every round."""
+    run_config = {**RUN, "algorithm": algorithm, "batched": False, "clients": 10, "seed": 6}  # per client, as nodes
+    sim_run = flower_simulation(10)
+    model, history = sim_run.run(run_config)
+    assert len(history) == 3 and all(len(r["received"]) == 10 and not r["failed"] for r in history)
+    config = pf.config_from_run_config(run_config)
+    # Every simulated node answers every round: for FedPBC every link is up.
+    sim = Simulation(config, _fedpbc_scheduled([list(range(10))] * 3) if algorithm == "fedpbc" else None)
+    rounds = sim.run()
+    np.testing.assert_allclose(model, sim.algorithm.global_model().numpy(), rtol=1e-5, atol=1e-6)
+    metrics = sim_run.metrics()
+    assert sorted(metrics["train"]) == ["1", "2", "3"] and sorted(metrics["evaluate"]) == ["0", "1", "2", "3"]
+    for record in rounds:  # the global model's accuracy as the simulator measures it, every round
+        evaluated = metrics["evaluate"][str(record["round"])]
+        assert evaluated["test-acc"] == pytest.approx(record["test_acc"], abs=1e-6)
+        assert evaluated["train-loss"] == pytest.approx(record["train_loss"], rel=1e-5)
+        if record["round"]:  # the clients' local loss: weighted by examples for FedAvg, a plain mean for FedPBC
+            train = metrics["train"][str(record["round"])]
+            assert set(train) == {"local-loss"} and np.isfinite(train["local-loss"])
+            if algorithm == "fedpbc":
+                assert train["local-loss"] == pytest.approx(record["local_loss"], rel=1e-5)
 
 
 def test_benchmark_cases_agree_and_pyfedkern_allocates_less():
