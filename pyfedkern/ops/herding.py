@@ -13,7 +13,7 @@ How :func:`herding_order` / :func:`herding_select` compute (the Gram form of spe
    cancellation the raw identity has when ‖μ‖ ≫ ‖z‖ (specs/bherd.md §2). One pass over the [τ, d] buffer, no
    separate mean pass, compute-bound.
    On the GPU, TF32 matmul (``torch.backends.cuda.matmul.allow_tf32``) lowers the precision of G; leave it off.
-2. **Greedy loop** in native code (``pyfedkern._C.herding_greedy``; OpenMP over clients on the CPU, one CUDA block
+2. **Greedy loop** in native code (``pyfedkern._C.herding_greedy``; the CPU thread pool over clients, one CUDA block
    per client on the GPU): ‖s + z_m‖² = ‖s‖² + 2c_m + G_mm with c_m = ⟨s, z_m⟩, so each step is an argmin over the
    remaining m of 2c_m + G_mm followed by c += G[j, :]. O(k·τ) per client, no τ³ term. Ties go to the lowest
    index; a score ties with the minimum when it is within the rounding scale of the Gram form,
