@@ -5,7 +5,7 @@
 #include "types.h"
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "pyfedkern native kernels (C++/OpenMP and CUDA); use the pyfedkern.ops API, not this module";
+  m.doc() = "pyfedkern native kernels (C++ and CUDA); use the pyfedkern.ops API, not this module";
   pybind11::register_exception<pfk::ArgumentError>(m, "ArgumentError", PyExc_ValueError);
   pfk::bind_runtime(m);
   pfk::bind_aggregate(m);
