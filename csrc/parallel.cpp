@@ -17,6 +17,7 @@
 #include <cstdlib>
 #include <exception>
 #include <mutex>
+#include <system_error>
 #include <thread>
 
 namespace pfk {
@@ -56,7 +57,11 @@ class Pool {
       return;
     }
     t_in_pool = true;
-    for (; workers_ < threads - 1; ++workers_) std::thread([this] { work_forever(); }).detach();
+    try {
+      for (; workers_ < threads - 1; ++workers_) std::thread([this] { work_forever(); }).detach();
+    } catch (const std::system_error&) {  // no more threads allowed: run with the workers there are
+      threads = workers_ + 1;
+    }
     body_.store(body, std::memory_order_relaxed);
     ctx_.store(ctx, std::memory_order_relaxed);
     nchunks_.store(nchunks, std::memory_order_relaxed);
