@@ -7,7 +7,8 @@ against Flower's simulation engine on the same task.
   run (round t = 1, 2, ... of one long run). "pyfedkern": the participants trained as rows of one [k, d] tensor
   (:mod:`pyfedkern.algorithms.batched`); "per-client loop": the same round with ``batched=False`` (a Python loop
   over ``client_update``). Both compute the same round (equal to rounding, tests/sim/test_batched_engine.py). CPU
-  runs use one thread, as :meth:`Simulation.run` does for models this small.
+  runs use one thread, as :meth:`Simulation.run` does for models this small. Plus FedAvg with logreg at
+  m = 10,000 (pyfedkern only: the per-client loop takes about 12 s a round on the CPU).
 - ``flower_round m=500 digits fedavg mlp cpu``: one FedAvg round of 500 clients (digits split IID, 2 or 3 samples
   each, one epoch of batch 32: one step per client, MLP) in pyfedkern's engine and in Flower's simulation engine
   (Ray), with pyfedkern's own ClientApp on each node (so every client computes the same local update), timed round
@@ -40,6 +41,7 @@ ALGORITHMS = {
 CLIENTS, QUICK_CLIENTS = (100, 1000), (100,)
 MODELS, QUICK_MODELS = ("logreg", "mlp"), ("logreg",)
 FLOWER_CLIENTS, QUICK_FLOWER_CLIENTS = 500, 20
+LARGE_CLIENTS = 10_000
 
 
 def round_config(algorithm: str, clients: int, model: str, device: str) -> Any:
@@ -189,6 +191,10 @@ def cases(quick: bool = False, device: str = "cpu") -> list[Case]:
                         group, "per-client loop (batched=False)", lambda c=config: engine_round(c, False), device=device
                     ),
                 ]
+    if not quick:  # the 10,000-client round (the per-client loop takes 12 s a round: not timed)
+        config = round_config("fedavg", LARGE_CLIENTS, "logreg", device)
+        group = f"engine_round fedavg m={LARGE_CLIENTS} synthetic(1,1) logreg {device}"
+        out.append(Case(group, "pyfedkern", lambda c=config: engine_round(c, True), device=device))
     if device == "cpu":
         clients = QUICK_FLOWER_CLIENTS if quick else FLOWER_CLIENTS
         config = flower_config(clients)
