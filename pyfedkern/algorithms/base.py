@@ -84,6 +84,7 @@ class FLContext(Protocol):
     # - batched (bool, default True): train a round's participants as batched steps; False: a loop over clients.
     # - client_chunk (int | None, default None): train at most this many participants at once (None: as many as
     #   fit the memory budget of pyfedkern.algorithms.batched.client_chunks).
+    # - sample_input (tensor): one training sample, on which that budget measures the model's activations.
 
     def rng(self, *keys: int) -> np.random.Generator:
         """An independent random stream for (seed, *keys)."""
