@@ -22,10 +22,12 @@ Flower task.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
-import queue
+import os
+import signal
+import subprocess
 import sys
-import threading
 import time
 from dataclasses import replace
 from typing import Any
@@ -119,62 +121,81 @@ def flower_available() -> bool:
 
 class FlowerRounds:
     """Flower's simulation engine running pyfedkern's FedAvg ClientApp on ``config.clients`` nodes, one round per
-    :meth:`round` call (the simulation keeps running between calls, so Ray's start-up is paid once).
+    :meth:`round` call; the simulation keeps running between calls, so Ray's start-up is paid once.
 
-    The ServerApp waits for a request, runs ``strategy.start(num_rounds=1)`` from the current model, and reports
-    back; :meth:`close` ends the simulation.
+    The simulation runs in its own process group (``python -m pyfedkern.benchmarks.engine serve-flower CLIENTS``):
+    its ServerApp waits for a line on stdin, runs ``strategy.start(num_rounds=1)`` from the current model and
+    answers with a line. :meth:`close` (also at interpreter exit) stops it and ends the whole group, Ray's
+    processes included.
     """
 
     def __init__(self, config: Any) -> None:
-        from flwr.app import Context
-        from flwr.serverapp import Grid, ServerApp
-        from flwr.simulation import run_simulation
-
-        from pyfedkern.integrations import flower as pf
-
-        self.config = config
-        self._requests: queue.Queue = queue.Queue()
-        self._done: queue.Queue = queue.Queue()
-        server = ServerApp()
-        clients = config.clients
-
-        @server.main()
-        def main(grid: Grid, context: Context) -> None:
-            arrays = pf.initial_arrays(config)
-            strategy = pf.FedAvg(fraction_evaluate=0.0, min_available_nodes=clients, min_train_nodes=clients)
-            while self._requests.get() is not None:
-                result = strategy.start(grid=grid, initial_arrays=arrays, num_rounds=1, timeout=3600.0)
-                arrays = result.arrays
-                self._done.put(arrays)
-            self._done.put(None)
-
-        backend = {"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"include_dashboard": False}}
-        self._thread = threading.Thread(
-            target=run_simulation,
-            kwargs={
-                "server_app": server,
-                "client_app": pf.make_client_app(config),
-                "num_supernodes": clients,
-                "backend_config": backend,
-                "verbose_logging": False,
-            },
-            daemon=True,
+        if config != flower_config(config.clients):
+            raise ValueError("FlowerRounds runs flower_config(clients) only")
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "pyfedkern.benchmarks.engine", "serve-flower", str(config.clients)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            start_new_session=True,
         )
-        self._thread.start()
         atexit.register(self.close)
 
-    def round(self) -> Any:
-        """Run one round; returns the new global model (an ArrayRecord)."""
-        self._requests.put(True)
-        arrays = self._done.get()
-        if arrays is None:
-            raise RuntimeError("the Flower simulation ended before the round ran")
-        return arrays
+    def round(self) -> str:
+        """Run one round; returns the server's answer ("done")."""
+        self._process.stdin.write("round\n")
+        self._process.stdin.flush()
+        answer = self._process.stdout.readline().strip()
+        if answer != "done":
+            raise RuntimeError(f"the Flower simulation did not run the round (answered {answer!r})")
+        return answer
 
     def close(self) -> None:
-        if self._thread.is_alive():
-            self._requests.put(None)
-            self._thread.join(timeout=60.0)
+        if self._process.poll() is None:
+            try:
+                self._process.stdin.write("stop\n")
+                self._process.stdin.flush()
+                self._process.wait(timeout=30.0)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self._process.pid, signal.SIGKILL)  # Ray's processes left in the group
+
+
+def serve_flower(clients: int) -> None:
+    """The process behind :class:`FlowerRounds`: Flower's simulation engine with a ServerApp that runs one FedAvg
+    round per "round" line on stdin and answers "done" on stdout, until "stop"."""
+    from flwr.app import Context
+    from flwr.serverapp import Grid, ServerApp
+    from flwr.simulation import run_simulation
+
+    from pyfedkern.integrations import flower as pf
+
+    config = flower_config(clients)
+    out = sys.stdout
+    sys.stdout = sys.stderr  # Flower's and Ray's output must not mix with the answers
+    server = ServerApp()
+
+    @server.main()
+    def main(grid: Grid, context: Context) -> None:
+        arrays = pf.initial_arrays(config)
+        strategy = pf.FedAvg(fraction_evaluate=0.0, min_available_nodes=clients, min_train_nodes=clients)
+        for line in sys.stdin:
+            if line.strip() != "round":
+                break
+            arrays = strategy.start(grid=grid, initial_arrays=arrays, num_rounds=1, timeout=3600.0).arrays
+            out.write("done\n")
+            out.flush()
+
+    backend = {"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"include_dashboard": False}}
+    run_simulation(
+        server_app=server,
+        client_app=pf.make_client_app(config),
+        num_supernodes=clients,
+        backend_config=backend,
+        verbose_logging=False,
+    )
 
 
 def cases(quick: bool = False, device: str = "cpu") -> list[Case]:
@@ -209,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     """``flower [clients] [rounds]``: client steps per second of pyfedkern's engine and Flower's simulation engine on
     the Flower task (each round timed after a first warm-up round)."""
     args = sys.argv[1:] if argv is None else argv
+    if args and args[0] == "serve-flower":
+        serve_flower(int(args[1]))
+        return 0
     if not args or args[0] != "flower":
         print("usage: python -m pyfedkern.benchmarks.engine flower [clients] [rounds]")
         return 2
