@@ -19,8 +19,9 @@ int default_num_threads();
 int num_threads();
 void set_num_threads(int n);
 
-// Work, in units of about one element read or written, worth one thread: 20-60 µs of memory-bound work.
-constexpr int64_t kGrain = int64_t{1} << 17;
+// Work, in units of about one element read or written, worth one thread: 40-80 µs of memory-bound work, so that a
+// second thread joins only loops that last well beyond the time a sleeping worker needs to wake (30-50 µs).
+constexpr int64_t kGrain = int64_t{1} << 19;
 
 namespace detail {
 using ChunkBody = void (*)(void* ctx, int64_t chunk);

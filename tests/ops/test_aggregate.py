@@ -184,7 +184,7 @@ def test_results_do_not_depend_on_thread_count(case):
 
 def test_concurrent_calls_from_python_threads():
     rng = np.random.default_rng(5)
-    jobs = [(rng.standard_normal((5, 50_000)).astype(np.float32), rng.standard_normal(5)) for _ in range(16)]
+    jobs = [(rng.standard_normal((5, 250_000)).astype(np.float32), rng.standard_normal(5)) for _ in range(16)]
     serial = [ops.weighted_sum(x, w) for x, w in jobs]
     with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
         parallel = list(pool.map(lambda job: ops.weighted_sum(*job), jobs))

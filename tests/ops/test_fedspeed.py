@@ -239,7 +239,7 @@ def test_round_end_is_storage_form_of_algorithm_one():
 
 def test_results_do_not_depend_on_thread_count():
     rng = np.random.default_rng(7)
-    d = 300_001
+    d = 600_001  # enough for the pool
     x, g1, g2, anchor = (rng.standard_normal(d).astype(np.float32) for _ in range(4))
     before = pyfedkern.get_num_threads()
     results = []

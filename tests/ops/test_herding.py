@@ -293,8 +293,8 @@ def test_strided_views(view):
 def test_thread_count_invariance():
     rng = np.random.default_rng(14)
     stack = rng.standard_normal((5, 30, 9000)).astype(np.float32)  # the row sums run on the pool
-    many = rng.standard_normal((40, 80, 50)).astype(np.float32)  # the greedy loops of 40 clients run on the pool
-    wide = rng.standard_normal((6, 120_000)).astype(np.float32)  # each GraB row runs on the pool
+    many = rng.standard_normal((40, 160, 50)).astype(np.float32)  # the greedy loops of 40 clients run on the pool
+    wide = rng.standard_normal((4, 400_000)).astype(np.float32)  # each GraB row runs on the pool
     before = pyfedkern.get_num_threads()
     try:
         results = []
@@ -303,7 +303,7 @@ def test_thread_count_invariance():
             with pool_wakes(n > 1):
                 idx, sums = ops.herding_select(stack, 0.5)
             with pool_wakes(n > 1):
-                order = ops.herding_order(many, 40)
+                order = ops.herding_order(many, 80)
             with pool_wakes(n > 1):
                 g_idx, g_sum = ops.grab_select(wide)
             results.append((idx.copy(), sums.copy(), np.asarray(order).copy(), g_idx.copy(), g_sum.copy()))

@@ -104,8 +104,8 @@ def test_strided_features_labels_and_int32():
 
 def test_results_do_not_depend_on_thread_count():
     rng = np.random.default_rng(3)
-    x = rng.standard_normal((5000, 65)).astype(np.float32)
-    y = rng.integers(0, 13, 5000)
+    x = rng.standard_normal((20_000, 65)).astype(np.float32)  # enough rows for the pool
+    y = rng.integers(0, 13, 20_000)
     before = pyfedkern.get_num_threads()
     try:
         outs = []

@@ -88,7 +88,7 @@ def test_key_and_size_containers():
 
 
 def test_thread_count_does_not_change_the_result():
-    keys, sizes = random_rows(3000, 4, 40, 9)  # many chunks of rows, enough work for the pool
+    keys, sizes = random_rows(10_000, 4, 40, 9)  # many chunks of rows, enough work for the pool
     before = pyfedkern.get_num_threads()
     try:
         pyfedkern.set_num_threads(1)
