@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -65,13 +66,17 @@ def test_small_inputs_wake_no_worker_and_large_ones_do(two_threads):
         ops.weighted_sum(big, np.full(10, 0.1))
 
 
-def test_default_thread_count_follows_omp_num_threads():
+def test_default_thread_count_follows_omp_num_threads(tmp_path):
     code = "import pyfedkern; print(pyfedkern.get_num_threads(), pyfedkern.build_info()['max_threads'])"
-    env = {**os.environ, "OMP_NUM_THREADS": "3"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    # the pyfedkern under test, run outside the checkout (`python -c` puts the cwd first on sys.path, and the source
+    # tree has no compiled _C)
+    root = str(Path(pyfedkern.__file__).resolve().parents[1])
+    env = {**os.environ, "OMP_NUM_THREADS": "3", "PYTHONPATH": root}
+    run = {"env": env, "cwd": tmp_path, "capture_output": True, "text": True, "check": True}
+    out = subprocess.run([sys.executable, "-c", code], **run).stdout
     assert out.split() == ["3", "3"]
     env.pop("OMP_NUM_THREADS")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "-c", code], **run).stdout
     assert int(out.split()[0]) == len(os.sched_getaffinity(0))
 
 
