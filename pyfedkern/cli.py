@@ -162,6 +162,11 @@ def _did_you_mean(flag: str, options: Iterable[str]) -> str:
     return f" (did you mean {near[0]}?)" if near else ""
 
 
+#: Similarity (difflib ratio) above which an unknown option is taken for a misspelled option of the command itself;
+#: no algorithm parameter is that close to one (tests/test_cli.py checks), so none is ever refused by it.
+TYPO_CUTOFF = 0.8
+
+
 def _algorithm_params(
     algorithms: Sequence[str], extra: dict[str, str | None], options: Sequence[str] = ()
 ) -> dict[str, dict[str, Any]]:
@@ -192,6 +197,16 @@ def _algorithm_params(
             except ValueError as exc:
                 raise CliError(f"--{key.replace('_', '-')}: {exc}") from None
     return params
+
+
+def _refuse_typos(extra: Sequence[str], options: Sequence[str]) -> None:
+    """CliError for an extra option that is a near miss of one of the command's own options (before anything heavy
+    is imported: the algorithms' parameters are only looked up for the options that remain)."""
+    for key in _split_extra(list(extra)):
+        flag = f"--{key.replace('_', '-')}"
+        near = difflib.get_close_matches(flag, list(options), n=1, cutoff=TYPO_CUTOFF)
+        if near:
+            raise CliError(f"unknown option {flag} (did you mean {near[0]}?)")
 
 
 def _given_params(args: argparse.Namespace, extra: Sequence[str], algorithms: Sequence[str]) -> dict[str, dict]:
@@ -456,6 +471,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if extra and not getattr(args, "takes_extra", False):
                 hint = _did_you_mean(extra[0], _long_options(args.parser)) if extra[0].startswith("--") else ""
                 raise CliError(f"unexpected argument(s): {' '.join(extra)}{hint}")
+            if extra and args.command in ("run", "compare"):  # their extra options are algorithm parameters
+                _refuse_typos(extra, _long_options(args.parser))
             return args.handler(args, extra)
     except (CliError, ValueError, TypeError, OSError) as exc:
         print(f"pyfedkern {args.command}: error: {exc}", file=sys.stderr)

@@ -205,6 +205,8 @@ def _python_m_pyfedkern(argv, cwd):
         (["bench", "--famly", "all"], 2, ["unexpected argument(s): --famly all (did you mean --family?)"]),
         (["reproduce"], 2, ["name a reproduction: bherd, dynamic, fedpbc, fedspeed, fnrfl"]),
         (["reproduce", "nope"], 2, ["unknown reproduction 'nope'"]),
+        (["run", "--rouns", "5"], 2, ["unknown option --rouns (did you mean --rounds?)"]),
+        (["compare", "--algorithms", "fedavg", "--out", "x", "--clientz", "3"], 2, ["(did you mean --clients?)"]),
     ],
 )
 def test_help_version_and_usage_errors_answer_without_importing_torch(argv, code, expected, tmp_path):
@@ -221,7 +223,6 @@ def test_help_version_and_usage_errors_answer_without_importing_torch(argv, code
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["run", "--rouns", "5"], "unknown option --rouns (did you mean --rounds?); parameters of fedavg:"),
         (["run", "--no-progres"], "unknown option --no-progres (did you mean --no-progress?)"),
         (["run", "--algorithm", "fedprox", "--mu"], "option --mu needs a value"),
         (["compare", "--algorithms", "fedavg,fedprox", "--out", "x", "--m", "1"], "--m (did you mean --mu?)"),
@@ -234,6 +235,22 @@ def test_misspelled_options_suggest_the_nearest_general_or_algorithm_option(argv
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"pyfedkern {argv[0]}: error: ") and message in lines[0], err
     assert not (tmp_path / "x").exists()
+
+
+def test_no_algorithm_parameter_is_taken_for_a_misspelled_command_option():
+    import difflib
+
+    from pyfedkern.algorithms import ALGORITHMS, algorithm_class
+    from pyfedkern.cli import TYPO_CUTOFF, _long_options, build_parser
+
+    parser = build_parser()
+    commands = parser._subparsers._group_actions[0].choices
+    options = {flag for name in ("run", "compare") for flag in _long_options(commands[name])}
+    for name in ALGORITHMS:
+        for key in algorithm_class(name).hyperparameters():
+            flag = f"--{key.replace('_', '-')}"
+            if flag not in options:
+                assert not difflib.get_close_matches(flag, options, n=1, cutoff=TYPO_CUTOFF), (name, flag)
 
 
 def test_reproduce_help_with_a_name_lists_its_own_options(tmp_path):
