@@ -173,6 +173,33 @@ def sam_perturb(
     return out
 
 
+def _update_operands(take, like, x, g2, lr, g1, alpha, anchor, prox_coef, weight_decay, clip_norm, norm_out):
+    """The checked operands and scalars of :func:`fedspeed_update_` (``take``/``like`` describe vectors or [k, d]
+    matrices): (x, g1 or None, g2, anchor or None, lr, alpha, prox_coef, weight_decay, clip_norm or 0)."""
+    xr = take(x, "x")
+    _arrays.check_output(xr, "x")
+    g2r = like(g2, "g2", xr, "x")
+    eta = _scalar(lr, "lr", low=0.0)
+    a = _scalar(alpha, "alpha", low=0.0, high=1.0)
+    c = _scalar(prox_coef, "prox_coef", low=0.0)
+    wd = _scalar(weight_decay, "weight_decay", low=0.0)
+    clip = 0.0 if clip_norm is None else _scalar(clip_norm, "clip_norm", low=0.0, strict=True)
+    g1r = None
+    if a < 1.0:
+        if g1 is None:
+            raise ValueError(f"g1 is required when alpha < 1 (alpha = {a})")
+        g1r = like(g1, "g1", xr, "x")
+    anchor_r = None
+    if c > 0.0:
+        if anchor is None:
+            raise ValueError(f"anchor (D = h - x^t) is required when prox_coef > 0 (prox_coef = {c})")
+        anchor_r = like(anchor, "anchor", xr, "x")
+    if norm_out is not None and clip_norm is None:
+        raise ValueError("norm_out needs clip_norm (the norm is only computed for clipping)")
+    _disjoint(xr, "x", {"g1": g1r, "g2": g2r, "anchor": anchor_r})
+    return xr, g1r, g2r, anchor_r, eta, a, c, wd, clip
+
+
 def fedspeed_update_(
     x: A,
     g2: Any,
@@ -220,27 +247,9 @@ def fedspeed_update_(
             clip_norm=clip_norm,
             norm_out=norm_out,
         )
-    xr = _vector(x, "x")
-    _arrays.check_output(xr, "x")
-    g2r = _like(g2, "g2", xr, "x")
-    eta = _scalar(lr, "lr", low=0.0)
-    a = _scalar(alpha, "alpha", low=0.0, high=1.0)
-    c = _scalar(prox_coef, "prox_coef", low=0.0)
-    wd = _scalar(weight_decay, "weight_decay", low=0.0)
-    clip = 0.0 if clip_norm is None else _scalar(clip_norm, "clip_norm", low=0.0, strict=True)
-    g1r = None
-    if a < 1.0:
-        if g1 is None:
-            raise ValueError(f"g1 is required when alpha < 1 (alpha = {a})")
-        g1r = _like(g1, "g1", xr, "x")
-    anchor_r = None
-    if c > 0.0:
-        if anchor is None:
-            raise ValueError(f"anchor (D = h - x^t) is required when prox_coef > 0 (prox_coef = {c})")
-        anchor_r = _like(anchor, "anchor", xr, "x")
-    if norm_out is not None and clip_norm is None:
-        raise ValueError("norm_out needs clip_norm (the norm is only computed for clipping)")
-    _disjoint(xr, "x", {"g1": g1r, "g2": g2r, "anchor": anchor_r})
+    xr, g1r, g2r, anchor_r, eta, a, c, wd, clip = _update_operands(
+        _vector, _like, x, g2, lr, g1, alpha, anchor, prox_coef, weight_decay, clip_norm, norm_out
+    )
     norm = _norm_target(norm_out, xr)
     keep, ws_ptr, ws_len, norm_ptr = _workspace(xr, norm, clip > 0.0)
     native().fedspeed_update(
@@ -451,27 +460,9 @@ def _update_rows(
     clip_norm: float | None,
     norm_out: Any,
 ) -> A:
-    xr = _matrix(x, "x")
-    _arrays.check_output(xr, "x")
-    g2r = _matrix_like(g2, "g2", xr, "x")
-    eta = _scalar(lr, "lr", low=0.0)
-    a = _scalar(alpha, "alpha", low=0.0, high=1.0)
-    c = _scalar(prox_coef, "prox_coef", low=0.0)
-    wd = _scalar(weight_decay, "weight_decay", low=0.0)
-    clip = 0.0 if clip_norm is None else _scalar(clip_norm, "clip_norm", low=0.0, strict=True)
-    g1r = None
-    if a < 1.0:
-        if g1 is None:
-            raise ValueError(f"g1 is required when alpha < 1 (alpha = {a})")
-        g1r = _matrix_like(g1, "g1", xr, "x")
-    anchor_r = None
-    if c > 0.0:
-        if anchor is None:
-            raise ValueError(f"anchor (D = h - x^t) is required when prox_coef > 0 (prox_coef = {c})")
-        anchor_r = _matrix_like(anchor, "anchor", xr, "x")
-    if norm_out is not None and clip_norm is None:
-        raise ValueError("norm_out needs clip_norm (the norm is only computed for clipping)")
-    _disjoint(xr, "x", {"g1": g1r, "g2": g2r, "anchor": anchor_r})
+    xr, g1r, g2r, anchor_r, eta, a, c, wd, clip = _update_operands(
+        _matrix, _matrix_like, x, g2, lr, g1, alpha, anchor, prox_coef, weight_decay, clip_norm, norm_out
+    )
     norm = _row_norms(norm_out, xr)
     keep, ws_ptr, ws_len, norm_ptr, norm_stride = _row_workspace(xr, norm, clip > 0.0)
     native().fedspeed_update_rows(
