@@ -238,9 +238,13 @@ def row_norms(x: Any) -> Any:
 
 # Per-sample gradient norms ---------------------------------------------------------------------------------
 
-#: Elements one batch chunk's temporaries (unfolded conv input + Gram / per-sample weight gradient) may take
-#: (16 MiB in float32): small next to a CNN's activations, large enough for efficient batched matmuls.
-_CHUNK_ELEMENTS = 1 << 22
+#: Elements one batch chunk's temporaries (unfolded conv input + Gram, or per-sample weight gradients) may take:
+#: 16 MiB of float32 on the CPU, 64 MiB on a GPU (fewer, larger launches); small next to a CNN's activations.
+_CHUNK_ELEMENTS = {"cpu": 1 << 22, "gpu": 1 << 24}
+
+
+def _chunk_elements(x: Any) -> int:
+    return _CHUNK_ELEMENTS["gpu" if x.is_cuda else "cpu"]
 
 
 def per_sample_grad_norms(layer: Any, activations: Any, grad_outputs: Any, *, squared: bool = False) -> Any:
@@ -252,10 +256,12 @@ def per_sample_grad_norms(layer: Any, activations: Any, grad_outputs: Any, *, sq
         grad_outputs: ∂ℓ_n/∂(layer output) of each sample's own loss, shaped like the layer's output.
         squared: return squared norms (summable across layers).
 
-    Linear with 2-D inputs uses ‖∇W‖ = ‖g_n‖·‖a_n‖ (plus ‖g_n‖² for the bias). Sequence inputs and Conv2d (as an
-    unfolded [B, T, C_in·k·k] matrix) use the Gram form ⟨g gᵀ, a aᵀ⟩ (cost ∝ T²·(in + out)) or the per-sample
-    weight gradient gᵀa (cost ∝ T·in·out), whichever is cheaper, in batch chunks of bounded memory (a Conv2d input
-    is unfolded one chunk at a time). Never builds the [B, P] per-sample gradients of the model.
+    Linear with 2-D inputs uses ‖∇W‖ = ‖g_n‖·‖a_n‖ (plus ‖g_n‖² for the bias). Sequence inputs and Conv2d (T
+    output positions, C_in·k·k inputs per position) use the Gram form ⟨g gᵀ, a aᵀ⟩ (cost ∝ T²·(in + out)) or the
+    per-sample weight gradient (cost ∝ T·in·out), whichever is cheaper, in batch chunks of bounded memory. A
+    Conv2d's Gram form unfolds its input one chunk at a time; its per-sample weight gradients are one grouped
+    weight-gradient convolution per chunk (one group per sample, no unfolded input). Never builds the [B, P]
+    per-sample gradients of the model.
     """
     import torch
     from torch import nn
@@ -337,13 +343,49 @@ def _conv2d_sq_norms(layer: Any, a: Any, g: Any) -> Any:
     patch, T = unfold(a[:1]).shape[1:]
     if T != g.shape[2] * g.shape[3]:
         raise ValueError(f"grad_outputs spatial size {tuple(g.shape[2:])} does not match the layer's output")
-    g = g.reshape(B, o, T)
-    total = _sq_rows(g.sum(2)) if _wants(layer.bias) else g.new_zeros(B)
-    if _wants(layer.weight):
-        total += _weight_sq_norms(
-            B, T, patch, o, lambda start, stop: (unfold(a[start:stop]).transpose(1, 2), g[start:stop].transpose(1, 2))
+    g_flat = g.reshape(B, o, T)
+    total = _sq_rows(g_flat.sum(2)) if _wants(layer.bias) else g.new_zeros(B)
+    if not _wants(layer.weight):
+        return total
+    if gram_is_cheaper(T, patch, o):
+        return total + _weight_sq_norms(
+            B,
+            T,
+            patch,
+            o,
+            lambda start, stop: (unfold(a[start:stop]).transpose(1, 2), g_flat[start:stop].transpose(1, 2)),
+            _chunk_elements(a),
         )
-    return total
+    if pad_same:
+        a = F.pad(a, layer._reversed_padding_repeated_twice)
+    return total + _conv2d_grouped_sq_norms(layer, a, g, padding)
+
+
+def _conv2d_grouped_sq_norms(layer: Any, a: Any, g: Any, padding: Any) -> Any:
+    """[B] squared norms of a Conv2d's per-sample weight gradients, [c, C_out, C_in, kh, kw] per batch chunk of c
+    samples, each chunk as one weight-gradient convolution with one group per sample (input a [B, C_in, H, W],
+    already padded for padding='same'; g [B, C_out, H', W'])."""
+    import torch
+
+    B, c_in, H, W = a.shape
+    o = g.shape[1]
+    weight_shape = (o, c_in, *layer.kernel_size)
+    size = max(1, min(B, _chunk_elements(a) // (o * c_in * layer.kernel_size[0] * layer.kernel_size[1])))
+    parts = []
+    for start in range(0, B, size):
+        aa, gg = a[start : start + size], g[start : start + size]
+        c = aa.shape[0]
+        grads = torch.nn.grad.conv2d_weight(
+            aa.reshape(1, c * c_in, H, W),
+            (c * o, *weight_shape[1:]),
+            gg.reshape(1, c * o, *g.shape[2:]),
+            stride=layer.stride,
+            padding=padding,
+            dilation=layer.dilation,
+            groups=c,
+        )
+        parts.append(_sq_rows(grads.reshape(c, -1)))
+    return torch.cat(parts)
 
 
 def _sequence_sq_norms(a: Any, g: Any, weight: Any, bias: Any) -> Any:
@@ -351,22 +393,24 @@ def _sequence_sq_norms(a: Any, g: Any, weight: Any, bias: Any) -> Any:
     B, T, i = a.shape
     total = _sq_rows(g.sum(1)) if _wants(bias) else g.new_zeros(B)
     if _wants(weight):
-        total += _weight_sq_norms(B, T, i, g.shape[2], lambda start, stop: (a[start:stop], g[start:stop]))
+        total += _weight_sq_norms(
+            B, T, i, g.shape[2], lambda start, stop: (a[start:stop], g[start:stop]), _chunk_elements(a)
+        )
     return total
 
 
-def _weight_sq_norms(B: int, T: int, i: int, o: int, chunk: Any) -> Any:
+def _weight_sq_norms(B: int, T: int, i: int, o: int, chunk: Any, budget: int) -> Any:
     """[B] squared norms of the per-sample weight gradients Σ_t g_tᵀ a_t, batch chunk by batch chunk.
 
     ``chunk(start, stop)`` returns that chunk's a [c, T, i] and g [c, T, o] (built per chunk, e.g. an unfolded
     conv input, so that no temporary of the whole batch exists); chunks are sized so that a chunk's inputs and
-    products stay within ``_CHUNK_ELEMENTS``.
+    products stay within ``budget`` elements.
     """
     import torch
 
     gram = gram_is_cheaper(T, i, o)
     per_sample = T * i + (2 * T * T if gram else i * o)
-    size = max(1, min(B, _CHUNK_ELEMENTS // per_sample))
+    size = max(1, min(B, budget // per_sample))
     parts = []
     for start in range(0, B, size):
         aa, gg = chunk(start, min(B, start + size))

@@ -275,12 +275,24 @@ def test_gram_and_materialised_paths_agree():
         {"kernel_size": 3, "padding": 1, "stride": 2},
         {"kernel_size": (2, 3), "dilation": 2, "bias": False},
         {"kernel_size": 3, "padding": "same"},
+        {"kernel_size": 4, "padding": "same", "dilation": 2},
+        {"kernel_size": 3, "padding": (2, 0), "stride": (3, 2), "dilation": (1, 2)},
+        {"kernel_size": 3, "padding": "valid", "stride": 4},
+        {"kernel_size": 3, "stride": 3, "in_channels": 16, "out_channels": 16},  # Gram form (T = 6)
+        {"kernel_size": 3, "padding": "same", "in_channels": 16, "out_channels": 24, "input": (3, 3)},  # Gram, T=9
     ],
 )
 def test_conv2d_per_sample_norms_match_reference(kwargs):
+    """Per-sample weight gradients as a grouped convolution (the first seven) or in the Gram form (the last two)."""
+    from pyfedkern.ops.norms import gram_is_cheaper
+
     torch.manual_seed(3)
-    layer = nn.Conv2d(3, 4, **kwargs).double()
-    a, g = _layer_grads(layer, torch.randn(5, 3, 9, 8, dtype=torch.float64))
+    kwargs = dict(kwargs)
+    c_in, c_out, size = kwargs.pop("in_channels", 3), kwargs.pop("out_channels", 4), kwargs.pop("input", (9, 8))
+    layer = nn.Conv2d(c_in, c_out, **kwargs).double()
+    a, g = _layer_grads(layer, torch.randn(5, c_in, *size, dtype=torch.float64))
+    patch = c_in * layer.kernel_size[0] * layer.kernel_size[1]
+    assert gram_is_cheaper(g.shape[2] * g.shape[3], patch, c_out) == (c_in == 16)
     torch.testing.assert_close(
         ops.per_sample_grad_norms(layer, a, g), reference.per_sample_grad_norms(layer, a, g), rtol=1e-12, atol=1e-12
     )
@@ -291,11 +303,12 @@ def test_per_sample_norms_in_several_batch_chunks_match_reference(monkeypatch, c
     """Tiny chunk budgets split the batch of 7 into chunks of 1 or 2 (the last one partial) on every path."""
     import pyfedkern.ops.norms as norms_module
 
-    monkeypatch.setattr(norms_module, "_CHUNK_ELEMENTS", chunk_elements)
+    monkeypatch.setattr(norms_module, "_CHUNK_ELEMENTS", {"cpu": chunk_elements, "gpu": chunk_elements})
     torch.manual_seed(6)
     cases = [
-        (nn.Conv2d(3, 4, 3, padding=1), (7, 3, 6, 5)),  # materialised, 918 elements per sample
+        (nn.Conv2d(3, 4, 3, padding=1), (7, 3, 6, 5)),  # grouped weight gradients, 108 elements per sample
         (nn.Conv2d(3, 4, 3, padding="same", bias=False), (7, 3, 6, 5)),
+        (nn.Conv2d(12, 12, 3, stride=2), (7, 12, 5, 5)),  # Gram (T=4, 108 inputs), 464 elements per sample
         (nn.Linear(20, 20), (7, 2, 20)),  # Gram (T=2), 48 elements per sample
         (nn.Linear(6, 5), (7, 9, 6)),  # materialised (T=9)
     ]
@@ -345,6 +358,47 @@ def test_grad_norms_match_torch_func(which, dtype):
     assert all(p.grad is None for p in model.parameters())
 
 
+@pytest.mark.parametrize(
+    "loss_fn",
+    [
+        nn.CrossEntropyLoss(label_smoothing=0.2),
+        nn.CrossEntropyLoss(reduction="sum"),
+        lambda o, t: F.nll_loss(F.log_softmax(o, 1), t),
+    ],
+    ids=["ce-label-smoothing", "ce-sum", "log-softmax-nll (vmap)"],
+)
+def test_grad_norms_losses_match_torch_func(loss_fn):
+    torch.manual_seed(8)
+    model = nn.Sequential(nn.Linear(7, 9), nn.Tanh(), nn.Linear(9, 4)).double()
+    x, y = torch.randn(11, 7, dtype=torch.float64), torch.randint(0, 4, (11,))
+    torch.testing.assert_close(
+        persample.grad_norms(model, loss_fn, x, y), reference.grad_norms(model, loss_fn, x, y), rtol=1e-11, atol=1e-11
+    )
+
+
+def test_grad_norms_cross_entropy_is_summed_without_vmap(monkeypatch):
+    """F.cross_entropy and a plain nn.CrossEntropyLoss take one batched loss; class weights go through vmap."""
+    torch.manual_seed(9)
+    model = nn.Sequential(nn.Linear(5, 6), nn.ReLU(), nn.Linear(6, 3)).double()
+    x, y = torch.randn(8, 5, dtype=torch.float64), torch.randint(0, 3, (8,))
+    weighted = nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2.0, 0.5], dtype=torch.float64))
+    expected = {fn: reference.grad_norms(model, fn, x, y) for fn in (F.cross_entropy, weighted)}
+    calls = []
+    vmap = torch.func.vmap
+    monkeypatch.setattr(torch.func, "vmap", lambda *a, **k: calls.append(1) or vmap(*a, **k))
+    for fn in (F.cross_entropy, nn.CrossEntropyLoss()):
+        torch.testing.assert_close(persample.grad_norms(model, fn, x, y), expected[F.cross_entropy])
+    assert calls == []
+    torch.testing.assert_close(persample.grad_norms(model, weighted, x, y), expected[weighted])
+    assert calls == [1]
+    # a sample whose target is ignore_index has no gradient: norm 0 (the others are unchanged)
+    y_ignored = y.clone()
+    y_ignored[2] = -100
+    norms = persample.grad_norms(model, F.cross_entropy, x, y_ignored)
+    assert norms[2] == 0
+    torch.testing.assert_close(norms[[0, 1, 3]], expected[F.cross_entropy][[0, 1, 3]])
+
+
 def test_grad_norms_batch_of_one_and_mse_loss():
     torch.manual_seed(5)
     model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2)).double()
@@ -365,6 +419,8 @@ def test_grad_norms_errors():
         persample.grad_norms(nn.Sequential(shared, nn.ReLU(), shared), F.cross_entropy, x, torch.randint(0, 3, (4,)))
     with pytest.raises(ValueError, match="no trainable"):
         persample.grad_norms(nn.ReLU(), F.cross_entropy, x, y)
+    with pytest.raises(ValueError, match=r"scalar for one sample, got \(2,\)"):
+        persample.grad_norms(nn.Linear(3, 2), lambda o, t: (o - t).square()[0], x, torch.randn(4, 2))
     with pytest.raises(TypeError, match=r"Linear and nn\.Conv2d"):
         ops.per_sample_grad_norms(nn.LayerNorm(3), x, x)
     with pytest.raises(ValueError, match="groups=2"):
