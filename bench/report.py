@@ -42,7 +42,7 @@ def main() -> None:
         f"{info.get('cpu', {}).get('count', '?')} logical CPUs, {platform.system()} {platform.release()}"
     )
     python = info.get("python_version", platform.python_version())
-    print(f"- python {python}; times are medians of 5–30 rounds (at least 0.5 s per case) unless the group's notes")
+    print(f"- python {python}; times are medians of 5–200 rounds (at least 0.5 s per case) unless the group's notes")
     print("  say otherwise\n")
     print(report(rows))
 
