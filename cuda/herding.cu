@@ -1,10 +1,12 @@
-// CUDA herding kernels: the greedy herding order on float64 Gram matrices (one block per client, the running
-// inner products c in shared memory), the masked row sum that forms each client's message, and GraB's online
-// balancing (two kernels per gradient, the decision read on the device: no host synchronisation). Per-client tables
-// travel in the kernel parameters and scratch comes from the caller's library (cuda_common.cuh).
+// CUDA herding kernels: the greedy herding order on float64 Gram matrices (one warp per client with the running
+// inner products c in registers up to tau = 512; above, one block per client with c in shared or global memory),
+// the masked row sum that forms each client's message, and GraB's online balancing (two kernels per gradient, the
+// decision read on the device: no host synchronisation). Per-client tables travel in the kernel parameters and
+// scratch comes from the caller's library (cuda_common.cuh).
 #include <math_constants.h>
 
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "cuda_common.cuh"
@@ -16,7 +18,8 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int64_t kSharedGramLimit = 4096;  // clients with ld <= this keep c (8 * ld bytes) in shared memory
+constexpr int64_t kWarpGreedyLimit = 512;   // clients with ld <= this run one warp each (greedy_warp_kernel)
+constexpr int64_t kSharedGramLimit = 4096;  // larger ones with ld <= this keep c (8 * ld bytes) in shared memory
 constexpr int64_t kGrabChunk = 4096;        // elements per block in the GraB kernels (fixed: deterministic sums)
 
 // Block-wide minimum of one double per thread (NaN ignored), returned to every thread.
@@ -108,6 +111,108 @@ __global__ void greedy_kernel(const __grid_constant__ ArgBlock<NB> block, const 
   if (tid == 0) sq_norm[client] = s2;
 }
 
+// Warp-wide minima (every lane gets the result).
+__device__ __forceinline__ double warp_min(double v) {
+  for (int offset = 16; offset > 0; offset >>= 1) v = fmin(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  return v;
+}
+
+__device__ __forceinline__ int warp_min(int v) {
+  for (int offset = 16; offset > 0; offset >>= 1) v = min(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  return v;
+}
+
+// greedy_kernel's loop with one warp per client and no block barrier, for ld <= 32 * PerLane: lane l owns
+// m = l + 32 i (i < PerLane) and keeps c_m, G_mm and whether m is taken in registers. The same operations in the
+// same order as greedy_kernel, so the same picks and the same bits.
+template <int PerLane, size_t NB>
+__global__ void greedy_warp_kernel(const __grid_constant__ ArgBlock<NB> block, const void* global, GreedyTables t,
+                                   const double* __restrict__ gram, int64_t ld, double rel_tol,
+                                   int64_t* __restrict__ order, int64_t kmax, uint8_t* __restrict__ mask,
+                                   double* __restrict__ sq_norm) {
+  constexpr int kNone = 0x7fffffff;
+  const unsigned char* base = table_base(block, global);
+  const int64_t client = blockIdx.x;
+  const int tau = static_cast<int>(table_at<int64_t>(base, t.taus)[client]);
+  const int64_t k = table_at<int64_t>(base, t.ks)[client];
+  const double* G = gram + client * ld * ld;
+  const int lane = threadIdx.x;
+  double c[PerLane], diag[PerLane];
+  unsigned taken = 0;  // bit i: m = lane + 32 i has been picked
+#pragma unroll
+  for (int i = 0; i < PerLane; ++i) {
+    const int m = lane + 32 * i;
+    c[i] = 0.0;
+    diag[i] = m < tau ? G[static_cast<int64_t>(m) * ld + m] : 0.0;
+  }
+  double s2 = 0.0, picked = 0.0;  // identical in every lane
+  for (int64_t step = 0; step < k; ++step) {
+    double local = CUDART_INF;
+#pragma unroll
+    for (int i = 0; i < PerLane; ++i) {
+      if (lane + 32 * i < tau && !((taken >> i) & 1u)) local = fmin(local, 2.0 * c[i] + diag[i]);
+    }
+    const double best = warp_min(local);
+    int first_tied = kNone, first_left = kNone;
+#pragma unroll
+    for (int i = 0; i < PerLane; ++i) {  // ascending m within the lane
+      const int m = lane + 32 * i;
+      if (m >= tau || ((taken >> i) & 1u)) continue;
+      if (first_left == kNone) first_left = m;
+      if (first_tied == kNone && 2.0 * c[i] + diag[i] <= best + tie_tolerance(rel_tol, diag[i], picked)) {
+        first_tied = m;
+      }
+    }
+    int j = warp_min(first_tied);
+    if (j == kNone) j = warp_min(first_left);  // only NaN scores left (uniform branch)
+    const int owner = j & 31, slot = j >> 5;
+    double cj = 0.0, gjj = 0.0;
+#pragma unroll
+    for (int i = 0; i < PerLane; ++i) {  // register select: the slot index is not known at compile time
+      if (i == slot) {
+        cj = c[i];
+        gjj = diag[i];
+      }
+    }
+    cj = __shfl_sync(0xffffffffu, cj, owner);
+    gjj = __shfl_sync(0xffffffffu, gjj, owner);
+    s2 += 2.0 * cj + gjj;
+    picked += gjj;
+    if (lane == 0) order[client * kmax + step] = j;
+    if (lane == owner) taken |= 1u << slot;
+    const double* row = G + static_cast<int64_t>(j) * ld;
+#pragma unroll
+    for (int i = 0; i < PerLane; ++i) {
+      const int m = lane + 32 * i;
+      if (m < tau) c[i] += row[m];
+    }
+  }
+  for (int64_t step = k + lane; step < kmax; step += 32) order[client * kmax + step] = -1;
+#pragma unroll
+  for (int i = 0; i < PerLane; ++i) {
+    const int m = lane + 32 * i;
+    if (m < ld) mask[client * ld + m] = static_cast<uint8_t>((taken >> i) & 1u);
+  }
+  if (lane == 0) sq_norm[client] = s2;
+}
+
+// Calls fn(std::integral_constant<int, P>) with the smallest P in {1, 2, 4, 8, 16} such that 32 P >= ld (ld <= 512;
+// P = 32 would spill registers).
+template <typename Fn>
+void with_per_lane(int64_t ld, Fn&& fn) {
+  if (ld <= 32) {
+    fn(std::integral_constant<int, 1>{});
+  } else if (ld <= 64) {
+    fn(std::integral_constant<int, 2>{});
+  } else if (ld <= 128) {
+    fn(std::integral_constant<int, 4>{});
+  } else if (ld <= 256) {
+    fn(std::integral_constant<int, 8>{});
+  } else {
+    fn(std::integral_constant<int, 16>{});
+  }
+}
+
 template <typename T, size_t NB>
 __global__ void masked_sum_kernel(const __grid_constant__ ArgBlock<NB> block, const void* global,
                                   int64_t clients_offset, const uint8_t* __restrict__ mask, int64_t mask_stride,
@@ -120,7 +225,21 @@ __global__ void masked_sum_kernel(const __grid_constant__ ArgBlock<NB> block, co
   for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < d; j += step) {
     Acc acc = Acc(0);
     const T* col = static_cast<const T*>(y.ptr) + j * y.col_stride;
-    for (int64_t r = 0; r < y.rows; ++r) {
+    int64_t r = 0;
+    for (; r + 4 <= y.rows; r += 4) {  // four rows' loads in flight, then added in row order
+      bool in[4];
+      Acc x[4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        in[q] = mk[r + q] != 0;
+        x[q] = in[q] ? to_acc(col[(r + q) * y.row_stride]) : Acc(0);
+      }
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        if (in[q]) acc = acc + x[q];
+      }
+    }
+    for (; r < y.rows; ++r) {
       if (mk[r]) acc = acc + to_acc(col[r * y.row_stride]);
     }
     o[j * out_col_stride] = Store<T>::from(acc);
@@ -243,7 +362,12 @@ size_t herding_greedy(int device, uintptr_t stream_handle, const double* gram, i
   const unsigned blocks = static_cast<unsigned>(n);
   double* c = reinterpret_cast<double*>(static_cast<unsigned char*>(scratch.ptr) + tables);
   with_tables(pack, stream, scratch, "herding greedy", [&](const auto& block, const void* global) {
-    if (shared_c) {
+    if (ld <= kWarpGreedyLimit) {
+      with_per_lane(ld, [&](auto per_lane) {
+        greedy_warp_kernel<decltype(per_lane)::value>
+            <<<blocks, 32, 0, stream>>>(block, global, t, gram, ld, rel_tol, order, kmax, mask, sq_norm);
+      });
+    } else if (shared_c) {
       const size_t shared = static_cast<size_t>(ld) * sizeof(double);
       greedy_kernel<true><<<blocks, kThreads, shared, stream>>>(block, global, t, gram, ld, rel_tol, order, kmax, mask,
                                                                 sq_norm, nullptr);

@@ -13,9 +13,10 @@ How :func:`herding_order` / :func:`herding_select` compute (the Gram form of spe
    cancellation the raw identity has when ‖μ‖ ≫ ‖z‖ (specs/bherd.md §2). One pass over the [τ, d] buffer, no
    separate mean pass, compute-bound.
    On the GPU, TF32 matmul (``torch.backends.cuda.matmul.allow_tf32``) lowers the precision of G; leave it off.
-2. **Greedy loop** in native code (``pyfedkern._C.herding_greedy``; the CPU thread pool over clients, one CUDA block
-   per client on the GPU): ‖s + z_m‖² = ‖s‖² + 2c_m + G_mm with c_m = ⟨s, z_m⟩, so each step is an argmin over the
-   remaining m of 2c_m + G_mm followed by c += G[j, :]. O(k·τ) per client, no τ³ term. Ties go to the lowest
+2. **Greedy loop** in native code (``pyfedkern._C.herding_greedy``; the CPU thread pool over clients; on the GPU one
+   warp per client with its state in registers for τ ≤ 512, one block per client above):
+   ‖s + z_m‖² = ‖s‖² + 2c_m + G_mm with c_m = ⟨s, z_m⟩, so each step is an argmin over the remaining m of
+   2c_m + G_mm followed by c += G[j, :]. O(k·τ) per client, no τ³ term. Ties go to the lowest
    index; a score ties with the minimum when it is within the rounding scale of the Gram form,
    ρ·(G_mm + 2·sqrt(G_mm·Σ_{j picked} G_jj)) with ρ = max(8, √d) ulps of the GEMM dtype (:func:`tie_rel_tol`), so
    exact duplicate rows tie however the library's GEMM rounded their entries (a multithreaded GEMM's blocked sums
@@ -25,7 +26,7 @@ How :func:`herding_order` / :func:`herding_select` compute (the Gram form of spe
 
 Gradients are given as one [τ, d] matrix, a [N, τ, d] stack (N clients with the same τ) or a list of N matrices of
 different τ and the same d. Non-finite gradients (or squared norms that overflow) raise ValueError; this check
-reads G on the host, the only synchronisation of a GPU call.
+reads G on the host, the only synchronisation of a GPU call, made after all of the call's kernels are launched.
 """
 
 from __future__ import annotations
@@ -200,7 +201,7 @@ def _gram_torch(y: Any) -> Any:
     batch, tau, d = y.shape
     work = torch.float64 if y.dtype == torch.float64 else torch.float32
     shift = y[:, :1, :].to(work)
-    raw = torch.zeros(batch, tau, tau, dtype=torch.float64, device=y.device)
+    raw = None
     c, p = _chunk_plan(batch, tau, d, y.is_cuda)
     buf = torch.empty(p, batch, tau, c, dtype=work, device=y.device)  # shifted chunks, [p, B, τ, c]
     for lo, n, r in _chunk_calls(d, c, p):
@@ -210,7 +211,8 @@ def _gram_torch(y: Any) -> Any:
             torch.sub(y[:, :, end : end + r], shift[:, :, end : end + r], out=buf[n, :, :, :r])
             buf[n, :, :, r:] = 0
         z = buf[: n + (r > 0)].flatten(0, 1)
-        raw += torch.bmm(z, z.transpose(1, 2)).view(-1, batch, tau, tau).sum(0, dtype=torch.float64)
+        part = torch.bmm(z, z.transpose(1, 2)).view(-1, batch, tau, tau).sum(0, dtype=torch.float64)
+        raw = part if raw is None else raw.add_(part)
     return _centre_gram(raw, tau)
 
 
@@ -218,7 +220,7 @@ def _gram_xp(xp: Any, y: Any) -> Any:
     batch, tau, d = y.shape
     work = xp.float64 if y.dtype == xp.float64 else xp.float32
     shift = y[:, :1, :].astype(work)
-    raw = xp.zeros((batch, tau, tau), dtype=xp.float64)
+    raw = None
     c, p = _chunk_plan(batch, tau, d, xp is not np)
     buf = xp.empty((p, batch, tau, c), dtype=work)  # shifted chunks, [p, B, τ, c]
     for lo, n, r in _chunk_calls(d, c, p):
@@ -230,7 +232,8 @@ def _gram_xp(xp: Any, y: Any) -> Any:
             xp.subtract(y[:, :, end : end + r], shift[:, :, end : end + r], out=buf[n, :, :, :r], casting="unsafe")
             buf[n, :, :, r:] = 0
         z = buf[: n + (r > 0)].reshape(-1, tau, c)
-        raw += xp.matmul(z, z.transpose(0, 2, 1)).reshape(-1, batch, tau, tau).sum(0, dtype=xp.float64)
+        part = xp.matmul(z, z.transpose(0, 2, 1)).reshape(-1, batch, tau, tau).sum(0, dtype=xp.float64)
+        raw = part if raw is None else xp.add(raw, part, out=raw)
     return _centre_gram(raw, tau)
 
 
@@ -301,11 +304,13 @@ class _Herd:
     order: Any  # int64 [N, kmax], -1 padded
     mask: Any  # uint8 [N, T]
     sq_norm: Any  # float64 [N]: ‖Σ_{selected} z‖²
+    gram: Any  # float64 [N, T, T]
 
 
-def _herd(cl: _Clients, ks: list[int]) -> _Herd:
-    gram = _centred_gram(cl)
-    finite = _finite_per_client(cl.lib, gram)
+def _check_finite(cl: _Clients, herd: _Herd) -> None:
+    """ValueError unless every client's Gram matrix is finite: the op's one host read, made after all its launches
+    (the greedy loop and the masked sum are safe on non-finite input), so that the GPU never waits for the host."""
+    finite = _finite_per_client(cl.lib, herd.gram)
     if not finite.all():
         bad = int(np.flatnonzero(~finite)[0])
         where = "" if cl.kind == "single" else f" (client {bad})"
@@ -313,6 +318,11 @@ def _herd(cl: _Clients, ks: list[int]) -> _Herd:
             f"grads contain non-finite values (inf or NaN), or their squared norms overflow{where}; "
             "check the gradients before selecting"
         )
+
+
+def _herd(cl: _Clients, ks: list[int]) -> _Herd:
+    """The greedy orders, launched but not yet checked (call :func:`_check_finite` before returning them)."""
+    gram = _centred_gram(cl)
     n, big, kmax = len(cl.taus), max(cl.taus), max(ks)
     like = cl.first
     order = _arrays.empty_like_lib(like, (n, kmax), "int64")
@@ -334,7 +344,7 @@ def _herd(cl: _Clients, ks: list[int]) -> _Herd:
         _arrays.describe(mask, "mask").ptr,
         _arrays.describe(sq_norm, "sq_norm").ptr,
     )
-    return _Herd(order, mask, sq_norm)
+    return _Herd(order, mask, sq_norm, gram)
 
 
 def _masked_sum(cl: _Clients, mask: Any) -> Any:
@@ -399,6 +409,7 @@ def herding_order(grads: Any, k: Any) -> Any:
     _arrays.refuse_capture(cl.first, "herding", "checking that the gradients' Gram matrix is finite")
     ks = _check_k(k, cl.taus)
     herd = _herd(cl, ks)
+    _check_finite(cl, herd)
     listed = isinstance(k, Sequence) or _arrays.is_array(k)
     return _orders(cl, herd.order, ks, listed)
 
@@ -423,6 +434,7 @@ def herding_select(grads: Any, alpha: Any, *, return_gap: bool = False) -> tuple
     ks = [selection_size(tau, a) for tau in cl.taus]
     herd = _herd(cl, ks)
     sums = _masked_sum(cl, herd.mask)
+    _check_finite(cl, herd)
     if cl.kind == "single":
         sums = sums[0]
     result = (_orders(cl, herd.order, ks, False), sums)

@@ -443,6 +443,30 @@ def test_cuda_ties_list_and_large_tau():
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("tau", [1, 2, 31, 32, 33, 64, 65, 128, 129, 256, 257, 512, 513, 1500])
+def test_cuda_greedy_every_launch_form_matches_cpu(tau):
+    """τ ≤ 512: one warp per client with 1, 2, 4, 8 or 16 rows per lane; above: one block per client, c in shared
+    memory (up to 4096). Exact duplicate rows (ties), a second client of a smaller τ, the full order on the first."""
+    rng = np.random.default_rng(tau)
+    rows = rng.standard_normal((tau // 3, 40))
+    first = torch.tensor(np.concatenate([rows, rows, rows, rng.standard_normal((tau - 3 * (tau // 3), 40))]))
+    assert first.shape == (tau, 40)
+    mats = [first, torch.tensor(rng.standard_normal((max(1, tau // 2), 40)))]
+    ks = [tau, max(1, tau // 4)]
+    orders = ops.herding_order([m.cuda() for m in mats], ks)
+    for m, o, k in zip(mats, orders, ks, strict=True):
+        assert torch.equal(o.cpu(), ops.herding_order(m, k))
+    idx, sums = ops.herding_select(first.cuda(), 0.5)
+    cidx, csums = ops.herding_select(first, 0.5)
+    assert torch.equal(idx.cpu(), cidx)
+    torch.testing.assert_close(sums.cpu(), csums, rtol=1e-12, atol=1e-12)
+    bad = first.clone().cuda()
+    bad[tau // 2, 3] = float("nan")
+    with pytest.raises(ValueError, match="non-finite"):
+        ops.herding_select(bad, 0.5)
+
+
+@pytest.mark.cuda
 def test_cuda_runs_on_the_current_stream():
     rng = np.random.default_rng(34)
     cpu = torch.tensor(random_grads(rng, 50, 3000))
