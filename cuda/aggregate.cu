@@ -52,7 +52,10 @@ __global__ void weighted_sum_vec_kernel(const __grid_constant__ ArgBlock<NB> blo
   const int64_t nvec = d / W;
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  for (int64_t v = first; v < nvec; v += step) {
+  for (int64_t it = first; it < nvec; it += step) {
+    // Last packs first: rows just written or read front to back (a training step, similarity's statistics pass)
+    // still have their end in L2 when this pass starts; each element's sum is the same in any order.
+    const int64_t v = nvec - 1 - it;
     Acc acc[W];
     if (accumulate) {
       load_pack<W>(out, v, acc);

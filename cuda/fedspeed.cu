@@ -113,7 +113,8 @@ __global__ void perturb_kernel(int64_t d, int64_t nvec, const T* x, int64_t sx, 
   }
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  for (int64_t v = first; v < nvec; v += step) {
+  for (int64_t it = first; it < nvec; it += step) {
+    const int64_t v = nvec - 1 - it;  // last packs first: see update_kernel
     Acc xv[kPack<T>], gv[kPack<T>];
     load_pack<kPack<T>>(x, v, xv);
     load_pack<kPack<T>>(g, v, gv);
@@ -135,7 +136,10 @@ __global__ void update_kernel(int64_t d, int64_t nvec, T* x, int64_t sx, DevComb
   if (norm != nullptr) scale = fmin(Acc(1), clip_norm / (norm[0] + Acc(1e-6)));
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  for (int64_t p = first; p < nvec; p += step) {
+  for (int64_t it = first; it < nvec; it += step) {
+    // Last packs first: the norm pass before this kernel read them last, so the end of its inputs may still be in
+    // L2 (up to 50 MB on an H100) when this pass starts; the result is the same in any order.
+    const int64_t p = nvec - 1 - it;
     Acc xv[kPack<T>], v[kPack<T>];
     load_pack<kPack<T>>(x, p, xv);
     combo_pack<T, HasG1, HasD>(k, p, v);
