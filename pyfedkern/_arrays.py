@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -33,6 +33,7 @@ class ArrayRef:
     ptr: int
     itemsize: int
     writeable: bool
+    span: tuple[int, int] | None = field(default=None, repr=False, compare=False)  # byte_span(), once computed
 
     @property
     def where(self) -> str:
@@ -45,15 +46,18 @@ class ArrayRef:
 
     def byte_span(self) -> tuple[int, int]:
         """The half-open byte range [lo, hi) that the array's elements touch (empty arrays: lo == hi)."""
-        if self.size == 0:
-            return self.ptr, self.ptr
-        lo = hi = 0
-        for n, s in zip(self.shape, self.strides, strict=True):
-            if s > 0:
-                hi += (n - 1) * s
+        if self.span is None:
+            if self.size == 0:
+                self.span = (self.ptr, self.ptr)
             else:
-                lo += (n - 1) * s
-        return self.ptr + lo * self.itemsize, self.ptr + (hi + 1) * self.itemsize
+                lo = hi = 0
+                for n, s in zip(self.shape, self.strides, strict=True):
+                    if s > 0:
+                        hi += (n - 1) * s
+                    else:
+                        lo += (n - 1) * s
+                self.span = (self.ptr + lo * self.itemsize, self.ptr + (hi + 1) * self.itemsize)
+        return self.span
 
     def overlaps(self, other: ArrayRef) -> bool:
         """Whether the two arrays' byte spans intersect on the same device (a conservative aliasing test)."""

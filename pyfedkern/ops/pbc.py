@@ -75,6 +75,9 @@ def _interleaved(ref: ArrayRef) -> bool:
     return ref.strides[0] != 0 and abs(ref.strides[1]) >= m * abs(ref.strides[0])
 
 
+_FEW_INDICES = 32  # index arrays up to this length are checked as Python lists
+
+
 def _indices(active: Any, m: int, name: str, *, sort: bool = False) -> np.ndarray:
     """Distinct int64 row indices from indices or a boolean mask of length m (row order): in the given order, or
     sorted with ``sort``."""
@@ -94,11 +97,20 @@ def _indices(active: Any, m: int, name: str, *, sort: bool = False) -> np.ndarra
     if arr.dtype.kind == "u" and arr.max() >= m:  # before the cast to int64, which would wrap 2^63 and above
         raise ValueError(f"{name} holds row index {int(arr.max())}, expected indices in [0, {m})")
     idx = arr.astype(np.int64)
+    if idx.shape[0] <= _FEW_INDICES:  # the same checks on a list: a few µs less per call than numpy's
+        values = idx.tolist()
+        ordered_list = sorted(values)
+        if ordered_list[0] < 0 or ordered_list[-1] >= m:
+            bad = next(v for v in values if v < 0 or v >= m)
+            raise ValueError(f"{name} holds row index {bad}, expected indices in [0, {m})")
+        if len(set(values)) != len(values):
+            raise ValueError(f"{name} holds duplicate row indices; each active row must appear once")
+        return np.array(ordered_list, dtype=np.int64) if sort else idx
     ordered = np.sort(idx)
     if ordered[0] < 0 or ordered[-1] >= m:
         bad = int(idx[(idx < 0) | (idx >= m)][0])
         raise ValueError(f"{name} holds row index {bad}, expected indices in [0, {m})")
-    if ordered.shape[0] > 1 and (ordered[1:] == ordered[:-1]).any():
+    if (ordered[1:] == ordered[:-1]).any():
         raise ValueError(f"{name} holds duplicate row indices; each active row must appear once")
     return ordered if sort else idx
 

@@ -246,6 +246,25 @@ def test_agg_bcast_bad_input(store, server, active, exc, match):
         ops.pbc_agg_bcast_(store, server, active)
 
 
+@pytest.mark.parametrize("n", [5, 32, 33, 200])  # index lists up to 32 are checked as Python lists, longer by numpy
+def test_index_checks_short_and_long(n):
+    store, server = np.zeros((300, 3), np.float32), np.zeros(3, np.float32)
+    rows = list(np.random.default_rng(n).permutation(300)[:n])
+    ops.pbc_agg_bcast_(store, server, rows)  # valid
+    for bad, match in (
+        ([*rows[:-1], rows[0]], "duplicate"),
+        ([*rows[:-1], 300], "row index 300, expected"),
+        ([*rows[:-1], -2], "row index -2"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            ops.pbc_agg_bcast_(store, server, bad)
+    x = np.zeros(3, np.float32)
+    ops.weighted_delta_(x, store, np.ones(n), rows=rows)  # unsorted rows keep their order with their weights
+    store[rows[0]] = 1.0
+    ops.weighted_delta_(x, store, [1.0] + [0.0] * (n - 1), rows=rows)
+    assert (x == 1.0).all()
+
+
 def test_agg_bcast_rejects_overlapping_rows():
     t = torch.zeros(10)
     with pytest.raises(ValueError, match="rows overlap"):
