@@ -40,8 +40,18 @@ __global__ void agg_bcast_kernel(const __grid_constant__ ArgBlock<NB> block, con
     Acc acc[W], x[W];
 #pragma unroll
     for (int i = 0; i < W; ++i) acc[i] = Acc(0);
-#pragma unroll 4
-    for (int k = 0; k < K; ++k) {
+    int k = 0;
+    for (; k + 4 <= K; k += 4) {  // four rows' loads issued together (as weighted_sum), then added in row order
+      Acc xs[4][W];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) load_pack<W>(row_ptr<T>(rows[k + j]), v, xs[j]);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+#pragma unroll
+        for (int i = 0; i < W; ++i) acc[i] = acc[i] + xs[j][i];
+      }
+    }
+    for (; k < K; ++k) {
       load_pack<W>(row_ptr<T>(rows[k]), v, x);
 #pragma unroll
       for (int i = 0; i < W; ++i) acc[i] = acc[i] + x[i];
@@ -75,8 +85,19 @@ __global__ void weighted_delta_kernel(const __grid_constant__ ArgBlock<NB> block
     load_pack<W>(x, v, xb);
 #pragma unroll
     for (int i = 0; i < W; ++i) acc[i] = Acc(0);
-#pragma unroll 4
-    for (int k = 0; k < K; ++k) {
+    int k = 0;
+    for (; k + 4 <= K; k += 4) {  // four rows' loads issued together (as weighted_sum), then added in row order
+      Acc rs[4][W];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) load_pack<W>(row_ptr<T>(rows[k + j]), v, rs[j]);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const Acc w = weights[k + j];
+#pragma unroll
+        for (int i = 0; i < W; ++i) acc[i] = acc[i] + w * (rs[j][i] - xb[i]);
+      }
+    }
+    for (; k < K; ++k) {
       const Acc w = weights[k];
       load_pack<W>(row_ptr<T>(rows[k]), v, r);
 #pragma unroll
