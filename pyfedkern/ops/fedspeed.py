@@ -131,23 +131,7 @@ def sam_perturb(
     """
     if _is_rows(x):
         return _perturb_rows(x, grad, rho, eps=eps, normalize=normalize, out=out, norm_out=norm_out)
-    xr = _vector(x, "x")
-    gr = _like(grad, "grad", xr, "x")
-    r = _scalar(rho, "rho", low=0.0)
-    e = _scalar(eps, "eps", low=0.0)
-    if not isinstance(normalize, bool):
-        raise TypeError(f"normalize must be a bool, got {type(normalize).__qualname__}")
-    if not normalize and norm_out is not None:
-        raise ValueError("norm_out needs normalize=True (with normalize=False no norm is computed)")
-    if out is None:
-        out = _arrays.empty_like_lib(xr, xr.shape)
-        outr = _arrays.describe(out, "out")
-    else:
-        outr = _like(out, "out", xr, "x")
-        _arrays.check_output(outr, "out")
-        _disjoint(outr, "out", {"grad": gr})
-        if outr.overlaps(xr) and not _same_view(outr, xr):
-            raise ValueError("out partially overlaps x; pass x itself or a separate array")
+    xr, gr, r, e, out, outr = _perturb_operands(_vector, _like, x, grad, rho, eps, normalize, out, norm_out)
     norm = _norm_target(norm_out, xr)
     keep, ws_ptr, ws_len, norm_ptr = _workspace(xr, norm, normalize)
     native().fedspeed_perturb(
@@ -171,6 +155,28 @@ def sam_perturb(
     del keep
     _arrays.mark_written(outr, *([norm] if norm is not None else []))
     return out
+
+
+def _perturb_operands(take, like, x, grad, rho, eps, normalize, out, norm_out):
+    """The checked operands and scalars of :func:`sam_perturb` (``take``/``like`` describe vectors or [k, d]
+    matrices): (x, grad, rho, eps, out (allocated when None), out's ref)."""
+    xr = take(x, "x")
+    gr = like(grad, "grad", xr, "x")
+    r = _scalar(rho, "rho", low=0.0)
+    e = _scalar(eps, "eps", low=0.0)
+    if not isinstance(normalize, bool):
+        raise TypeError(f"normalize must be a bool, got {type(normalize).__qualname__}")
+    if not normalize and norm_out is not None:
+        raise ValueError("norm_out needs normalize=True (with normalize=False no norm is computed)")
+    if out is None:
+        out = _arrays.empty_like_lib(xr, xr.shape)
+        return xr, gr, r, e, out, _arrays.describe(out, "out")
+    outr = like(out, "out", xr, "x")
+    _arrays.check_output(outr, "out")
+    _disjoint(outr, "out", {"grad": gr})
+    if outr.overlaps(xr) and not _same_view(outr, xr):
+        raise ValueError("out partially overlaps x; pass x itself or a separate array")
+    return xr, gr, r, e, out, outr
 
 
 def _update_operands(take, like, x, g2, lr, g1, alpha, anchor, prox_coef, weight_decay, clip_norm, norm_out):
@@ -280,6 +286,24 @@ def fedspeed_update_(
     return x
 
 
+def _round_end_outputs(hr, acc_like, acc_like_name, xl, xg, acc, acc_weight, include_h, h_sum):
+    """(acc_weight, the checked outputs {"h", "acc"?, "h_sum"?}) of :func:`fedspeed_round_end_`; ``acc`` and
+    ``h_sum`` are [d] vectors like ``acc_like``; no output overlaps an input or another output."""
+    w = _scalar(acc_weight, "acc_weight")
+    if not isinstance(include_h, bool):
+        raise TypeError(f"include_h must be a bool, got {type(include_h).__qualname__}")
+    outs: dict[str, ArrayRef] = {"h": hr}
+    for name, value in (("acc", acc), ("h_sum", h_sum)):
+        if value is not None:
+            ref = _like(value, name, acc_like, acc_like_name)
+            _arrays.check_output(ref, name)
+            outs[name] = ref
+    names = list(outs)
+    for i, name in enumerate(names):
+        _disjoint(outs[name], name, {"x_local": xl, "x_global": xg, **{n: outs[n] for n in names[i + 1 :]}})
+    return w, outs
+
+
 def fedspeed_round_end_(
     h: A,
     x_local: Any,
@@ -309,18 +333,7 @@ def fedspeed_round_end_(
     _arrays.check_output(hr, "h")
     xl = _like(x_local, "x_local", hr, "h")
     xg = _like(x_global, "x_global", hr, "h")
-    w = _scalar(acc_weight, "acc_weight")
-    if not isinstance(include_h, bool):
-        raise TypeError(f"include_h must be a bool, got {type(include_h).__qualname__}")
-    outs: dict[str, ArrayRef] = {"h": hr}
-    for name, value in (("acc", acc), ("h_sum", h_sum)):
-        if value is not None:
-            ref = _like(value, name, hr, "h")
-            _arrays.check_output(ref, name)
-            outs[name] = ref
-    names = list(outs)
-    for i, name in enumerate(names):
-        _disjoint(outs[name], name, {"x_local": xl, "x_global": xg, **{n: outs[n] for n in names[i + 1 :]}})
+    w, outs = _round_end_outputs(hr, hr, "h", xl, xg, acc, acc_weight, include_h, h_sum)
     accr, hsr = outs.get("acc"), outs.get("h_sum")
     native().fedspeed_round_end(
         hr.device,
@@ -400,23 +413,7 @@ def _row_workspace(like: ArrayRef, norm: ArrayRef | None, needed: bool) -> tuple
 
 
 def _perturb_rows(x: Any, grad: Any, rho: float, *, eps: float, normalize: bool, out: Any, norm_out: Any) -> Any:
-    xr = _matrix(x, "x")
-    gr = _matrix_like(grad, "grad", xr, "x")
-    r = _scalar(rho, "rho", low=0.0)
-    e = _scalar(eps, "eps", low=0.0)
-    if not isinstance(normalize, bool):
-        raise TypeError(f"normalize must be a bool, got {type(normalize).__qualname__}")
-    if not normalize and norm_out is not None:
-        raise ValueError("norm_out needs normalize=True (with normalize=False no norm is computed)")
-    if out is None:
-        out = _arrays.empty_like_lib(xr, xr.shape)
-        outr = _arrays.describe(out, "out")
-    else:
-        outr = _matrix_like(out, "out", xr, "x")
-        _arrays.check_output(outr, "out")
-        _disjoint(outr, "out", {"grad": gr})
-        if outr.overlaps(xr) and not _same_view(outr, xr):
-            raise ValueError("out partially overlaps x; pass x itself or a separate array")
+    xr, gr, r, e, out, outr = _perturb_operands(_matrix, _matrix_like, x, grad, rho, eps, normalize, out, norm_out)
     norm = _row_norms(norm_out, xr)
     keep, ws_ptr, ws_len, norm_ptr, norm_stride = _row_workspace(xr, norm, normalize)
     native().fedspeed_perturb_rows(
@@ -512,18 +509,7 @@ def _round_end_rows(
     else:
         xg = _matrix_like(x_global, "x_global", hr, "h")
         xg_row_stride, xg_stride = xg.strides
-    w = _scalar(acc_weight, "acc_weight")
-    if not isinstance(include_h, bool):
-        raise TypeError(f"include_h must be a bool, got {type(include_h).__qualname__}")
-    outs: dict[str, ArrayRef] = {"h": hr}
-    for name, value in (("acc", acc), ("h_sum", h_sum)):
-        if value is not None:
-            ref = _like(value, name, hr.row(0), "a row of h")
-            _arrays.check_output(ref, name)
-            outs[name] = ref
-    names = list(outs)
-    for i, name in enumerate(names):
-        _disjoint(outs[name], name, {"x_local": xl, "x_global": xg, **{n: outs[n] for n in names[i + 1 :]}})
+    w, outs = _round_end_outputs(hr, hr.row(0), "a row of h", xl, xg, acc, acc_weight, include_h, h_sum)
     accr, hsr = outs.get("acc"), outs.get("h_sum")
     native().fedspeed_round_end_rows(
         hr.device,
