@@ -70,6 +70,7 @@ __global__ void __launch_bounds__(kThreads)
                        const T* __restrict__ query, int64_t query_stride, double* __restrict__ partials) {
   constexpr int S = Diff ? 1 : 2;  // statistics per row
   __shared__ double shared[kRowsPerSum * S * kWarps];
+  __shared__ double query_warps[2][kWarps];  // per-warp Σq², double-buffered by chunk parity
   const unsigned char* base = table_base(block, global);
   const RowRef* bank = table_at<RowRef>(base, t.bank);
   const int64_t* seg_begin = table_at<int64_t>(base, t.seg_begin);
@@ -78,7 +79,9 @@ __global__ void __launch_bounds__(kThreads)
   const int K = static_cast<int>(t.K);
   const int64_t pitch = similarity_pitch(K);
   const int64_t num_items = first_chunk[t.L];
-  for (int64_t it = blockIdx.x; it < num_items; it += gridDim.x) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  int parity = 0;
+  for (int64_t it = blockIdx.x; it < num_items; it += gridDim.x, parity ^= 1) {
     int64_t lo = 0, hi = t.L - 1;  // the segment l with first_chunk[l] <= it < first_chunk[l + 1]
     while (lo < hi) {
       const int64_t mid = (lo + hi + 1) / 2;
@@ -91,16 +94,19 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t item_begin = seg_begin[lo] + (it - first_chunk[lo]) * kChunk;
     const int64_t item_end = min(item_begin + kChunk, seg_end[lo]);
     double q[kPerThread];
-    double v[1] = {0.0};
+    double qq = 0.0;
 #pragma unroll
     for (int i = 0; i < kPerThread; ++i) {
       const int64_t e = item_begin + static_cast<int64_t>(i) * kThreads + threadIdx.x;
       q[i] = e < item_end ? static_cast<double>(to_acc(query[e * query_stride])) : 0.0;
-      v[0] += q[i] * q[i];
+      qq += q[i] * q[i];
     }
-    block_sum(v, shared);
+    // Σq² reduced as block_sum does (warp tree, then the warps in order) without a barrier of its own: thread 0
+    // adds the warps' sums after the first row group's block_sum, whose barriers order these writes before it. A
+    // warp can be one chunk ahead of thread 0 at most (the next block_sum waits for it): two buffers suffice.
+    for (int off = 16; off > 0; off >>= 1) qq += __shfl_down_sync(0xffffffffu, qq, off);
+    if (lane == 0) query_warps[parity][warp] = qq;
     double* out = partials + it * pitch;
-    if (threadIdx.x == 0) out[0] = v[0];
     for (int k0 = 0; k0 < K; k0 += kRowsPerSum) {
       double w[kRowsPerSum * S] = {};
 #pragma unroll
@@ -124,6 +130,11 @@ __global__ void __launch_bounds__(kThreads)
       }
       block_sum(w, shared);
       if (threadIdx.x == 0) {
+        if (k0 == 0) {
+          double total = 0.0;
+          for (int w2 = 0; w2 < kWarps; ++w2) total += query_warps[parity][w2];
+          out[0] = total;
+        }
         for (int g = 0; g < kRowsPerSum && k0 + g < K; ++g) {
           const int k = k0 + g;
           out[1 + 3 * k] = Diff ? 0.0 : w[2 * g];
