@@ -340,9 +340,19 @@ def _conv2d_sq_norms(layer: Any, a: Any, g: Any) -> Any:
         return F.unfold(x, layer.kernel_size, dilation=layer.dilation, padding=padding, stride=layer.stride)
 
     B, o = g.shape[0], g.shape[1]
-    patch, T = unfold(a[:1]).shape[1:]
-    if T != g.shape[2] * g.shape[3]:
-        raise ValueError(f"grad_outputs spatial size {tuple(g.shape[2:])} does not match the layer's output")
+    patch = layer.in_channels * layer.kernel_size[0] * layer.kernel_size[1]
+    if pad_same:  # (stride 1)
+        out_hw = tuple(a.shape[2:])
+    else:
+        pads = (0, 0) if isinstance(layer.padding, str) else layer.padding  # 'valid'
+        sizes = zip(a.shape[2:], pads, layer.dilation, layer.kernel_size, layer.stride, strict=True)
+        out_hw = tuple((n + 2 * p - d * (k - 1) - 1) // s + 1 for n, p, d, k, s in sizes)
+    if tuple(g.shape[2:]) != out_hw:
+        raise ValueError(
+            f"grad_outputs spatial size {tuple(g.shape[2:])} does not match the layer's output {out_hw} for inputs "
+            f"{tuple(a.shape[2:])}"
+        )
+    T = out_hw[0] * out_hw[1]
     g_flat = g.reshape(B, o, T)
     total = _sq_rows(g_flat.sum(2)) if _wants(layer.bias) else g.new_zeros(B)
     if not _wants(layer.weight):

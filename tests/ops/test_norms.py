@@ -425,6 +425,11 @@ def test_grad_norms_errors():
         ops.per_sample_grad_norms(nn.LayerNorm(3), x, x)
     with pytest.raises(ValueError, match="groups=2"):
         ops.per_sample_grad_norms(nn.Conv2d(2, 2, 1, groups=2), torch.randn(1, 2, 3, 3), torch.randn(1, 2, 3, 3))
+    conv = nn.Conv2d(2, 3, 2, stride=(1, 2))  # a [1, 2, 4, 7] input gives a [1, 3, 3, 3] output
+    ops.per_sample_grad_norms(conv, torch.randn(1, 2, 4, 7), torch.randn(1, 3, 3, 3))
+    for wrong in ((3, 4), (1, 9), (9, 1)):  # (1, 9) and (9, 1) have the right number of positions
+        with pytest.raises(ValueError, match=r"spatial size .* does not match the layer's output \(3, 3\)"):
+            ops.per_sample_grad_norms(conv, torch.randn(1, 2, 4, 7), torch.randn(1, 3, *wrong))
     with pytest.raises(ValueError, match="same batch size"):
         ops.per_sample_grad_norms(nn.Linear(3, 2), torch.randn(4, 3), torch.randn(3, 2))
     with pytest.raises(ValueError, match="do not match"):
