@@ -51,7 +51,8 @@ def capture_layer_grads(
 ) -> tuple[list[tuple[nn.Module, torch.Tensor, torch.Tensor]], torch.Tensor]:
     """((layer, input, per-sample output gradient) for each trainable Linear/Conv2d layer, model output).
 
-    The output gradients are those of each sample's own loss ``loss_fn(output[n:n+1], y[n:n+1])``.
+    The output gradients are those of each sample's own loss ``loss_fn(output[n:n+1], y[n:n+1])``; a layer whose
+    output does not reach the loss is left out (its gradients are zero).
     """
     layers = _check_model(model)
     inputs: dict[nn.Module, torch.Tensor] = {}
@@ -77,6 +78,8 @@ def capture_layer_grads(
         for h in handles:
             h.remove()
     used = [m for m in layers if m in outputs and outputs[m].requires_grad]
+    if not used or not total.requires_grad:  # the loss does not depend on any trainable layer: zero gradients
+        return [], out.detach()
     grads = torch.autograd.grad(total, [outputs[m] for m in used], allow_unused=True)
     captured = [(m, inputs[m], g) for m, g in zip(used, grads, strict=True) if g is not None]
     return captured, out.detach()
@@ -127,7 +130,10 @@ def grad_norms(model: nn.Module, loss_fn: Any, x: torch.Tensor, y: torch.Tensor,
     pass to the layer outputs.
     """
     captured, out = capture_layer_grads(model, loss_fn, x, y)
-    total = torch.zeros(x.shape[0], dtype=out.dtype, device=out.device)
+    total = None
     for module, a, g in captured:
-        total += per_sample_grad_norms(module, a, g, squared=True)
+        sq = per_sample_grad_norms(module, a, g, squared=True)
+        total = sq if total is None else total.add_(sq)
+    if total is None:  # no trainable layer took part in the output
+        total = torch.zeros(x.shape[0], dtype=out.dtype, device=out.device)
     return total if squared else total.sqrt()

@@ -310,9 +310,14 @@ def _linear_sq_norms(layer: Any, a: Any, g: Any) -> Any:
             f"[..., {g.shape[-1]}] do not match"
         )
     if a.dim() == 2:
-        g_sq = _sq_rows(g)
-        total = g_sq * _sq_rows(a) if _wants(layer.weight) else g_sq.new_zeros(g_sq.shape)
-        return total + g_sq if _wants(layer.bias) else total
+        import torch
+
+        g_sq, weight, bias = _sq_rows(g), _wants(layer.weight), _wants(layer.bias)
+        if weight and bias:
+            return torch.addcmul(g_sq, g_sq, _sq_rows(a))  # ‖g‖²·(‖a‖² + 1) in one launch
+        if weight:
+            return g_sq * _sq_rows(a)
+        return g_sq if bias else g_sq.new_zeros(g_sq.shape)
     B = a.shape[0]
     return _sequence_sq_norms(a.reshape(B, -1, a.shape[-1]), g.reshape(B, -1, g.shape[-1]), layer.weight, layer.bias)
 

@@ -399,6 +399,31 @@ def test_grad_norms_cross_entropy_is_summed_without_vmap(monkeypatch):
     torch.testing.assert_close(norms[[0, 1, 3]], expected[F.cross_entropy][[0, 1, 3]])
 
 
+class _SideBranch(nn.Module):
+    """A trainable layer whose output is discarded, and a frozen one that makes the output."""
+
+    def __init__(self, frozen_output: bool) -> None:
+        super().__init__()
+        self.side, self.head = nn.Linear(3, 2), nn.Linear(3, 2)
+        self.head.requires_grad_(not frozen_output)
+
+    def forward(self, x):
+        self.side(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("frozen_output", [True, False])
+def test_grad_norms_layers_that_do_not_reach_the_loss_count_zero(frozen_output):
+    torch.manual_seed(10)
+    model = _SideBranch(frozen_output)
+    x, y = torch.randn(5, 3), torch.randint(0, 2, (5,))
+    torch.testing.assert_close(
+        persample.grad_norms(model, F.cross_entropy, x, y), reference.grad_norms(model, F.cross_entropy, x, y)
+    )
+    if frozen_output:
+        assert (persample.grad_norms(model, F.cross_entropy, x, y) == 0).all()
+
+
 def test_grad_norms_batch_of_one_and_mse_loss():
     torch.manual_seed(5)
     model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2)).double()
