@@ -99,7 +99,8 @@ def _cross_entropy_options(loss_fn: Any) -> dict | None:
 def _loss_sum(loss_fn: Any, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Σ_n loss_fn(out[n:n+1], y[n:n+1]), a scalar in out's autograd graph (its gradient with respect to out[n]
     is sample n's own output gradient)."""
-    options = _cross_entropy_options(loss_fn)
+    # [B, C] logits only: with [B, C, d1, ...] one sample's mean runs over its positions, not the batch's
+    options = _cross_entropy_options(loss_fn) if out.dim() == 2 else None
     if options is not None:  # a sample whose target is ignore_index gets a zero gradient (per sample: 0/0)
         return F.cross_entropy(out, y, reduction="sum", **options)
 

@@ -376,6 +376,19 @@ def test_grad_norms_losses_match_torch_func(loss_fn):
     )
 
 
+def test_grad_norms_per_pixel_cross_entropy_matches_torch_func():
+    """[B, C, H, W] logits: one sample's cross-entropy is its mean over its H·W pixels (not the batch sum)."""
+    torch.manual_seed(11)
+    model = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.Tanh(), nn.Conv2d(4, 3, 1)).double()
+    x, y = torch.randn(5, 2, 6, 6, dtype=torch.float64), torch.randint(0, 3, (5, 6, 6))
+    torch.testing.assert_close(
+        persample.grad_norms(model, F.cross_entropy, x, y),
+        reference.grad_norms(model, F.cross_entropy, x, y),
+        rtol=1e-11,
+        atol=1e-11,
+    )
+
+
 def test_grad_norms_cross_entropy_is_summed_without_vmap(monkeypatch):
     """F.cross_entropy and a plain nn.CrossEntropyLoss take one batched loss; class weights go through vmap."""
     torch.manual_seed(9)
