@@ -3,9 +3,9 @@
 :func:`grad_norms` runs one forward pass capturing each Linear/Conv2d layer's input, then one backward pass, from
 the sum of the per-sample losses to the layer outputs only (no parameter gradient is computed), which gives each
 layer's per-sample output gradients, and combines them with :func:`pyfedkern.ops.norms.per_sample_grad_norms`.
-Cross-entropy (``F.cross_entropy`` or a plain ``nn.CrossEntropyLoss`` without class weights) is summed over the
-batch directly; any other loss is evaluated per sample with a vmap over the loss alone. Parameter ``.grad``
-fields are not touched. The model must treat samples independently (no BatchNorm in training mode).
+Cross-entropy (``F.cross_entropy`` or a plain ``nn.CrossEntropyLoss`` without class weights) on [B, C] logits is
+summed over the batch directly; any other loss is evaluated per sample with a vmap over the loss alone. Parameter
+``.grad`` fields are not touched. The model must treat samples independently (no BatchNorm in training mode).
 """
 
 from __future__ import annotations
@@ -122,8 +122,8 @@ def grad_norms(model: nn.Module, loss_fn: Any, x: torch.Tensor, y: torch.Tensor,
             per forward pass.
         loss_fn: called as ``loss_fn(output[n:n+1], y[n:n+1])`` for one sample (e.g. ``F.cross_entropy``); must be
             vmap-compatible and return a scalar. ``F.cross_entropy`` and ``nn.CrossEntropyLoss`` without class
-            weights are summed over the batch in one call instead (a sample whose target is the ignore_index then
-            has norm 0, where the per-sample mean is 0/0).
+            weights on [B, C] logits are summed over the batch in one call instead (a sample whose target is the
+            ignore_index then has norm 0, where the per-sample mean is 0/0).
         x, y: a batch of inputs [B, ...] and targets [B, ...].
         squared: return squared norms.
 
