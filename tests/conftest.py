@@ -1,5 +1,7 @@
-"""Shared test configuration: CUDA tests (marked `cuda`) run only when a usable GPU is present; fixtures for
-run-directory tests (a snapshot of a directory's files, a directory that cannot be written)."""
+"""Shared test configuration: CUDA tests (marked `cuda`) run only when a usable GPU is present; tests marked
+`hugemem` (2^31-element arrays, several GiB of RAM) run only when asked for, with `-m hugemem` or
+PYFEDKERN_HUGEMEM=1; fixtures for run-directory tests (a snapshot of a directory's files, a directory that cannot
+be written)."""
 
 from __future__ import annotations
 
@@ -25,11 +27,20 @@ def _cuda_ready() -> bool:
 CUDA = _cuda_ready()
 
 
+def _hugemem_wanted(config) -> bool:
+    """True when the run asks for the huge-memory tests: a -m expression naming them, or PYFEDKERN_HUGEMEM=1."""
+    return "hugemem" in (config.getoption("markexpr") or "") or os.environ.get("PYFEDKERN_HUGEMEM") == "1"
+
+
 def pytest_collection_modifyitems(config, items):
-    skip = pytest.mark.skip(reason="needs a CUDA device and a CUDA build of pyfedkern")
+    skip_cuda = pytest.mark.skip(reason="needs a CUDA device and a CUDA build of pyfedkern")
+    skip_hugemem = pytest.mark.skip(reason="needs 4-9 GB of RAM: run with -m hugemem or PYFEDKERN_HUGEMEM=1")
+    hugemem = _hugemem_wanted(config)
     for item in items:
         if "cuda" in item.keywords and not CUDA:
-            item.add_marker(skip)
+            item.add_marker(skip_cuda)
+        if "hugemem" in item.keywords and not hugemem:
+            item.add_marker(skip_hugemem)
 
 
 def _files_under(directory: Path) -> dict[str, bytes | None]:

@@ -192,6 +192,7 @@ def test_concurrent_calls_from_python_threads():
         assert np.array_equal(a, b)
 
 
+@pytest.mark.hugemem
 def test_sixty_four_bit_indexing():
     # 2^31 + 5 elements: a zero-stride input row keeps the input tiny; the float16 output is 4 GiB.
     d = 2**31 + 5
@@ -201,7 +202,7 @@ def test_sixty_four_bit_indexing():
     assert np.count_nonzero(out[2**31 - 4096 :] != 3.0) == 0
 
 
-@pytest.mark.slow
+@pytest.mark.hugemem
 def test_sixty_four_bit_indexing_contiguous():
     # A real 4 GiB float16 row of 2^31 + 5 elements (the contiguous path), with marked values across the 2^31 boundary.
     d = 2**31 + 5
