@@ -1,5 +1,5 @@
 """Where the time of a GPU op call goes: torch.profiler tables (CPU-side and GPU-side) of a few ops at benchmark
-sizes, for the developers' notes. Usage: python bench/profile_ops.py > profile.txt"""
+sizes, to see whether launches, host work or the kernels dominate. Usage: python bench/profile_ops.py > profile.txt"""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""weighted_sum vs the torch idiom, tensordot, the add_ loop, NumPy and Flower's per-layer reduce (issue 2)."""
+"""weighted_sum vs the torch idiom, tensordot, the add_ loop, NumPy and Flower's per-layer reduce.
+Targets: bench/results/README.md."""
 
 import pytest
 

@@ -1,6 +1,7 @@
-"""Whole simulation rounds (issue 17): one round of FedAvg, SCAFFOLD, FedSpeed and BHerd at m = 100 and 1,000 clients,
+"""Whole simulation rounds: one round of FedAvg, SCAFFOLD, FedSpeed and BHerd at m = 100 and 1,000 clients,
 batched against the per-client loop in the same run, and one FedAvg round of 500 clients against Flower's simulation
-engine (Ray) on the same task. ``-k cuda`` selects the GPU groups when a GPU is present."""
+engine (Ray) on the same task. ``-k cuda`` selects the GPU groups when a GPU is present.
+Targets: bench/results/README.md."""
 
 import pytest
 

@@ -1,4 +1,5 @@
-"""One FedSpeed local step: fused flat-buffer ops vs FL-Simulator's per-tensor PyTorch step and a copy (issue 5)."""
+"""One FedSpeed local step: fused flat-buffer ops vs FL-Simulator's per-tensor PyTorch step and a copy.
+Targets: bench/results/README.md."""
 
 import pytest
 

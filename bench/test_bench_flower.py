@@ -1,5 +1,6 @@
 """Server aggregation in Flower: pyfedkern's strategy and drop-ins vs Flower's aggregate/aggregate_inplace and
-message-API FedAvg on the same results (issue 9). Peak memory (tracemalloc) goes to each benchmark's extra_info."""
+message-API FedAvg on the same results. Peak memory (tracemalloc) goes to each benchmark's extra_info.
+Targets: bench/results/README.md."""
 
 import pytest
 

@@ -1,4 +1,5 @@
-"""herding_select vs the reference loop, a torch greedy loop, torch Gram + Python loop and the GEMM (issue 4)."""
+"""herding_select vs the reference loop, a torch greedy loop, torch Gram + Python loop and the GEMM.
+Targets: bench/results/README.md."""
 
 import pytest
 

@@ -1,4 +1,5 @@
-"""class_feature_norms vs the torch idiom; per-sample grad norms vs torch.func and materialisation (issue 6)."""
+"""class_feature_norms vs the torch idiom; per-sample grad norms vs torch.func and materialisation.
+Targets: bench/results/README.md."""
 
 import pytest
 

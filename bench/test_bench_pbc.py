@@ -1,5 +1,5 @@
 """FedPBC server ops (postponed broadcast, weighted delta, MIFA) vs the torch idiom and per-client loops, and the
-engine's FedPBC round with batched vs looped local training (issue 8)."""
+engine's FedPBC round with batched vs looped local training (targets: bench/results/README.md)."""
 
 import pytest
 

@@ -1,5 +1,6 @@
 """Kernels next to torch on a shared CPU: pyfedkern ops interleaved with torch ops while one busy process per CPU
-loads the machine, against the same bursts on one thread (issue 18). Meant to run under load: the fixture makes it."""
+loads the machine, against the same bursts on one thread (docs/cpu-threads.md). Meant to run under load: the
+fixture makes it."""
 
 import pytest
 

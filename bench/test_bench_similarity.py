@@ -1,4 +1,5 @@
-"""similarity_combine vs the authors' per-layer PyTorch loop, the loop batched over K, and the read limit (issue 7)."""
+"""similarity_combine vs the authors' per-layer PyTorch loop, the loop batched over K, and the read limit.
+Targets: bench/results/README.md."""
 
 import pytest
 

@@ -33,7 +33,8 @@ def test_names():
 @pytest.mark.parametrize(
     ("shape", "expected"),
     [
-        # BHerd spec: d = 430,698 (MNIST) and 555,178 (CIFAR-10). Digits: conv 832 + 25,632, fc 128·256+256, out 2,570
+        # docs/bherd.md §6: d = 430,698 (MNIST) and 555,178 (CIFAR-10)
+        # Digits: conv 832 + 25,632, fc 128·256+256, out 2,570
         (SHAPES["mnist"], 430_698),
         (SHAPES["cifar"], 555_178),
         (SHAPES["digits"], 832 + 25_632 + 33_024 + 2_570),

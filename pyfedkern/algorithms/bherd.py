@@ -1,6 +1,6 @@
 """BHerd (arXiv 2403.16557) and its relatives: BHerd-FedAvg, GraB-FedAvg, BHerd-FedNova, BHerd-SCAFFOLD and FedNova.
 
-Follows shared specs/bherd.md. A BHerd client runs τ_i plain SGD steps w ← w − η·y_λ over its batches in a fixed
+Specified in docs/bherd.md. A BHerd client runs τ_i plain SGD steps w ← w − η·y_λ over its batches in a fixed
 order (non-RR), records every minibatch gradient y_λ as a row of a [τ_i, d] buffer (:class:`GradientRecorder`,
 float32 or bfloat16), selects K_i = round(α·τ_i) of them by greedy herding (:func:`pyfedkern.ops.herding_select`)
 and sends g_i = Σ_{selected} y (raw gradients, never recomputed); its final local model is discarded. The server
@@ -193,7 +193,7 @@ def _check_plain_sgd(ctx: FLContext, name: str) -> None:
 
 @dataclass
 class BHerd(Algorithm):
-    """BHerd-FedAvg: herding-selected gradient sums, server step w ← w − η·(E/α)·Σ p_i g_i (specs/bherd.md §1).
+    """BHerd-FedAvg: herding-selected gradient sums, server step w ← w − η·(E/α)·Σ p_i g_i (docs/bherd.md §3).
 
     Args:
         alpha: selection fraction α ∈ (0, 1]; K_i = round(α·τ_i) clamped to [1, τ_i].
@@ -304,7 +304,7 @@ class BHerd(Algorithm):
 
 @dataclass
 class BHerdFedNova(BHerd):
-    """BHerd-FedNova (our design, specs/bherd.md §1): d_i = g_i/K_i (the mean of the selected gradients),
+    """BHerd-FedNova (our design, docs/bherd.md §5): d_i = g_i/K_i (the mean of the selected gradients),
     w ← w − η·τ_eff·Σ p_i d_i with τ_eff = Σ p_i τ_i."""
 
     name = "bherd-fednova"
@@ -324,7 +324,7 @@ class BHerdFedNova(BHerd):
 
 @dataclass
 class BHerdScaffold(BHerd):
-    """BHerd-SCAFFOLD (our design, specs/bherd.md §1).
+    """BHerd-SCAFFOLD (our design, docs/bherd.md §5).
 
     Local step v_λ = y_λ − c_i + c, w ← w − η·v_λ; herding selects K_i of the v_λ; the client sends
     Δw_i = −(η/α)·Σ_sel v and its new control c_i⁺ = c_i − c + (1/K_i)·Σ_sel v (the mean of the selected raw y).

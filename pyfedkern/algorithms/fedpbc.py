@@ -14,7 +14,7 @@ the set of ON links. The downlink never fails.
 - ``mifa`` (:class:`MIFA`): the server remembers every client's latest Δ_i; x += η_g·(1/m)·Σ_{all i} U_i
   (Gu et al. 2021), with a running sum re-summed every ``resum_every`` rounds (:func:`pyfedkern.ops.mifa_update_`).
 
-Baseline update rules follow the FedAU reference code, as in the spec (specs/fedpbc.md §1). All methods use the
+Baseline update rules follow the FedAU authors' code (docs/fedpbc.md §3). All methods use the
 engine's local SGD settings (``--local-steps``, ``--lr``, ``--lr-schedule invsqrt:10`` for the paper's
 η_t = η_0/√(t/10 + 1), ``--batch-size``); participation is decided by the links, so ``--fraction`` is not used.
 Under a session schedule that changes which clients exist (``ctx.active_clients``, set by the ``dynamic``

@@ -5,7 +5,7 @@
   x ← x − η[(1−α)g1 + αg2 − ĝ_i + (1/λ)(x − x^t) + wd·x] with the fused kernels of :mod:`pyfedkern.ops.fedspeed`.
   ``begin_round`` / ``end_round`` bracket one FL round (h_i += x_K − x^t, upload x̂_i = x_K + h_i).
 - :class:`FedSpeed` is the client/server algorithm (Algorithm 1 in the storage form h_i = −λ·ĝ_i of
-  specs/fedspeed.md; the engine trains a round's participants together with the [k, d] row forms of the same
+  docs/fedspeed.md §3; the engine trains a round's participants together with the [k, d] row forms of the same
   fused kernels, one norm per row), with the switches ``use_prox``, ``use_correction``, ``use_perturb`` (the
   Table 7 ablation), ``ref_compat`` (FL-Simulator's clip of the loss gradient + correction at ``clip_norm``) and
   ``corr_avg`` ("all": the reference server x^{t+1} = mean_S(x_K) + mean_m(h_i)).

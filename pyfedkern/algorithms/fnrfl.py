@@ -1,4 +1,4 @@
-"""FNR-FL (Hu, Qiu, Tang: "Feature Norm Regularized Federated Learning"), Algorithms 1–3 resolved per specs/fnrfl.md.
+"""FNR-FL (Hu, Qiu, Tang: "Feature Norm Regularized Federated Learning"): Algorithms 1–3 as docs/fnrfl.md states.
 
 Round t (participants S, n = |S|):
 

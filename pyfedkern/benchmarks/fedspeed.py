@@ -13,7 +13,7 @@ Group "ref-code form" (clip at 10, α = 1, what FL-Simulator computes):
 - ``torch flat``: the same math with torch ops on flat buffers;
 - ``limit:copy``: a copy of 4.5·d floats (9·d floats of traffic), the machine's memory bandwidth.
 
-Group "Alg. 1" (α = 0.9375, no clip; the spec's 9·d floats per step): ``pyfedkern``, ``torch flat``, the copy and
+Group "Alg. 1" (α = 0.9375, no clip; 9·d floats per step, docs/fedspeed.md): ``pyfedkern``, ``torch flat``, the copy and
 ``torch per-tensor``: the same math written the per-tensor way (global norm over a list of per-tensor norms,
 perturb and restore each tensor in place, then per tensor x ← (1 − η(1/λ + wd))·x − η[(1−α)g1 + αg2 + D/λ] with one
 ``add_`` per term). The second backward is modelled by pointing ``p.grad`` at the g2 tensors (no copy), as a fresh

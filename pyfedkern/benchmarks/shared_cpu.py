@@ -1,5 +1,5 @@
 """Benchmark cases of kernels next to torch on a shared CPU: pyfedkern ops interleaved with torch ops while busy
-processes load every core (issue 18).
+processes load every core (docs/cpu-threads.md).
 
 Every timed call of an op follows an untimed torch op (a Linear layer's forward on a batch of 64 MNIST-sized rows,
 on torch's default threads unless the case says otherwise), as in a training loop, while

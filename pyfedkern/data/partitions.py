@@ -328,7 +328,7 @@ def _quantity(n: int, num_clients: int, alpha: float, rng: np.random.Generator) 
 
 
 def _bherd(labels: np.ndarray, num_clients: int, num_classes: int, case: int) -> list[np.ndarray]:
-    """BHerd's splits, following Wang et al.'s code (BHerd spec, decision 6); deterministic, no seed.
+    """BHerd's splits, following Wang et al.'s code (docs/bherd.md §6, §7.6); deterministic, no seed.
 
     Case 1: sample i → client i mod N. Case 2: label mod N. Case 3: labels below (C−1)/2 → client i mod h with
     h = ⌈min(N, C)/2⌉; the rest → h + label mod (min(N, C) − h). With N > C the target t names a slot and the

@@ -1,6 +1,6 @@
 """Herding ops of BHerd (arXiv 2403.16557): greedy gradient selection (Algorithm 2) and GraB balancing (Algorithm 4).
 
-How :func:`herding_order` / :func:`herding_select` compute (the Gram form of specs/bherd.md §2):
+How :func:`herding_order` / :func:`herding_select` compute (the Gram form of docs/bherd.md §2):
 
 1. **Gram matrix of the centred gradients**, G = Z Zᵀ with z_λ = y_λ − μ, computed in the Python layer with the
    caller's own library matmul (MKL/OpenBLAS for numpy and torch on the CPU, cuBLAS for torch/cupy on the GPU).
@@ -10,7 +10,7 @@ How :func:`herding_order` / :func:`herding_select` compute (the Gram form of spe
    GEMM call takes several chunks at once (:func:`_chunk_plan`), so the library runs whole chunk products in
    parallel rather than splitting each small [τ, c]·[c, τ] product between threads, and the call count stays low.
    The shift keeps the mean of the shifted rows as small as the deviations, so this identity does not suffer the
-   cancellation the raw identity has when ‖μ‖ ≫ ‖z‖ (specs/bherd.md §2). One pass over the [τ, d] buffer, no
+   cancellation the raw identity has when ‖μ‖ ≫ ‖z‖ (docs/bherd.md §2). One pass over the [τ, d] buffer, no
    separate mean pass, compute-bound.
    On the GPU, TF32 matmul (``torch.backends.cuda.matmul.allow_tf32``) lowers the precision of G; leave it off.
 2. **Greedy loop** in native code (``pyfedkern._C.herding_greedy``; the CPU thread pool over clients; on the GPU one
@@ -134,7 +134,7 @@ def _clients(grads: Any, name: str = "grads") -> _Clients:
 
 
 def selection_size(tau: int, alpha: float) -> int:
-    """K = round(α·τ) = ⌊α·τ + 0.5⌋, clamped to [1, τ] (specs/bherd.md §5.4)."""
+    """K = round(α·τ) = ⌊α·τ + 0.5⌋, clamped to [1, τ] (docs/bherd.md §7.4)."""
     return min(tau, max(1, math.floor(alpha * tau + 0.5)))
 
 

@@ -1,11 +1,11 @@
 """BHerd reproduction (``reproduce bherd``): the α sweep of Fig. 3a with FedAvg and GraB on the squared-hinge SVM.
 
 Even vs odd digits (MNIST when ``--data-root`` holds its files, the bundled digits otherwise), N = 5 clients,
-Cases 1–3 of specs/bherd.md (``bherd1``/``bherd2``/``bherd3`` partitions), E = 1 local epoch, a fixed learning rate
+Cases 1–3 of docs/bherd.md §6 (``bherd1``/``bherd2``/``bherd3`` partitions), E = 1 local epoch, a fixed learning rate
 and no momentum: on digits B = 10 and lr 0.003 (its ~270 samples per client give τ ≈ 27 steps), on MNIST the paper's
 B = 100 and lr 1e-4 (τ ≈ 120). FedAvg (random reshuffling), BHerd-FedAvg with α ∈ {0.1, 0.3, 0.5, 0.7, 1.0} (fixed
 order) and GraB-FedAvg, 10 seeds as in the paper, 60 rounds on digits (500 on MNIST). Loss is the global model's
-train loss, accuracy its test accuracy (specs/bherd.md §3); each of the paper's four claims gets a verdict computed
+train loss, accuracy its test accuracy (docs/bherd.md §6); each of the paper's four claims gets a verdict computed
 from the seed-averaged curves by the criteria in ``CRITERIA``."""
 
 from __future__ import annotations
@@ -268,8 +268,8 @@ def batch_note(case: dict) -> str:
     b, sizes = case["batch"], case["client_sizes"]
     steps = f"τ_i = {_span([n // b for n in sizes])} local steps per client per round"
     if b == 100:
-        return f"**Batch size.** B = 100, the spec's default ({steps})."
-    note = f"**Batch size.** B = {b}, not the spec's default B = 100 ({steps})."
+        return f"**Batch size.** B = 100, the paper's default ({steps})."
+    note = f"**Batch size.** B = {b}, not the paper's default B = 100 ({steps})."
     few = [n // 100 for n in sizes]
     if max(few) < 10:
         picks = sorted({selection_size(min(few), a) for a in ALPHAS if a < 1})
@@ -307,7 +307,7 @@ def _markdown(cases: list[dict], args: argparse.Namespace, images: list[str], qu
             "",
             f"`pyfedkern reproduce bherd{' --quick' if quick else ''}`: the α sweep of Fig. 3a with FedAvg and "
             f"GraB-FedAvg on the squared-hinge SVM (λ = 0.1), even vs odd {c0['dataset']}, N = 5 clients, Cases 1–3 "
-            f"(specs/bherd.md), E = 1, B = {c0['batch']}, fixed lr {c0['lr']:g}, no momentum, {c0['rounds']} rounds, "
+            f"(docs/bherd.md §6), E = 1, B = {c0['batch']}, fixed lr {c0['lr']:g}, no momentum, {c0['rounds']} rounds, "
             f"{_seeds(args.seeds)} averaged (the paper: MNIST, B = 100, lr 1e-4, 500 rounds, 10 runs). FedAvg "
             "reshuffles each epoch; BHerd and GraB keep a fixed order, as in the paper. As in the paper's reference "
             "code, the loss is the global model's on the training set (all of it on digits, at most 10,000 samples "

@@ -1,15 +1,15 @@
 """Dynamic client arrival/departure reproduction (``reproduce dynamic``): accuracy right after each transition.
 
-specs/dynamic.md's setting scaled to digits: 40 clients in two groups of 20 alternating over S = 6 sessions
+The setting of docs/dynamic.md §9 scaled to digits: 40 clients in two groups of 20 alternating over S = 6 sessions
 (``groups:o,α`` with label overlap o ∈ {0, 0.2} and Dirichlet α ∈ {0.3, 0.7}), P = 1 pilot session, V = 1 footprint
-round, R = 10, layer-normalised distance; T = 50 rounds per session (the spec's MNIST value), 5 local SGD steps of
-batch 32 (digits clients hold ~34 samples; the spec's 128), momentum 0.9, per-session polynomial decay η0 = 0.05,
+round, R = 10, layer-normalised distance; T = 50 rounds per session (the paper's MNIST value), 5 local SGD steps of
+batch 32 (digits clients hold ~34 samples; the paper's 128), momentum 0.9, per-session polynomial decay η0 = 0.05,
 r = 0.5; host FedAvg and FedProx (μ = 1); methods Proposed, Previous, Average, Continuous; 3 seeds. A sensitivity
 row repeats one setting with η0 = 0.01.
 
 Metric (the paper's): mean test accuracy on the current group's labels over the first 10 rounds of a session. At
 s = P every method starts from the random model, and at s = P + 1 there is one stored model, so Proposed and Average
-start where Previous does; the comparison with the paper therefore uses the transitions s ≥ P + 2 (spec §5 item 5),
+start where Previous does; the comparison with the paper therefore uses the transitions s ≥ P + 2 (docs/dynamic.md §7),
 seed by seed.
 """
 
@@ -40,7 +40,7 @@ WINDOW = 10
 LR = 0.05
 SENSITIVITY_LR = 0.01
 PLOT_SETTING = ("fedavg", 0.0, 0.3, LR)
-# The paper's FedAvg cells (Tables 1-2 of specs/dynamic.md, 1st and 2nd transitions): (Proposed, Previous) accuracy %.
+# The paper's FedAvg cells (its Tables 1-2, 1st and 2nd transitions): (Proposed, Previous) accuracy %.
 PAPER_FEDAVG = {
     "CIFAR-10 o0 α.3": ((65.5, 69.6), (63.9, 47.6)),
     "CIFAR-10 o0 α.7": ((79.2, 76.0), (74.6, 50.9)),
@@ -351,8 +351,8 @@ def _markdown(rows: list[dict], seeds: int, session_rounds: int, quick: bool, pl
         [
             "## Dynamic client arrival/departure (Chang et al., similarity-weighted initial model)",
             "",
-            f"`pyfedkern reproduce dynamic{' --quick' if quick else ''}`: specs/dynamic.md's setting on digits — 40 "
-            f"clients in two groups of 20 (A, B) that alternate over {SESSIONS} sessions of T = {session_rounds} "
+            f"`pyfedkern reproduce dynamic{' --quick' if quick else ''}`: the setting of docs/dynamic.md §9 on digits "
+            f"— 40 clients in two groups of 20 (A, B) that alternate over {SESSIONS} sessions of T = {session_rounds} "
             f"rounds (label overlap o, Dirichlet α inside each group), P = {PILOT} pilot session, V = 1 footprint "
             "round, R = 10, layer-normalised distance; 5 local SGD steps of batch 32, momentum 0.9, per-session "
             "polynomial decay from η0 with r = 0.5; host FedAvg or FedProx (μ = 1); a one-hidden-layer MLP (the "
@@ -361,7 +361,7 @@ def _markdown(rows: list[dict], seeds: int, session_rounds: int, quick: bool, pl
             "",
             f"Session s = {PILOT} restarts every method from the random model and at s = {PILOT + 1} only one model "
             f'is stored, so Proposed (and Average) start exactly where Previous does; the paper\'s "1st transition" '
-            f"is s = {FIRST_COMPARED} (spec §5 item 5), and the comparison below uses s ≥ {FIRST_COMPARED}.",
+            f"is s = {FIRST_COMPARED} (docs/dynamic.md §7), and the comparison below uses s ≥ {FIRST_COMPARED}.",
             "",
             "### Accuracy after each transition (seed mean)",
             "",

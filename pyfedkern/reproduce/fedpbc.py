@@ -1,6 +1,6 @@
 """FedPBC reproduction (``reproduce fedpbc``): the quadratic bias experiment and a Table 1 of link patterns.
 
-1. Quadratic (Sec. 7.1, specs/fedpbc.md): m = 100, d = 100, F_i = ½‖x − u_i‖², exact local GD (s = 100, η = 1e-4),
+1. Quadratic (Sec. 7.1, docs/fedpbc.md §5): m = 100, d = 100, F_i = ½‖x − u_i‖², exact local GD (s = 100, η = 1e-4),
    T = 2500 rounds, Bernoulli links with p0 for clients 1–50 and p1 for 51–100 at (p0, p1) ∈ {(0.5, 0.5),
    (0.5, 0.9), (0.1, 0.9)}, 3 seeds. Plot of ‖x^t − x*‖ for FedAvg and FedPBC; FedAvg's measured limit (its server
    model averaged over the second half of the rounds) compared as a vector with Proposition 1's limit; FedPBC's
@@ -406,8 +406,8 @@ def _markdown(quad: list[dict], rows: list[dict], args: argparse.Namespace, imag
             f"steps of η = 1e-4 (and η = 5e-5 for the 'at η/2' column), {q_rounds} rounds, Bernoulli links (p0 for "
             f"clients 1–50, p1 for 51–100), {seeds} seed(s); every value is the mean over the seeds. FedAvg's "
             "measured limit is its server model averaged over the second half of the rounds; it is compared as a "
-            "vector with Proposition 1's limit (B excluding client i, see the spec), with the standard error of the "
-            f"late average from {LATE_BLOCKS} batch means. FedPBC's late error is the mean of ‖x^t − x*‖ over the "
+            "vector with Proposition 1's limit (B excluding client i, docs/fedpbc.md §5), with the standard error of "
+            f"the late average from {LATE_BLOCKS} batch means. FedPBC's late error is the mean of ‖x^t − x*‖ over the "
             f"last {LATE_FRACTION:.0%} of the rounds.",
             "",
             quadratic_table(quad),

@@ -1,6 +1,6 @@
 """FNR-FL reproduction: FedAvg, FedProx and FNR-FL under feature, label and quantity skew (``reproduce fnrfl``).
 
-Settings follow specs/fnrfl.md: 10 clients, full participation, 10 local epochs, lr 0.1, batch 64, FNR-FL with
+Settings follow docs/fnrfl.md §5–6: 10 clients, full participation, 10 local epochs, lr 0.1, batch 64, FNR-FL with
 λ = 0.01, p = 0.3, 5 refinement epochs and the differentiable ``abs`` regularizer; pixels scaled to [0, 1]. Feature
 skew is ``noise:0.5`` (iid split, client i adds Gaussian noise of std 0.5·i/(n−1)), label skew ``dirichlet:0.5``,
 quantity skew ``quantity:0.5``. An ablation runs FNR-FL with the paper's printed (constant) J, which leaves only
@@ -292,7 +292,7 @@ def _markdown(rows: list[dict], setups: list[Setup], skipped: list[str], images:
         "## FNR-FL (Hu, Qiu & Tang, feature-norm-regularized FL)",
         "",
         f"`pyfedkern reproduce fnrfl{' --quick' if quick else ''}`: FedAvg, FedProx and FNR-FL on feature-, label- "
-        "and quantity-skewed splits. Settings per `specs/fnrfl.md` (the paper leaves λ, p, the public set, seeds and "
+        "and quantity-skewed splits. Settings per docs/fnrfl.md §5–6 (the paper leaves λ, p, the public set, seeds and "
         "baseline parameters unstated):",
         "",
         f"- {digits.clients} clients, all sampled every round; local training is plain SGD "
@@ -330,11 +330,11 @@ def _markdown(rows: list[dict], setups: list[Setup], skipped: list[str], images:
         "### Compared with the paper",
         "",
         "The paper (ResNet-18 on CIFAR-10, Table 2/3) reports FNR-FL above every baseline in every skew — 0.9976 vs "
-        "FedAvg 0.6001 under feature skew (its headline +66.24%) — and 11.40% less time than FedAvg there. The spec "
-        "found these tables unreliable: FNR-FL's ≥ 0.99 exceeds ResNet-18's centralized CIFAR-10 ceiling (~0.95), "
-        "five baseline rows are FedAvg plus a constant, and the printed regularizer has no gradient, so the only "
-        "active mechanism is training on labelled server data (which most likely overlapped the evaluation data). "
-        "We did not tune toward those numbers. What we measured:",
+        "FedAvg 0.6001 under feature skew (its headline +66.24%) — and 11.40% less time than FedAvg there. These "
+        "tables are not reliable (docs/fnrfl.md §5): FNR-FL's ≥ 0.99 exceeds ResNet-18's centralized CIFAR-10 "
+        "ceiling (~0.95), five baseline rows are FedAvg plus a constant, and the printed regularizer has no "
+        "gradient, so the only active mechanism is training on labelled server data (which most likely overlapped "
+        "the evaluation data). We did not tune toward those numbers. What we measured:",
         "",
         comparison(rows),
         "FNR-FL does strictly more work per round than FedAvg (public-set statistics for every client plus the "

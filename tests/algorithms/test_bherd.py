@@ -1,4 +1,4 @@
-"""BHerd-FedAvg, GraB-FedAvg, BHerd-FedNova, BHerd-SCAFFOLD and FedNova against the oracles of specs/bherd.md:
+"""BHerd-FedAvg, GraB-FedAvg, BHerd-FedNova, BHerd-SCAFFOLD and FedNova against the oracles of docs/bherd.md:
 α = 1 equals FedAvg (Eq. 8) / FedNova / SCAFFOLD, closed forms on the quadratic problem built from the reference
 selection, exact resume, the client-side recorder, the CLI and bad parameters."""
 

@@ -1,6 +1,6 @@
 """FedPBC and its baselines under unreliable uplinks.
 
-The quadratic problem of the spec (m = 100, d = 100, F_i = ½‖x − u_i‖², exact gradients): FedAvg's limit is the
+The quadratic problem of docs/fedpbc.md §5 (m = 100, d = 100, F_i = ½‖x − u_i‖², exact gradients): FedAvg's limit is the
 biased point of Proposition 1, FedPBC's server error ends far below that bias and shrinks with η·s, and the mean of
 all client models reaches the optimum. The algorithm classes run through the engine are checked against the vector
 simulation, against each other (all links ON: every method is FedAvg), and batched against looped local training.
@@ -24,7 +24,7 @@ from pyfedkern.sim.engine import Simulation, load_config
 
 LINK_METHODS = ["fedpbc", "fedavg-links", "fedavg-all", "fedavg-known-p", "fedau", "mifa"]
 
-# quadratic problem of the spec ------------------------------------------------------------------------------
+# quadratic problem of docs/fedpbc.md §5 ---------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
-"""FedSpeed and its baselines: the spec's closed-form oracles, equality with a literal Algorithm 1, the special cases
-(ρ = 0 + reference switches = FedDyn, perturbation alone = FedSAM, prox alone = FedProx, nothing = FedAvg), the
-user-loop optimizer, bad input, exact resume, and short end-to-end runs through the simulation engine."""
+"""FedSpeed and its baselines: the closed-form oracles of docs/fedspeed.md §3, equality with a literal Algorithm 1,
+the special cases (ρ = 0 + reference switches = FedDyn, perturbation alone = FedSAM, prox alone = FedProx, nothing =
+FedAvg), the user-loop optimizer, bad input, exact resume, and short end-to-end runs through the simulation engine."""
 
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ def algorithm_one(ctx: ToyContext, rounds: int, *, lam, rho, alpha, eps=1e-7, co
     return x, g_hat
 
 
-# the spec's oracles --------------------------------------------------------------------------------------
+# the oracles of docs/fedspeed.md §3 ---------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(("alpha", "rho"), [(1.0, 0.05), (0.6, 0.2), (1.0, 0.0)])

@@ -1,6 +1,7 @@
-"""FNR-FL: regularizer values/gradients vs the spec's closed forms, Alg. 2 differences, selection of the lowest-accuracy
-clients, the refinement phase (D_pub, from w_j, CE + λ·J) against a plain-torch restatement of the spec, aggregation
-with refined models substituted, p = 0 ≡ FedAvg, λ = 0 ≡ literal, the public set and the CLI."""
+"""FNR-FL: regularizer values/gradients vs the closed forms of docs/fnrfl.md §4, Alg. 2 differences, selection of the
+lowest-accuracy clients, the refinement phase (D_pub, from w_j, CE + λ·J) against a plain-torch restatement of
+docs/fnrfl.md §3, aggregation with refined models substituted, p = 0 ≡ FedAvg, λ = 0 ≡ literal, the public set and
+the CLI."""
 
 from __future__ import annotations
 
@@ -184,7 +185,8 @@ class _RefineContext:
 
 
 def _spec_refinement(start, x, y, target_sum, target_count, lam, steps, lr=0.5):
-    """Spec §1 step 4 ('abs' J) as full-batch gradient descent, in plain torch: w ← w − η∇(CE + λ·J) from ``start``."""
+    """docs/fnrfl.md §3 step 5 ('abs' J) as full-batch gradient descent in plain torch: w ← w − η∇(CE + λ·J) from
+    ``start``."""
     model = _refine_model()
     torch.nn.utils.vector_to_parameters(start, model.parameters())
     params = list(model.parameters())

@@ -1,4 +1,4 @@
-"""Misuse that must end in a clear error or correct behaviour (issue 19): autograd's in-place rules on written
+"""Misuse that must end in a clear error or correct behaviour: autograd's in-place rules on written
 torch tensors, objects that only look like arrays, weights that are not real numbers, overflowing or missing
 aggregation inputs, 0-d per-sample inputs, unsigned labels beyond int64, and row norms at 2^31 elements."""
 

@@ -131,9 +131,9 @@ def test_summary_rounds_to_fedavg_final_loss_and_near_it():
 
 def test_batch_note_explains_the_batch_size():
     note = repro.batch_note({"batch": 10, "client_sizes": [269, 270, 405], "dataset": "digits"})
-    assert "B = 10, not the spec's default" in note and "τ_i = 26–40" in note
+    assert "B = 10, not the paper's default" in note and "τ_i = 26–40" in note
     assert "would leave τ_i = 2–4" in note and "every α < 1 selects 1 of the 2 gradients" in note and "Fig. 3c" in note
-    assert "spec's default (τ_i = 120" in repro.batch_note({"batch": 100, "client_sizes": [12000], "dataset": "mnist"})
+    assert "paper's default (τ_i = 120" in repro.batch_note({"batch": 100, "client_sizes": [12000], "dataset": "mnist"})
 
 
 def test_tiny_reproduction(tmp_path):
