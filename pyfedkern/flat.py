@@ -20,6 +20,20 @@ import numpy as np
 import torch
 from torch import nn
 
+__all__ = [
+    "Entry",
+    "FlatLayout",
+    "FlatParameters",
+    "ndarrays_to_vector",
+    "pack",
+    "parameters_to_vector",
+    "state_dict_to_vector",
+    "unpack",
+    "vector_to_ndarrays",
+    "vector_to_parameters_",
+    "vector_to_state_dict",
+]
+
 
 @dataclass(frozen=True)
 class Entry:
@@ -32,10 +46,12 @@ class Entry:
 
     @property
     def numel(self) -> int:
+        """Number of elements of the tensor."""
         return int(np.prod(self.shape, dtype=np.int64))
 
     @property
     def carried(self) -> bool:
+        """True for an integer or bool entry, carried beside the vector instead of in it."""
         return self.offset < 0
 
 
@@ -70,6 +86,7 @@ class FlatLayout:
 
     @property
     def float_entries(self) -> list[Entry]:
+        """The entries stored in the vector (floating point), in vector order."""
         return [e for e in self.entries if not e.carried]
 
     def segments(self) -> np.ndarray:
@@ -82,6 +99,7 @@ class FlatLayout:
         return np.array([not any(s in e.name for s in exclude_substrings) for e in self.float_entries], dtype=bool)
 
     def names(self) -> list[str]:
+        """Every entry's name, carried entries included, in layout order."""
         return [e.name for e in self.entries]
 
 
@@ -215,6 +233,7 @@ class FlatParameters:
 
     @property
     def size(self) -> int:
+        """d, the length of the flat buffers."""
         return self.layout.size
 
     def zero_grad(self) -> None:

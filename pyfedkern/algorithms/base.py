@@ -115,6 +115,7 @@ class ClientMessage:
 
     @property
     def upload_floats(self) -> int:
+        """Floats sent to the server: the total length of the uploaded vectors."""
         return sum(int(v.numel()) for v in self.vectors.values())
 
 
@@ -144,6 +145,7 @@ class ClientUpdates:
 
     @property
     def upload_floats(self) -> int:
+        """Floats sent to the server: the total length of the uploaded vectors."""
         return sum(int(v.numel()) for v in self.vectors.values())
 
     @classmethod
@@ -196,6 +198,7 @@ class RoundSums:
         self.scalars: dict[str, float] = {}
 
     def add(self, name: str, rows: torch.Tensor, coefs: np.ndarray | Sequence[float]) -> None:
+        """Add Σ_r coefs[r]·rows[r] ([k, d] rows, k coefficients) to the vector ``name``."""
         total = ops.weighted_sum(rows, np.asarray(coefs, dtype=np.float64))
         if name in self.vectors:
             self.vectors[name].add_(total)
@@ -203,12 +206,15 @@ class RoundSums:
             self.vectors[name] = total
 
     def add_scalar(self, name: str, value: float) -> None:
+        """Add a number to the scalar ``name``."""
         self.scalars[name] = self.scalars.get(name, 0.0) + float(value)
 
     def vector(self, name: str) -> torch.Tensor | None:
+        """The [d] sum ``name``, or None when nothing was added to it."""
         return self.vectors.get(name)
 
     def scalar(self, name: str) -> float:
+        """The scalar sum ``name`` (0.0 when nothing was added to it)."""
         return self.scalars.get(name, 0.0)
 
 
@@ -281,6 +287,7 @@ class Algorithm:
         self.x = x0.clone()
 
     def participants(self, t: int, ctx: FLContext) -> np.ndarray:
+        """The client ids taking part in round t (int64 [k]); by default the context's client sampling."""
         return ctx.sample_clients(t)
 
     def client_update(self, t: int, cid: int, ctx: FLContext) -> ClientMessage:
@@ -353,6 +360,7 @@ class Algorithm:
         return {"x": self.x}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the state :meth:`state_dict` returned (into the existing tensors)."""
         self.x.copy_(state["x"])
 
     @classmethod

@@ -25,10 +25,12 @@ class LocalModel:
 
     @property
     def dim(self) -> int:
+        """d, the number of trainable parameters."""
         return self.flat.size
 
     @property
     def has_accuracy(self) -> bool:
+        """Whether the model's outputs are class scores that an accuracy can be computed from."""
         return bool(getattr(self.module, "has_accuracy", True))
 
     def load_(self, vector: torch.Tensor) -> None:
@@ -47,6 +49,7 @@ class LocalModel:
         return loss + penalty() if penalty is not None else loss
 
     def predict(self, output: torch.Tensor) -> torch.Tensor:
+        """Predicted labels [B] from a batch's outputs (the model's own ``predict``, else the argmax)."""
         predict_fn = getattr(self.module, "predict", None)
         return predict_fn(output) if predict_fn is not None else output.argmax(dim=1)
 

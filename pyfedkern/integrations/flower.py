@@ -367,6 +367,7 @@ class ArrivalGrid:
         return self.destinations.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id)
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterator[Message]:
+        """Push ``messages`` and yield each reply as it arrives (until all replied or ``timeout`` seconds passed)."""
         messages = list(messages)
         ids = list(self._grid.push_messages(messages))
         pending = {mid: msg.metadata.dst_node_id for mid, msg in zip(ids, messages, strict=True)}

@@ -1,0 +1,44 @@
+"""The simulator: one process runs every client of an FL experiment, round by round.
+
+- :class:`ExperimentConfig` says what to run (dataset, partition, model, algorithm, rounds, ...); it is saved as a
+  run directory's ``config.json``.
+- :class:`Simulation` builds the data, the partition and the model from a config and runs the rounds;
+  :func:`run_experiment` and :func:`run_or_reuse` run one into a run directory (checkpoints, metrics, resume), and
+  :func:`load_config` reads a run directory's config back.
+- :func:`compare` runs several algorithms on the same split and seed; :func:`read_metrics`, :func:`summarize`,
+  :func:`plot_curves` and :func:`summary_table` read, condense, plot and tabulate the results.
+
+The names are imported from the submodules (``pyfedkern.sim.config``, ``.engine``, ``.compare``, ``.results``,
+``.plots``) on first use, so that ``import pyfedkern.sim.config`` stays cheap (no torch).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_SOURCES = {
+    "ExperimentConfig": "config",
+    "Simulation": "engine",
+    "load_config": "engine",
+    "run_experiment": "engine",
+    "run_or_reuse": "engine",
+    "Comparison": "compare",
+    "compare": "compare",
+    "read_metrics": "results",
+    "summarize": "results",
+    "plot_curves": "plots",
+    "summary_table": "plots",
+}
+
+__all__ = list(_SOURCES)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _SOURCES:
+        raise AttributeError(f"module 'pyfedkern.sim' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"pyfedkern.sim.{_SOURCES[name]}"), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

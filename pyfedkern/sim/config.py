@@ -126,6 +126,7 @@ class ExperimentConfig:
         make_algorithm(self.algorithm, **self.algorithm_params)
 
     def to_dict(self) -> dict[str, Any]:
+        """The config as a plain dict of JSON values (what ``config.json`` holds)."""
         return dataclasses.asdict(self)
 
     @classmethod

@@ -122,6 +122,7 @@ class Simulation:
     # FLContext -------------------------------------------------------------------------------------------
 
     def lr(self, t: int) -> float:
+        """The local learning rate of round t under the config's schedule."""
         name, value = self._lr_schedule
         if name == "exp":
             return self.config.lr * value**t
@@ -130,10 +131,12 @@ class Simulation:
         return self.config.lr
 
     def rng(self, *keys: int) -> np.random.Generator:
+        """A generator seeded by (seed, *keys): one independent, reproducible stream per purpose and round."""
         return np.random.default_rng([self.seed, *(int(k) for k in keys)])
 
     @contextlib.contextmanager
     def timer(self, category: str) -> Iterator[None]:
+        """Context manager adding the block's wall time to the round's time of ``category``."""
         start = time.perf_counter()
         try:
             yield
@@ -141,6 +144,7 @@ class Simulation:
             self._timers[category] = self._timers.get(category, 0.0) + time.perf_counter() - start
 
     def sample_clients(self, t: int) -> np.ndarray:
+        """Round t's participants: max(1, round(fraction·m)) active clients drawn without replacement, sorted."""
         pool = self.active_clients
         k = max(1, round(self.config.fraction * len(pool)))
         if k >= len(pool):
