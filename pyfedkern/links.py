@@ -118,11 +118,11 @@ def time_varying_probs(probs: Any, t: int, gamma: float, period: int) -> np.ndar
 
 
 class LinkModel:
-    """Which uplinks are ON in each round, for one of :data:`PATTERNS`.
+    """Which uplinks are ON in each round, for one of ``PATTERNS``.
 
     Args:
         probs: [m] base probabilities p_i in (0, 1].
-        pattern: one of :data:`PATTERNS`.
+        pattern: one of ``PATTERNS``.
         gamma: amplitude γ ∈ [0, 0.5) of the time variation (used by the ``-tv`` patterns).
         period: P ≥ 1 rounds of the time variation.
         cycle_length: L ≥ 1 rounds of a cyclic pattern's cycle.

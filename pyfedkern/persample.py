@@ -2,7 +2,7 @@
 
 :func:`grad_norms` runs one forward pass capturing each Linear/Conv2d layer's input, then one backward pass, from
 the sum of the per-sample losses to the layer outputs only (no parameter gradient is computed), which gives each
-layer's per-sample output gradients, and combines them with :func:`pyfedkern.ops.norms.per_sample_grad_norms`.
+layer's per-sample output gradients, and combines them with :func:`pyfedkern.ops.per_sample_grad_norms`.
 Cross-entropy (``F.cross_entropy`` or a plain ``nn.CrossEntropyLoss`` without class weights) on [B, C] logits is
 summed over the batch directly; any other loss is evaluated per sample with a vmap over the loss alone. Parameter
 ``.grad`` fields are not touched. The model must treat samples independently (no BatchNorm in training mode).

@@ -41,10 +41,14 @@ class FLContext(Protocol):
     Attributes:
         num_clients: number of clients m.
         client_sizes: int64 [m] local dataset sizes |D_i|.
-        local: the shared :class:`LocalModel` (one model, its parameters and gradients as flat [d] buffers).
+        local: the shared :class:`~pyfedkern.algorithms.LocalModel` (one model, its parameters and gradients as flat
+            [d] buffers).
         device: torch device of all vectors.
-        lr0, batch_size, local_epochs, local_steps, momentum, weight_decay: local training settings
-        (local_steps, when not None, overrides local_epochs).
+        batch_size: minibatch size B.
+        local_epochs: local epochs E per round (used when local_steps is None).
+        local_steps: local steps per round, or None to take local_epochs.
+        momentum: local SGD momentum.
+        weight_decay: L2 weight decay of the local steps.
     """
 
     num_clients: int
@@ -87,7 +91,7 @@ class FLContext(Protocol):
     # - sample_input (tensor): one training sample, on which that budget measures the model's activations.
 
     def rng(self, *keys: int) -> np.random.Generator:
-        """An independent random stream for (seed, *keys)."""
+        """An independent random stream for (seed, ``*keys``)."""
 
     def timer(self, category: str) -> contextlib.AbstractContextManager:
         """Context manager adding the elapsed wall time to a category ("local", "aggregation", "evaluation")."""
@@ -115,7 +119,7 @@ class ClientMessage:
 
     @property
     def upload_floats(self) -> int:
-        """Floats sent to the server: the total length of the uploaded vectors."""
+        """The total length of the uploaded vectors (floats sent to the server)."""
         return sum(int(v.numel()) for v in self.vectors.values())
 
 
@@ -145,7 +149,7 @@ class ClientUpdates:
 
     @property
     def upload_floats(self) -> int:
-        """Floats sent to the server: the total length of the uploaded vectors."""
+        """The total length of the uploaded vectors (floats sent to the server)."""
         return sum(int(v.numel()) for v in self.vectors.values())
 
     @classmethod
@@ -383,7 +387,7 @@ def mean_loss(losses: Sequence[torch.Tensor] | torch.Tensor) -> float:
 
 @dataclass
 class LocalResult:
-    """Outcome of :func:`local_sgd`: final local model [d] (a copy), mean loss, number of steps."""
+    """Outcome of :func:`~pyfedkern.algorithms.local_sgd`: final local model [d] (a copy), mean loss, steps taken."""
 
     x: torch.Tensor
     loss: float

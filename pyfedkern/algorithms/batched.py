@@ -220,7 +220,8 @@ class LinearChainGradients:
 
 
 class BatchedTrainer:
-    """Per-row gradients of a :class:`LocalModel`'s objective (built once per model: :func:`trainer_for`)."""
+    """Per-row gradients of a :class:`~pyfedkern.algorithms.LocalModel`'s objective (built once per model:
+    :func:`trainer_for`)."""
 
     def __init__(self, local: LocalModel) -> None:
         self.local = local
@@ -545,7 +546,7 @@ def batched_local_sgd_(
 
 # Memory ----------------------------------------------------------------------------------------------------------
 
-#: Fraction of the free memory a chunk of participants may use: the GPU's free memory, or the CPU's available RAM.
+#: The share of free memory a chunk of participants may use (of the GPU's free memory, or of the available RAM).
 MEMORY_FRACTION = {"cuda": 0.5, "cpu": 0.25}
 
 

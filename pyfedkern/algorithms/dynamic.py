@@ -125,7 +125,7 @@ class InitialModelBuilder:
     Every vector is flat [d] like ``x0``.
 
     - :meth:`end_session` (s, w_s^last): a pilot session (s < P) adds w_s^last/P into ``pilot``; a later one stores
-      (w_s^last, G_s) in ``store`` (a :class:`SessionHistory` of ``capacity`` sessions).
+      (w_s^last, G_s) in ``store`` (a :class:`~pyfedkern.algorithms.history.SessionHistory` of ``capacity`` sessions).
     - :meth:`set_footprint` (w_fp): G_s = w_fp − w_pilot into ``query``.
     - :meth:`initial_model` (s, previous): x0 at s = 0, ``previous`` for the other pilot sessions, ``first_init`` at
       s = P, and Σ_z α_z·w_z^last with α = softmax(−scale·distance(G_s, G_z)) over the stored sessions after.

@@ -54,8 +54,8 @@ class FedAvg(Algorithm):
         _check_positive("server_lr", self.server_lr)
 
     def correction(self, t: int, ctx: FLContext, run: BatchedLocal | None = None):
-        """The local direction's extra term as ``(g, x)`` → None for :func:`local_sgd` (run None), or
-        ``(g, step)`` → None for the rows of a batched run; None for plain SGD."""
+        """The local direction's extra term as ``(g, x)`` → None for :func:`~pyfedkern.algorithms.local_sgd` (run
+        None), or ``(g, step)`` → None for the rows of a batched run; None for plain SGD."""
         return None
 
     def client_update(self, t: int, cid: int, ctx: FLContext) -> ClientMessage:

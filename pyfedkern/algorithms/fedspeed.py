@@ -2,7 +2,8 @@
 
 - :class:`FedSpeedOptimizer` is a ``torch.optim.Optimizer`` for a user's own loop: ``step(closure)`` takes the
   first gradient at x, the second at x̆ = x + (ρ/‖g1‖)·g1 (the closure is called twice on the same batch) and applies
-  x ← x − η[(1−α)g1 + αg2 − ĝ_i + (1/λ)(x − x^t) + wd·x] with the fused kernels of :mod:`pyfedkern.ops.fedspeed`.
+  x ← x − η[(1−α)g1 + αg2 − ĝ_i + (1/λ)(x − x^t) + wd·x] with the fused kernel
+  :func:`pyfedkern.ops.fedspeed_update_`.
   ``begin_round`` / ``end_round`` bracket one FL round (h_i += x_K − x^t, upload x̂_i = x_K + h_i).
 - :class:`FedSpeed` is the client/server algorithm (Algorithm 1 in the storage form h_i = −λ·ĝ_i of
   docs/fedspeed.md §3; the engine trains a round's participants together with the [k, d] row forms of the same

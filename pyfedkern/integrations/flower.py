@@ -15,7 +15,7 @@ Server side (Flower's Message API, ``flwr.serverapp``):
   :func:`server_evaluation` (an ``evaluate_fn``: the global model's test/train loss and accuracy each round).
 
 Client side: :func:`make_client_app` returns a ``ClientApp`` that runs a pyfedkern algorithm's local update on
-the node's partition of an :class:`~pyfedkern.sim.engine.ExperimentConfig` (the data, model and random streams
+the node's partition of an :class:`~pyfedkern.sim.config.ExperimentConfig` (the data, model and random streams
 of :mod:`pyfedkern.sim`, so a Flower run reproduces the simulation). Messages carry flat parameter vectors
 (one array per named vector, e.g. ``"model"``); :func:`initial_arrays` builds the first global model.
 """
@@ -564,7 +564,7 @@ class BHerd(FedAvg):
     with Σ p_i g_i accumulated as replies arrive.
 
     Args:
-        config: the :class:`~pyfedkern.sim.engine.ExperimentConfig` the clients use (algorithm "bherd").
+        config: the :class:`~pyfedkern.sim.config.ExperimentConfig` the clients use (algorithm "bherd").
     """
 
     def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
@@ -647,7 +647,7 @@ class DynamicInit(FedAvg):
     recorded in ``footprint_history``, not ``history``. ``sessions`` lists each session's first round, nodes and α.
 
     Args:
-        config: the :class:`~pyfedkern.sim.engine.ExperimentConfig` the clients use (algorithm "dynamic", method
+        config: the :class:`~pyfedkern.sim.config.ExperimentConfig` the clients use (algorithm "dynamic", method
             "proposed", host fedavg or fedprox): the method's hyper-parameters, the model layout (segments of the
             per-layer metrics, biases excluded) and the initial model.
 
@@ -767,7 +767,7 @@ CLIENT_ALGORITHMS = ("fedavg", "fedprox", "bherd", "fedpbc", "fedspeed", "dynami
 
 
 def config_from_run_config(run_config: dict[str, Any]) -> Any:
-    """An :class:`~pyfedkern.sim.engine.ExperimentConfig` from a Flower run config.
+    """An :class:`~pyfedkern.sim.config.ExperimentConfig` from a Flower run config.
 
     Keys are ExperimentConfig fields with ``-`` for ``_`` (``local-steps``, ``lr-schedule``, ...);
     ``algorithm-params`` and ``model-params`` are JSON objects; ``local-steps = 0`` (and ``client-chunk = 0``) means

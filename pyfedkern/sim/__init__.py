@@ -5,8 +5,9 @@
 - :class:`Simulation` builds the data, the partition and the model from a config and runs the rounds;
   :func:`run_experiment` and :func:`run_or_reuse` run one into a run directory (checkpoints, metrics, resume), and
   :func:`load_config` reads a run directory's config back.
-- :func:`compare` runs several algorithms on the same split and seed; :func:`read_metrics`, :func:`summarize`,
-  :func:`plot_curves` and :func:`summary_table` read, condense, plot and tabulate the results.
+- :func:`pyfedkern.sim.compare.compare` runs several algorithms on the same split and seed (:class:`Comparison`);
+  :func:`read_metrics`, :func:`summarize`, :func:`plot_curves` and :func:`summary_table` read, condense, plot and
+  tabulate the results.
 
 The names are imported from the submodules (``pyfedkern.sim.config``, ``.engine``, ``.compare``, ``.results``,
 ``.plots``) on first use, so that ``import pyfedkern.sim.config`` stays cheap (no torch).
@@ -24,7 +25,6 @@ _SOURCES = {
     "run_experiment": "engine",
     "run_or_reuse": "engine",
     "Comparison": "compare",
-    "compare": "compare",
     "read_metrics": "results",
     "summarize": "results",
     "plot_curves": "plots",

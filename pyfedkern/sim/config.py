@@ -68,7 +68,7 @@ class ExperimentConfig:
         """Raise ValueError for invalid settings, before any work starts (no data is loaded).
 
         More clients than training samples is caught here for datasets whose size is known without loading them
-        (digits, synthetic, quadratic), and otherwise by :class:`Simulation` right after loading.
+        (digits, synthetic, quadratic), and otherwise by :class:`~pyfedkern.sim.engine.Simulation` right after loading.
         """
 
         from pyfedkern import models

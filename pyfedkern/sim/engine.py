@@ -131,7 +131,7 @@ class Simulation:
         return self.config.lr
 
     def rng(self, *keys: int) -> np.random.Generator:
-        """A generator seeded by (seed, *keys): one independent, reproducible stream per purpose and round."""
+        """A generator seeded by (seed, ``*keys``): one independent, reproducible stream per purpose and round."""
         return np.random.default_rng([self.seed, *(int(k) for k in keys)])
 
     @contextlib.contextmanager
@@ -183,7 +183,7 @@ class Simulation:
         drop_last: bool = False,
         batch_size: int | None = None,
     ) -> list[list[np.ndarray]]:
-        """:meth:`batch_indices` of every client in ``clients`` (see :meth:`_plan`)."""
+        """:meth:`batch_indices` of every client in ``clients`` (see ``_plan``)."""
         plan = self._plan(clients, t, epochs, steps, order, drop_last, batch_size)
         ends = np.cumsum(plan.counts)
         batches = [plan.perms[a : a + n] for a, n in zip(plan.first.tolist(), plan.length.tolist(), strict=True)]
@@ -448,7 +448,7 @@ class Simulation:
 
 @dataclass
 class _Plan:
-    """Every minibatch of a round's clients, client after client (:meth:`Simulation._plan`): ``counts`` [k] steps
+    """Every minibatch of a round's clients, client after client (``Simulation._plan``): ``counts`` [k] steps
     per client; per minibatch, its client's row ``owner``, its ``step``, and its positions in the client's data,
     ``perms[first : first + length]``."""
 
