@@ -38,7 +38,3 @@ def __getattr__(name: str) -> Any:
     if name not in _SOURCES:
         raise AttributeError(f"module 'pyfedkern.sim' has no attribute {name!r}")
     return getattr(importlib.import_module(f"pyfedkern.sim.{_SOURCES[name]}"), name)
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
