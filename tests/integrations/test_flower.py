@@ -3,8 +3,10 @@ client updates vs pyfedkern.sim, and real SuperLink + SuperNodes on loopback wit
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -17,6 +19,7 @@ from flwr.common import Code, FitRes, Status, ndarrays_to_parameters  # noqa: E4
 from flwr.server.strategy.aggregate import aggregate as flower_aggregate  # noqa: E402
 from flwr.server.strategy.aggregate import aggregate_inplace as flower_aggregate_inplace  # noqa: E402
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg  # noqa: E402
+from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords  # noqa: E402
 from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
 from pyfedkern import ops  # noqa: E402
@@ -171,6 +174,118 @@ def test_aggregate_inplace_keeps_float_dtypes_as_flower(dtype):
     for a, b, c in zip(ours, theirs, _numpy_mean(results), strict=True):
         assert a.dtype == b.dtype == dtype
         np.testing.assert_allclose(a.astype(np.float64), c, rtol=1e-3, atol=1e-3)  # float16 rounding
+
+
+def _extreme_counts_case(counts, seed):
+    """K clients' float32 "w" and float64 "b" arrays with ``counts``, and the exact float64 weighted means."""
+    rng = np.random.default_rng(seed)
+    payload = [
+        {"w": (rng.standard_normal((3, 4)) * 10).astype(np.float32), "b": rng.standard_normal(4)} for _ in counts
+    ]
+    total = sum(Fraction(c) for c in counts)
+    shares = [float(Fraction(c) / total) for c in counts]
+    exact = {key: sum(p[key].astype(np.float64) * w for p, w in zip(payload, shares, strict=True)) for key in "wb"}
+    return payload, exact
+
+
+EXTREME_COUNTS = [
+    [1e38, 1e38, 3e38],  # each product of a float32 layer by its count overflows float32
+    [1.0, 1e38],
+    [1e300, 3e300],
+    [1e-310, 3e-310, 2e-310],  # subnormal: 1 / total overflows
+    [1e308, 1e308],  # the float sum of the counts overflows
+    [5, 0, 7],
+]
+
+
+@pytest.mark.parametrize("counts", EXTREME_COUNTS, ids=str)
+@pytest.mark.parametrize("arrival", ["streamed", "list"])
+def test_fedavg_normalises_the_counts_before_multiplying(counts, arrival):
+    payload, exact = _extreme_counts_case(counts, seed=len(counts))
+    nodes = list(range(1, len(counts) + 1))
+    grid = FakeGrid(nodes, lambda node, msg: _reply(payload[node - 1], counts[node - 1], loss=float(node)))
+    msgs = [Message(RecordDict({"x": ConfigRecord({})}), message_type="train", dst_node_id=n) for n in nodes]
+    replies = pf.ArrivalGrid(grid).send_and_receive(msgs, timeout=5)
+    replies = list(replies) if arrival == "list" else replies
+    arrays, metrics = pf.FedAvg().aggregate_train(1, replies)
+    for key, tol in (("w", 1e-6), ("b", 1e-15)):
+        got = arrays[key].numpy()
+        assert got.dtype == payload[0][key].dtype
+        np.testing.assert_allclose(got, exact[key], rtol=tol, atol=tol * 10)
+    loss = sum(
+        float(Fraction(c) / sum(Fraction(x) for x in counts)) * node for c, node in zip(counts, nodes, strict=True)
+    )
+    assert metrics["loss"] == pytest.approx(loss, rel=1e-15)
+    if math.isfinite(sum(counts)):  # Flower's FedAvg normalises first too: the same means (it sums inf otherwise)
+        grid = FakeGrid(nodes, lambda node, msg: _reply(payload[node - 1], counts[node - 1], loss=float(node)))
+        theirs, _ = FlowerFedAvg().aggregate_train(1, list(pf.ArrivalGrid(grid).send_and_receive(msgs, timeout=5)))
+        for key in "wb":
+            np.testing.assert_allclose(arrays[key].numpy(), theirs[key].numpy(), rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("counts", EXTREME_COUNTS, ids=str)
+def test_aggregate_inplace_normalises_the_counts_before_multiplying(counts):
+    payload, exact = _extreme_counts_case(counts, seed=7)
+    fits = _fit_results([([p["w"], p["b"]], c) for p, c in zip(payload, counts, strict=True)])
+    ours = pf.aggregate_inplace(fits)
+    np.testing.assert_allclose(ours[0], exact["w"], rtol=1e-6, atol=1e-5)
+    np.testing.assert_allclose(ours[1], exact["b"], rtol=1e-15, atol=1e-14)
+    if math.isfinite(sum(counts)):  # Flower's shares n/N are exact too: float64 layers bit for bit
+        _bitwise_equal(ours[1:], flower_aggregate_inplace(fits)[1:])
+
+
+def test_mean_metrics_is_exact_for_any_finite_weights():
+    def replies(weights):
+        return [
+            RecordDict({"metrics": MetricRecord({"num-examples": w, "loss": float(k + 1)})})
+            for k, w in enumerate(weights)
+        ]
+
+    for weights, expected in [([1e308, 1e308], 1.5), ([1e308, 3e307], (1 + 0.6) / 1.3), ([1e-310, 3e-310], 1.75)]:
+        assert pf.mean_metrics(replies(weights), "num-examples")["loss"] == pytest.approx(expected, rel=1e-15)
+    normal = replies([3, 10, 0.5])  # where Flower's own sum of the weights is finite: Flower's value, bit for bit
+    assert pf.mean_metrics(normal, "num-examples")["loss"] == aggregate_metricrecords(normal, "num-examples")["loss"]
+    with pytest.raises(ValueError, match=r"records\[1\]: 'num-examples' must be finite and >= 0"):
+        pf.mean_metrics(replies([1.0, -2.0]), "num-examples")
+
+
+def test_complex_layers_are_refused_by_every_aggregation():
+    real, cplx = np.ones(3), np.array([1 + 2j, 3j, 1])
+    with pytest.raises(TypeError, match=r"results\[1\] layer 0 has dtype complex128"):
+        pf.aggregate([([real], 1), ([cplx], 1)])
+    with pytest.raises(TypeError, match=r"results\[1\]: array '0' has dtype complex128"):
+        pf.aggregate_inplace(_fit_results([([real], 1), ([cplx], 1)]))
+    strategy = pf.LegacyFedAvg(accept_failures=False)
+    with pytest.raises(TypeError, match="has dtype complex128"):
+        strategy.aggregate_fit(1, _fit_results([([cplx], 1)]), [])
+    grid = FakeGrid([1, 2], lambda node, msg: _reply({"model": real if node == 1 else cplx}, 1))
+    msgs = [Message(RecordDict({"x": ConfigRecord({})}), message_type="train", dst_node_id=n) for n in (1, 2)]
+    for listed in (False, True):
+        replies = pf.ArrivalGrid(grid).send_and_receive(msgs, timeout=5)
+        with pytest.raises(TypeError, match="reply of node 2: array 'model' has dtype complex128"):
+            pf.FedAvg().aggregate_train(1, list(replies) if listed else replies)
+
+
+def test_fraction_counts_are_taken_as_flower_takes_them():
+    rng = np.random.default_rng(21)
+    counts = [Fraction(1, 3), Fraction(2, 7), 2, Fraction(5, 3)]
+    for dtype in (np.float32, np.float64):
+        results = [
+            ([rng.standard_normal((4, 3)).astype(dtype), rng.standard_normal(5).astype(dtype)], n) for n in counts
+        ]
+        theirs = flower_aggregate(results)  # object arrays of Python floats
+        assert theirs[0].dtype == object
+        ours = pf.aggregate(results)
+        _bitwise_equal(ours, [np.asarray(layer, dtype=np.float64) for layer in theirs])
+    integers = [([np.arange(6).reshape(2, 3)], n) for n in counts]  # Flower: exact rationals; pyfedkern: float64
+    exact = [np.asarray(layer, dtype=np.float64) for layer in flower_aggregate(integers)]
+    np.testing.assert_allclose(pf.aggregate(integers)[0], exact[0], rtol=1e-15)
+    inplace = pf.aggregate_inplace(_fit_results(results))  # Flower's own aggregate_inplace fails on fractions
+    np.testing.assert_allclose(inplace[0], ours[0], rtol=1e-15)
+    with pytest.raises(ValueError, match=r"results\[1\]: num_examples must be finite and >= 0"):
+        pf.aggregate([([np.ones(2)], 1), ([np.ones(2)], Fraction(-1, 2))])
+    with pytest.raises(ValueError, match=r"results\[0\]: num_examples must be finite"):
+        pf.aggregate([([np.ones(2)], 10**400)])
 
 
 def test_legacy_fedavg_aggregate_fit():
