@@ -5,10 +5,10 @@ Server side (Flower's Message API, ``flwr.serverapp``):
 - :func:`aggregate` / :func:`aggregate_inplace`: drop-in replacements of ``flwr.server.strategy.aggregate.aggregate``
   (Flower's results bit for bit, in its dtypes) and ``aggregate_inplace`` computed with
   :func:`pyfedkern.ops.weighted_sum`: one pass over the inputs, one output model of memory, inputs untouched.
-- :class:`FedAvg`: ``flwr.serverapp.strategy.FedAvg`` that adds each reply into one running sum per array as the
-  reply arrives (:func:`pyfedkern.ops.accumulate_` on a zero-copy view of the reply's bytes), so aggregation needs
-  one model of memory instead of one per client. Its ``start`` pulls replies from the SuperLink as they come
-  instead of waiting for the slowest node.
+- :class:`FedAvg`: ``flwr.serverapp.strategy.FedAvg`` that folds each reply into one running weighted mean per
+  array as the reply arrives (:func:`pyfedkern.ops.weighted_sum` on a zero-copy view of the reply's bytes), so
+  aggregation needs one model of memory instead of one per client. Its ``start`` pulls replies from the SuperLink
+  as they come instead of waiting for the slowest node.
 - :class:`FedPBC`, :class:`BHerd`, :class:`FedSpeed`, :class:`DynamicInit`: the papers' server steps on top of it.
 - :class:`LegacyFedAvg`: the same for the legacy ``flwr.server.strategy.FedAvg.aggregate_fit``.
 - :func:`mean_metrics` (the strategies' train-metric aggregation: real measurements only) and
@@ -207,6 +207,7 @@ def aggregate(results: list[tuple[list[np.ndarray], int]]) -> list[np.ndarray]:
         L layers ``(Σ_k layer_k·n_k) / Σ_k n_k`` with Flower's own results, bit for bit and in its dtypes (NumPy's
         rules: float32/float64/float16 layers keep their dtype, integer layers give float64). float32 and float64
         layers take one pass over the inputs and no copies of them (Flower's makes K weighted copies of the model).
+        ``fractions.Fraction`` counts give Flower's values as float64 (Flower's are object arrays of floats).
     """
     if not isinstance(results, (list, tuple)):
         raise TypeError(f"results must be a list of (NDArrays, num_examples) pairs, got {type(results).__name__}")
@@ -433,7 +434,7 @@ class RoundRecord:
 
 
 class FedAvg(_FlowerFedAvg):
-    """Flower's message-API FedAvg aggregating each reply into a running sum as it arrives.
+    """Flower's message-API FedAvg aggregating each reply into a running weighted mean as it arrives.
 
     Same arguments as ``flwr.serverapp.strategy.FedAvg`` plus:
 
@@ -473,7 +474,7 @@ class FedAvg(_FlowerFedAvg):
     def stream_train(
         self, server_round: int, replies: Iterable[Message], history: list[RoundRecord] | None = None
     ) -> tuple[_RunningSum, list[RecordDict]]:
-        """Add every valid reply's arrays into a running sum (weighted per ``uniform``/``weighted_by_key``) as
+        """Add every valid reply's arrays into a running mean (weighted per ``uniform``/``weighted_by_key``) as
         it arrives (when ``replies`` is a list, all arrived already: one weighted-sum pass per array at the end);
         record the round in ``history`` (default: ``self.history``). Returns (sum, the replies' metric records)."""
         running = _RunningSum(deferred=isinstance(replies, (list, tuple)))
