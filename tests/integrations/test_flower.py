@@ -3,10 +3,12 @@ client updates vs pyfedkern.sim, and real SuperLink + SuperNodes on loopback wit
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import subprocess
 import sys
 from fractions import Fraction
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +18,7 @@ flwr = pytest.importorskip("flwr")
 
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict  # noqa: E402
 from flwr.common import Code, FitRes, Status, ndarrays_to_parameters  # noqa: E402
+from flwr.common.config import get_project_config  # noqa: E402
 from flwr.server.strategy.aggregate import aggregate as flower_aggregate  # noqa: E402
 from flwr.server.strategy.aggregate import aggregate_inplace as flower_aggregate_inplace  # noqa: E402
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg  # noqa: E402
@@ -28,6 +31,8 @@ from pyfedkern.algorithms.fedavg import FedAvg as FedAvgAlgorithm  # noqa: E402
 from pyfedkern.integrations import flower as pf  # noqa: E402
 from pyfedkern.sim.config import ExperimentConfig  # noqa: E402
 from pyfedkern.sim.engine import Simulation  # noqa: E402
+
+APP = Path(__file__).resolve().parents[2] / "examples" / "flower"
 
 
 @pytest.fixture(autouse=True)
@@ -633,6 +638,46 @@ def test_every_strategy_reports_loss_and_accuracy_every_round(algorithm):
     assert result.evaluate_metrics_serverapp[0]["test-acc"] == pytest.approx(expected["test_acc"])
 
 
+def _example_server_app():
+    """examples/flower/server_app.py as a module."""
+    spec = importlib.util.spec_from_file_location("example_server_app", APP / "server_app.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg", "bherd"])
+def test_the_example_reports_the_local_loss_the_simulator_records(algorithm):
+    """The example's local-loss is the plain mean of the clients' mean local losses, as the simulator's local_loss;
+    Flower's default (weighted by num-examples) gives 2.2343 instead of 2.2333 in the README's first round."""
+    run_config = get_project_config(APP)["tool"]["flwr"]["app"]["config"]
+    config = pf.config_from_run_config({**run_config, "algorithm": algorithm, "rounds": 2})
+    sim = Simulation(config)
+    assert len(set(sim.client_sizes.tolist())) > 1  # unequal partitions: the two means differ
+    recorded = {r["round"]: r for r in sim.run()}
+    strategy = _example_server_app().make_strategy(config)
+    strategy.poll_interval = 0.01
+    result = strategy.start(
+        grid=_client_grid(config),
+        initial_arrays=pf.initial_arrays(config),
+        num_rounds=2,
+        timeout=30,
+        evaluate_fn=pf.server_evaluation(config),
+    )
+    for rnd in (1, 2):
+        assert result.train_metrics_clientapp[rnd]["local-loss"] == pytest.approx(recorded[rnd]["local_loss"], rel=1e-6)
+        assert result.evaluate_metrics_serverapp[rnd]["test-acc"] == pytest.approx(recorded[rnd]["test_acc"])
+    if algorithm == "fedavg":  # Flower's weighting of the same replies: the example README's 2.2343 vs 2.2333
+        grid = _client_grid(config)
+        msgs = [
+            Message(_server_content(pf.initial_arrays(config)["model"].numpy(), 1), message_type="train", dst_node_id=n)
+            for n in grid.nodes
+        ]
+        replies = [reply.content for reply in pf.ArrivalGrid(grid).send_and_receive(msgs, timeout=30)]
+        weighted = pf.mean_metrics(replies, "num-examples")["local-loss"]
+        assert round(weighted, 4) == 2.2343 and round(recorded[1]["local_loss"], 4) == 2.2333
+
+
 def test_mean_metrics_averages_only_finite_measurements():
     replies = [
         RecordDict({"metrics": MetricRecord({"num-examples": 10, "local-loss": 1.0, "acc": 0.5})}),
@@ -806,11 +851,10 @@ def test_simulation_runtime_equals_sim(flower_simulation, algorithm):
         evaluated = metrics["evaluate"][str(record["round"])]
         assert evaluated["test-acc"] == pytest.approx(record["test_acc"], abs=1e-6)
         assert evaluated["train-loss"] == pytest.approx(record["train_loss"], rel=1e-5)
-        if record["round"]:  # the clients' local loss: weighted by examples for FedAvg, a plain mean for FedPBC
+        if record["round"]:  # the clients' local loss: the example averages them as the simulator does
             train = metrics["train"][str(record["round"])]
-            assert set(train) == {"local-loss"} and np.isfinite(train["local-loss"])
-            if algorithm == "fedpbc":
-                assert train["local-loss"] == pytest.approx(record["local_loss"], rel=1e-5)
+            assert set(train) == {"local-loss"}
+            assert train["local-loss"] == pytest.approx(record["local_loss"], rel=1e-5)
 
 
 def test_benchmark_cases_agree_and_pyfedkern_allocates_less():
