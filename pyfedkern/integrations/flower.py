@@ -239,7 +239,7 @@ def _fractions(weights: list[float]) -> np.ndarray:
     return scaled / sum(scaled.tolist())  # Python's sum, as Flower's
 
 
-class _RunningSum:
+class _RunningMean:
     """Σ_k w_k·arrays_k / Σ_k w_k per name, one client at a time, with O(1) models of extra memory.
 
     Streaming (default): each name keeps the weighted mean of the clients so far, and client k (weight w_k) updates
@@ -327,7 +327,7 @@ def aggregate_inplace(results: list[tuple[Any, Any]]) -> list[np.ndarray]:
     if not isinstance(results, (list, tuple)):
         raise TypeError(f"results must be a list of (ClientProxy, FitRes) pairs, got {type(results).__name__}")
     counts = _check_counts([fit_res.num_examples for _, fit_res in results], "results")
-    running = _RunningSum(deferred=True)  # weights n_k / N, as Flower's scaling factors
+    running = _RunningMean(deferred=True)  # weights n_k / N, as Flower's scaling factors
     for k, (_, fit_res) in enumerate(results):
         tensors = fit_res.parameters.tensors
         running.add(((str(i), _npy_view(t)) for i, t in enumerate(tensors)), float(counts[k]), f"results[{k}]")
@@ -473,11 +473,12 @@ class FedAvg(_FlowerFedAvg):
 
     def stream_train(
         self, server_round: int, replies: Iterable[Message], history: list[RoundRecord] | None = None
-    ) -> tuple[_RunningSum, list[RecordDict]]:
+    ) -> tuple[_RunningMean, list[RecordDict]]:
         """Add every valid reply's arrays into a running mean (weighted per ``uniform``/``weighted_by_key``) as
         it arrives (when ``replies`` is a list, all arrived already: one weighted-sum pass per array at the end);
-        record the round in ``history`` (default: ``self.history``). Returns (sum, the replies' metric records)."""
-        running = _RunningSum(deferred=isinstance(replies, (list, tuple)))
+        record the round in ``history`` (default: ``self.history``). Returns (the running mean, the replies' metric
+        records)."""
+        running = _RunningMean(deferred=isinstance(replies, (list, tuple)))
         metrics: list[RecordDict] = []
         received: list[int] = []
         failed: list[int] = []
