@@ -13,7 +13,6 @@ import textwrap
 import numpy as np
 import pytest
 import torch
-from torch.utils._pytree import tree_map
 
 from pyfedkern import ops
 
@@ -156,7 +155,7 @@ class _Wrapper(torch.Tensor):
         def unwrap(t):
             return t.elem if isinstance(t, _Wrapper) else t
 
-        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+        return func(*map(unwrap, args), **{k: unwrap(v) for k, v in (kwargs or {}).items()})
 
 
 def test_tensors_without_memory_of_their_own_are_refused():
