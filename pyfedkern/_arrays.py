@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -86,19 +87,28 @@ def _module_name(x: Any) -> str:
     return type(x).__module__.split(".")[0]
 
 
-_torch_tensor: Any = None  # torch.Tensor, once an op has seen one (pyfedkern never imports torch just to check)
+_torch_tensor: Any = None  # torch.Tensor, once torch is imported (pyfedkern never imports torch just to check)
 _torch_strided: Any = None
 _cupy_ndarray: Any = None
+_masked_array: Any = None  # numpy.ma.MaskedArray, once an ndarray subclass is seen (numpy imports numpy.ma lazily)
+
+
+def _torch_loaded() -> bool:
+    """Whether torch is imported (then ``_torch_tensor`` is set): no object can be a tensor before, and any tensor
+    (of any subclass, defined in any module) is recognised after, whichever tensor an op sees first."""
+    if _torch_tensor is None and "torch" in sys.modules:
+        _torch_type()
+    return _torch_tensor is not None
 
 
 def is_array(x: Any) -> bool:
-    """Whether x is a numpy array, torch tensor or cupy array (checked with the library's own array type)."""
-    if isinstance(x, np.ndarray) or (_torch_tensor is not None and isinstance(x, _torch_tensor)):
+    """Whether x is a numpy array (or a memoryview, read as one), torch tensor or cupy array (checked with the
+    library's own array type)."""
+    if isinstance(x, (np.ndarray, memoryview)) or (
+        (_torch_tensor is not None or _torch_loaded()) and isinstance(x, _torch_tensor)
+    ):
         return True
-    lib = _module_name(x)
-    return (lib == "torch" and _torch_type() is not None and isinstance(x, _torch_tensor)) or (
-        lib == "cupy" and _cupy_type() is not None and isinstance(x, _cupy_ndarray)
-    )
+    return _module_name(x) == "cupy" and _cupy_type() is not None and isinstance(x, _cupy_ndarray)
 
 
 def _torch_type() -> Any:
@@ -129,18 +139,50 @@ def describe(x: Any, name: str) -> ArrayRef:
 
     An object is taken for a torch tensor or cupy array only when it is an instance of that library's own type
     (a class that merely calls its module "cupy" is refused), and a cupy array's pointer must be device memory of
-    the device it claims.
+    the device it claims. A memoryview is read as the numpy array over its buffer (its format, shape and strides;
+    ``ref.obj`` is that array). numpy masked arrays are refused: the ops would read the masked values too.
     """
     if isinstance(x, np.ndarray):
+        if type(x) is not np.ndarray:
+            _refuse_masked(x, name)
         return _describe_numpy(x, name)
-    if _torch_tensor is not None and isinstance(x, _torch_tensor):
+    if (_torch_tensor is not None or _torch_loaded()) and isinstance(x, _torch_tensor):
         return _describe_torch(x, name)
-    lib = _module_name(x)
-    if lib == "torch" and isinstance(x, _torch_type()):
-        return _describe_torch(x, name)
-    if lib == "cupy" and _cupy_type() is not None and isinstance(x, _cupy_ndarray):
+    if isinstance(x, memoryview):
+        return _describe_numpy(_memoryview_array(x, name), name)
+    if _module_name(x) == "cupy" and _cupy_type() is not None and isinstance(x, _cupy_ndarray):
         return _describe_cupy(x, name)
     raise TypeError(f"{name} must be a numpy array, torch tensor or cupy array, got {type(x).__qualname__}")
+
+
+def _refuse_masked(x: np.ndarray, name: str) -> None:
+    global _masked_array
+    if _masked_array is None:
+        _masked_array = np.ma.MaskedArray
+    if isinstance(x, _masked_array):
+        raise TypeError(
+            f"{name} is a numpy masked array, whose mask the ops would ignore; pass numpy.ma.filled(x, value) "
+            "(or x.data to use the masked values too)"
+        )
+
+
+def host_array(values: Any, name: str) -> np.ndarray:
+    """``np.asarray(values)`` for host arguments read as values (indices, offsets, flags), masked arrays refused."""
+    if isinstance(values, np.ndarray) and type(values) is not np.ndarray:
+        _refuse_masked(values, name)
+    return np.asarray(values)
+
+
+def _memoryview_array(x: memoryview, name: str) -> np.ndarray:
+    """The numpy array over a memoryview's buffer (no copy; writeable when the memoryview is)."""
+    try:
+        shape = x.shape  # a released memoryview raises ValueError here
+        arr = np.asarray(x)
+    except (TypeError, ValueError, NotImplementedError) as exc:
+        raise TypeError(f"{name} is a memoryview that numpy cannot read as an array: {exc}") from None
+    if arr.dtype.hasobject or arr.shape != shape:  # numpy wrapped a buffer it does not understand as one object
+        raise TypeError(f"{name} is a memoryview of format {x.format!r}, which numpy cannot read as an array")
+    return arr
 
 
 def _element_strides(byte_strides: Sequence[int], itemsize: int, name: str) -> tuple[int, ...]:
@@ -186,8 +228,11 @@ def _describe_torch(x: Any, name: str) -> ArrayRef:
         raise TypeError(f"{name} is on torch device {x.device}; pyfedkern supports cpu and cuda")
     if x.is_conj() or x.is_neg():
         raise TypeError(f"{name} is a lazily conjugated/negated view; call .resolve_conj()/.resolve_neg() first")
+    ptr = x.data_ptr()
+    if ptr == 0 and x.numel():
+        raise TypeError(f"{name} is a {type(x).__qualname__} tensor without memory of its own (a wrapper subclass)")
     dtype = _TORCH_DTYPE_NAMES.get(x.dtype) or str(x.dtype).removeprefix("torch.")
-    return ArrayRef(x, "torch", device, dtype, tuple(x.shape), x.stride(), x.data_ptr(), x.element_size(), True)
+    return ArrayRef(x, "torch", device, dtype, tuple(x.shape), x.stride(), ptr, x.element_size(), True)
 
 
 _TORCH_DTYPE_NAMES: dict[Any, str] = {}  # torch.dtype -> canonical name, filled by _torch_type()
@@ -250,7 +295,7 @@ def empty_like_lib(like: ArrayRef, shape: tuple[int, ...], dtype: str | None = N
 
 def as_contiguous(x: Any, dtype: str) -> Any:
     """x (a torch or cupy array) as a contiguous array of ``dtype`` on its device (x itself when it already is)."""
-    if _module_name(x) == "torch":
+    if _torch_loaded() and isinstance(x, _torch_tensor):
         import torch
 
         return x.detach().to(dtype=getattr(torch, dtype)).contiguous()
@@ -399,7 +444,7 @@ def to_host(x: Any, name: str) -> np.ndarray:
         return x.detach().cpu().numpy()
     if ref.lib == "cupy":
         return x.get()
-    return x
+    return ref.obj
 
 
 def host_float64(values: Any, name: str, length: int | None = None) -> np.ndarray:
@@ -465,7 +510,7 @@ def host_scalar(value: Any, name: str) -> float:
             raise ValueError(f"{name} must be finite, but {name}[0] = {value}")
         return f
     if is_array(value):
-        arr = host_float64(value.reshape(-1), name)
+        arr = host_float64(describe(value, name).obj.reshape(-1), name)
     elif isinstance(value, numbers.Real) and not isinstance(value, bool):
         arr = host_float64([value], name)
     else:

@@ -332,8 +332,7 @@ def cmd_partition(args: argparse.Namespace, extra: list[str]) -> int:
     )
     print(part.summary_table(data.y_train, data.num_classes))
     if args.plot:
-        part.plot(data.y_train, data.num_classes, args.plot)
-        print(f"plot: {args.plot}")
+        print(f"plot: {part.plot(data.y_train, data.num_classes, args.plot)}")
     return 0
 
 

@@ -105,6 +105,20 @@ def test_partition_prints_summary(capsys):
     assert text.count("\n") >= 6
 
 
+def test_partition_plot_prints_the_file_it_wrote(tmp_path):
+    command = [sys.executable, "-m", "pyfedkern", "partition", "--partition", "shards:2", "--clients", "5"]
+    (tmp_path / "plots").mkdir()
+    for given, written in [("shards", "shards.png"), ("plots", "plots/partition.png"), ("split.svg", "split.svg")]:
+        proc = subprocess.run([*command, "--plot", given], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.splitlines()[-1] == f"plot: {Path(written)}"
+        assert (tmp_path / written).stat().st_size > 1000
+    proc = subprocess.run([*command, "--plot", "plot.xyz"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.startswith("pyfedkern partition: error: ") and "xyz" in proc.stderr
+    assert proc.stderr.count("\n") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plots", "shards.png", "split.svg"]
+
+
 def test_info_json(capsys):
     assert main(["info", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)

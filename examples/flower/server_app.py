@@ -1,6 +1,7 @@
 """ServerApp: a pyfedkern strategy chosen by the run config's ``algorithm``. Every round it logs the clients' mean
 local loss and the global model's test and train loss and accuracy; it saves the final model if asked."""
 
+import functools
 import json
 import time
 from pathlib import Path
@@ -16,7 +17,14 @@ app = ServerApp()
 
 def make_strategy(config):
     # Every round trains all connected nodes; a node that drops out later is a failure, not a reason to wait.
-    common = {"min_available_nodes": 1, "min_train_nodes": 1, "fraction_evaluate": 0.0}
+    # The round's local-loss is the plain mean of the clients' mean local losses, as pyfedkern's simulator records
+    # it (Flower's default weights it by num-examples: see README.md).
+    common = {
+        "min_available_nodes": 1,
+        "min_train_nodes": 1,
+        "fraction_evaluate": 0.0,
+        "train_metrics_aggr_fn": functools.partial(pf.mean_metrics, uniform=True),
+    }
     if config.algorithm == "fedpbc":
         return pf.FedPBC(**common)
     if config.algorithm == "bherd":

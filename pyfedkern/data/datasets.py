@@ -14,6 +14,7 @@ for digits/synthetic, per channel for MNIST/CIFAR-10), applied to train and test
 from __future__ import annotations
 
 import gzip
+import math
 import pickle
 import zlib
 from dataclasses import dataclass, replace
@@ -356,18 +357,21 @@ def _read_idx(path: Path, magic: int) -> np.ndarray:
             raw = f.read()
     except (OSError, EOFError, zlib.error) as err:  # a damaged .gz raises any of the three
         raise ValueError(f"cannot read IDX file {path}: {err}") from None
-    ndim = 3 if magic == 2051 else 1
+    ndim, kind = (3, "images") if magic == 2051 else (1, "labels")
     header = 4 + 4 * ndim
     if len(raw) < header:
         raise ValueError(f"IDX file {path} is truncated: {len(raw)} bytes, header needs {header}")
     found = int.from_bytes(raw[:4], "big")
     if found != magic:
-        kind = "images" if magic == 2051 else "labels"
         raise ValueError(f"IDX file {path}: magic number {found}, expected {magic} (an MNIST {kind} file)")
-    dims = tuple(int(v) for v in np.frombuffer(raw, dtype=">i4", count=ndim, offset=4))
-    expected = header + int(np.prod(dims, dtype=np.int64))
+    dims = tuple(int.from_bytes(raw[4 * i : 4 * i + 4], "big") for i in range(1, ndim + 1))  # unsigned 32-bit
+    expected = header + math.prod(dims)  # a Python int: dimensions near 2^32 cannot overflow it
     if len(raw) != expected:
         raise ValueError(f"IDX file {path}: dimensions {dims} need {expected} bytes, the file has {len(raw)}")
+    if dims[0] == 0:
+        raise ValueError(f"IDX file {path} holds no {kind}")
+    if ndim == 3 and 0 in dims[1:]:
+        raise ValueError(f"IDX file {path}: images of {dims[1]}x{dims[2]} pixels; each needs at least one pixel")
     return np.frombuffer(raw, dtype=np.uint8, offset=header).reshape(dims)
 
 

@@ -20,6 +20,7 @@ the same split. Specs are ``name`` or ``name:arg,arg``:
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -118,7 +119,10 @@ class Partition:
         return "\n".join(lines)
 
     def plot(self, labels: np.ndarray, num_classes: int, path: str | Path) -> Path:
-        """Save a PNG of samples per client per class (stacked bars, or a heat map beyond 20 classes)."""
+        """Save a plot of samples per client per class (stacked bars, or a heat map beyond 20 classes); return the
+        file written: ``path`` itself, ``path/partition.png`` when it is a directory (existing, or given with a
+        trailing separator), ``path`` + ``.png`` when it has no suffix. A suffix names the format (``.pdf``,
+        ``.svg``: any that matplotlib writes)."""
         import matplotlib
         from matplotlib.figure import Figure
 
@@ -142,7 +146,11 @@ class Partition:
         ax.set_xlabel("client")
         ax.set_title(f"{self.scheme}: {n} clients")
         fig.tight_layout()
-        path = Path(path)
+        text = os.fspath(path)
+        if text.endswith(tuple(sep for sep in (os.sep, os.altsep) if sep)) or Path(text).is_dir():
+            path = Path(text) / "partition.png"
+        else:
+            path = Path(text) if Path(text).suffix else Path(text + ".png")
         fig.savefig(path, dpi=100)
         return path
 

@@ -5,10 +5,10 @@ Server side (Flower's Message API, ``flwr.serverapp``):
 - :func:`aggregate` / :func:`aggregate_inplace`: drop-in replacements of ``flwr.server.strategy.aggregate.aggregate``
   (Flower's results bit for bit, in its dtypes) and ``aggregate_inplace`` computed with
   :func:`pyfedkern.ops.weighted_sum`: one pass over the inputs, one output model of memory, inputs untouched.
-- :class:`FedAvg`: ``flwr.serverapp.strategy.FedAvg`` that adds each reply into one running sum per array as the
-  reply arrives (:func:`pyfedkern.ops.accumulate_` on a zero-copy view of the reply's bytes), so aggregation needs
-  one model of memory instead of one per client. Its ``start`` pulls replies from the SuperLink as they come
-  instead of waiting for the slowest node.
+- :class:`FedAvg`: ``flwr.serverapp.strategy.FedAvg`` that folds each reply into one running weighted mean per
+  array as the reply arrives (:func:`pyfedkern.ops.weighted_sum` on a zero-copy view of the reply's bytes), so
+  aggregation needs one model of memory instead of one per client. Its ``start`` pulls replies from the SuperLink
+  as they come instead of waiting for the slowest node.
 - :class:`FedPBC`, :class:`BHerd`, :class:`FedSpeed`, :class:`DynamicInit`: the papers' server steps on top of it.
 - :class:`LegacyFedAvg`: the same for the legacy ``flwr.server.strategy.FedAvg.aggregate_fit``.
 - :func:`mean_metrics` (the strategies' train-metric aggregation: real measurements only) and
@@ -41,6 +41,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from fractions import Fraction
 from types import SimpleNamespace
 from typing import Any
 
@@ -97,21 +98,30 @@ def array_view(array: Array) -> np.ndarray:
 
 
 def _check_counts(counts: list[Any], name: str) -> list[Any]:
-    """The clients' num_examples as given (Flower's arithmetic depends on their Python/NumPy types): real numbers
-    (not strings, None, bools or complex), finite, >= 0, with a positive finite sum."""
+    """The clients' num_examples (Flower's arithmetic depends on their Python/NumPy types): real numbers (not
+    strings, None, bools or complex), finite, >= 0, not all 0. Counts of other real types than Python's and NumPy's
+    (``fractions.Fraction``) become float64 scalars: Flower's arithmetic turns them into Python floats."""
     if len(counts) == 0:
         raise ValueError(f"{name} is empty: nothing to aggregate")
+    checked = []
     for k, n in enumerate(counts):
         if isinstance(n, (bool, np.bool_)) or not isinstance(n, numbers.Real):
             raise TypeError(f"{name}[{k}]: num_examples must be a real number, got {type(n).__qualname__} {n!r}")
-    w = np.asarray([float(n) for n in counts], dtype=np.float64)
-    if not np.all(np.isfinite(w)) or np.any(w < 0):
-        raise ValueError(f"{name}: num_examples must be finite and >= 0, got {counts!r}")
-    with np.errstate(over="ignore"):
-        total = w.sum()
-    if not np.isfinite(total) or total <= 0:
-        raise ValueError(f"{name}: num_examples must sum to a positive finite number, got a sum of {total}")
-    return list(counts)
+        try:
+            value = float(n)
+        except OverflowError:  # an int beyond float64
+            value = math.inf
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{name}[{k}]: num_examples must be finite and >= 0, got {n!r}")
+        checked.append(_numpy_number(n))
+    if not any(checked):
+        raise ValueError(f"{name}: every num_examples is 0; nothing to average")
+    return checked
+
+
+def _numpy_number(n: Any) -> Any:
+    """n when NumPy knows its type (Python and NumPy numbers), else float(n) as a float64 scalar."""
+    return n if isinstance(n, (int, float, np.integer, np.floating)) else np.float64(float(n))
 
 
 def _check_layers(models: list[list[Any]]) -> list[list[np.ndarray]]:
@@ -197,11 +207,14 @@ def aggregate(results: list[tuple[list[np.ndarray], int]]) -> list[np.ndarray]:
         L layers ``(Σ_k layer_k·n_k) / Σ_k n_k`` with Flower's own results, bit for bit and in its dtypes (NumPy's
         rules: float32/float64/float16 layers keep their dtype, integer layers give float64). float32 and float64
         layers take one pass over the inputs and no copies of them (Flower's makes K weighted copies of the model).
+        ``fractions.Fraction`` counts give Flower's values as float64 (Flower's are object arrays of floats).
     """
     if not isinstance(results, (list, tuple)):
         raise TypeError(f"results must be a list of (NDArrays, num_examples) pairs, got {type(results).__name__}")
     counts = _check_counts([n for _, n in results], "results")
-    total = sum(counts)
+    total = _numpy_number(sum(n for _, n in results))  # as Flower sums them (exactly for ints and fractions)
+    if not math.isfinite(total):
+        raise ValueError(f"results: num_examples must sum to a finite number, got a sum of {total}")
     models = _check_layers([list(layers) for layers, _ in results])
     num_layers = len(models[0])
     for k, layers in enumerate(models):
@@ -217,13 +230,24 @@ def aggregate(results: list[tuple[list[np.ndarray], int]]) -> list[np.ndarray]:
     return means
 
 
-class _RunningSum:
+def _fractions(weights: list[float]) -> np.ndarray:
+    """float64 [K] shares w_k / Σ_j w_j of finite weights >= 0 with a positive sum, computed on the weights scaled by
+    one power of two (exact) so that the sum cannot overflow (weights of 1e308) and tiny ones keep their precision
+    (1e-310): the same bits as ``w / sum(w)`` wherever that is finite and normal."""
+    w = np.asarray(weights, dtype=np.float64)
+    scaled = np.ldexp(w, -math.frexp(float(w.max()))[1])
+    return scaled / sum(scaled.tolist())  # Python's sum, as Flower's
+
+
+class _RunningMean:
     """Σ_k w_k·arrays_k / Σ_k w_k per name, one client at a time, with O(1) models of extra memory.
 
-    Streaming (default): each client's arrays are added into one accumulator per name as they come
-    (:func:`pyfedkern.ops.accumulate_`). ``deferred=True``, for clients that are all in memory already (a list of
-    replies): only views are kept, and :meth:`mean` makes one :func:`pyfedkern.ops.weighted_sum` pass per name over
-    all clients (fewer native calls, each input read once).
+    Streaming (default): each name keeps the weighted mean of the clients so far, and client k (weight w_k) updates
+    it in one :func:`pyfedkern.ops.weighted_sum` pass as it comes: mean ← (W_{k-1}/W_k)·mean + (w_k/W_k)·x_k, with
+    both shares computed from the exact (rational) totals W, so no weight of any size multiplies a layer and nothing
+    overflows or underflows. ``deferred=True``, for clients that are all in memory already (a list of replies):
+    only views are kept, and :meth:`mean` makes one weighted-sum pass per name over all clients with the shares
+    w_k / Σ w (:func:`_fractions`).
     """
 
     def __init__(self, deferred: bool = False) -> None:
@@ -233,15 +257,22 @@ class _RunningSum:
         self.weights: list[float] = []
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.dtypes: dict[str, np.dtype] = {}
-        self.total = 0.0
+        self.total = Fraction(0)  # the exact sum of the weights
         self.count = 0
 
     def add(self, arrays: Iterable[tuple[str, np.ndarray]], weight: float, who: str) -> None:
         if not (math.isfinite(weight) and weight >= 0):
             raise ValueError(f"{who}: the weight must be finite and >= 0, got {weight}")
+        keep = take = 0.0  # the shares of the mean so far and of this client
+        if weight > 0:
+            total = self.total + Fraction(weight)
+            keep, take = float(self.total / total), float(Fraction(weight) / total)
+            self.total = total
         seen = []
         for name, value in arrays:
             seen.append(name)
+            if value.dtype.kind not in "biuf":
+                raise TypeError(f"{who}: array {name!r} has dtype {value.dtype}; arrays must hold real numbers")
             if name not in self.shapes:
                 if self.count:
                     raise ValueError(f"{who} has an array {name!r} that earlier results did not have")
@@ -257,26 +288,23 @@ class _RunningSum:
             if name not in self.acc:
                 self.acc[name] = np.zeros(flat.size, dtype=flat.dtype if flat.dtype in _FLOATS else np.float64)
             acc = self.acc[name]
-            if flat.size:
-                ops.accumulate_(acc, flat if flat.dtype == acc.dtype else flat.astype(acc.dtype), weight)
+            if flat.size and take:
+                x = flat if flat.dtype == acc.dtype else flat.astype(acc.dtype)
+                ops.weighted_sum([acc, x], [keep, take], out=acc)
         if self.count and len(seen) != len(self.shapes):
             raise ValueError(f"{who} has arrays {seen}, expected {list(self.shapes)}")
         self.weights.append(weight)
-        self.total += weight
         self.count += 1
 
     def mean(self) -> dict[str, np.ndarray]:
         """The weighted mean of every name (ValueError when nothing or only zero weight was added)."""
         if self.count == 0 or self.total <= 0:
             raise ValueError("no results with a positive weight to average")
-        if not math.isfinite(self.total):
-            raise ValueError(f"the results' weights (num-examples) sum to {self.total}: too large to average")
         if self.deferred:
-            p = np.asarray(self.weights, dtype=np.float64) / self.total
+            p = _fractions(self.weights)
             return {name: _layer_mean(views, p) for name, views in self.views.items()}
         means = {}
         for name, acc in self.acc.items():
-            acc *= 1.0 / self.total
             dtype = self.dtypes[name] if self.dtypes[name].kind == "f" else acc.dtype  # float16 summed in float64
             means[name] = acc.reshape(self.shapes[name]).astype(dtype, copy=False)
         return means
@@ -299,7 +327,7 @@ def aggregate_inplace(results: list[tuple[Any, Any]]) -> list[np.ndarray]:
     if not isinstance(results, (list, tuple)):
         raise TypeError(f"results must be a list of (ClientProxy, FitRes) pairs, got {type(results).__name__}")
     counts = _check_counts([fit_res.num_examples for _, fit_res in results], "results")
-    running = _RunningSum(deferred=True)  # weights n_k / N, as Flower's scaling factors
+    running = _RunningMean(deferred=True)  # weights n_k / N, as Flower's scaling factors
     for k, (_, fit_res) in enumerate(results):
         tensors = fit_res.parameters.tensors
         running.add(((str(i), _npy_view(t)) for i, t in enumerate(tensors)), float(counts[k]), f"results[{k}]")
@@ -314,18 +342,27 @@ def mean_metrics(records: list[RecordDict], weighting_metric_name: str, *, unifo
     """The replies' metrics averaged key by key, weighted by ``weighting_metric_name`` (or with equal weights when
     ``uniform``), which is itself left out of the result. Each key averages the replies that report a finite value
     for it (a client without local steps reports a NaN loss), so the result holds only real measurements.
-    Drop-in for Flower's ``train_metrics_aggr_fn`` / ``evaluate_metrics_aggr_fn``."""
-    sums: dict[str, list[float]] = {}
-    for content in records:
-        values = {k: v for record in content.metric_records.values() for k, v in record.items()}
+    The weights are normalised before they multiply the values (as Flower's), in a way that stays exact for any
+    finite weights (1e308 or 1e-310). Drop-in for Flower's ``train_metrics_aggr_fn`` / ``evaluate_metrics_aggr_fn``."""
+    measured: dict[str, tuple[list[float], list[float]]] = {}
+    for k, content in enumerate(records):
+        values = {key: v for record in content.metric_records.values() for key, v in record.items()}
         weight = 1.0 if uniform else float(values[weighting_metric_name])
+        if not (math.isfinite(weight) and weight >= 0):
+            raise ValueError(f"records[{k}]: {weighting_metric_name!r} must be finite and >= 0, got {weight}")
         for key, value in values.items():
             if key == weighting_metric_name or isinstance(value, list) or not math.isfinite(value):
                 continue
-            total = sums.setdefault(key, [0.0, 0.0])
-            total[0] += weight * float(value)
-            total[1] += weight
-    return MetricRecord({key: num / den for key, (num, den) in sums.items() if den > 0})
+            weights, found = measured.setdefault(key, ([], []))
+            weights.append(weight)
+            found.append(float(value))
+    return MetricRecord(
+        {
+            key: sum(p * v for p, v in zip(_fractions(weights).tolist(), found, strict=True))
+            for key, (weights, found) in measured.items()
+            if any(weights)
+        }
+    )
 
 
 def server_evaluation(config: Any) -> Callable[[int, ArrayRecord], MetricRecord]:
@@ -398,7 +435,7 @@ class RoundRecord:
 
 
 class FedAvg(_FlowerFedAvg):
-    """Flower's message-API FedAvg aggregating each reply into a running sum as it arrives.
+    """Flower's message-API FedAvg aggregating each reply into a running weighted mean as it arrives.
 
     Same arguments as ``flwr.serverapp.strategy.FedAvg`` plus:
 
@@ -437,11 +474,12 @@ class FedAvg(_FlowerFedAvg):
 
     def stream_train(
         self, server_round: int, replies: Iterable[Message], history: list[RoundRecord] | None = None
-    ) -> tuple[_RunningSum, list[RecordDict]]:
-        """Add every valid reply's arrays into a running sum (weighted per ``uniform``/``weighted_by_key``) as
+    ) -> tuple[_RunningMean, list[RecordDict]]:
+        """Add every valid reply's arrays into a running mean (weighted per ``uniform``/``weighted_by_key``) as
         it arrives (when ``replies`` is a list, all arrived already: one weighted-sum pass per array at the end);
-        record the round in ``history`` (default: ``self.history``). Returns (sum, the replies' metric records)."""
-        running = _RunningSum(deferred=isinstance(replies, (list, tuple)))
+        record the round in ``history`` (default: ``self.history``). Returns (the running mean, the replies' metric
+        records)."""
+        running = _RunningMean(deferred=isinstance(replies, (list, tuple)))
         metrics: list[RecordDict] = []
         received: list[int] = []
         failed: list[int] = []

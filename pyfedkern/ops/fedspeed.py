@@ -129,7 +129,7 @@ def sam_perturb(
     Returns:
         ``out``, or a new [d] array of x's library, device and dtype.
     """
-    if _is_rows(x):
+    if _is_rows(x, "x"):
         return _perturb_rows(x, grad, rho, eps=eps, normalize=normalize, out=out, norm_out=norm_out)
     xr, gr, r, e, out, outr = _perturb_operands(_vector, _like, x, grad, rho, eps, normalize, out, norm_out)
     norm = _norm_target(norm_out, xr)
@@ -240,7 +240,7 @@ def fedspeed_update_(
 
     The inputs must not overlap x. Returns ``x``.
     """
-    if _is_rows(x):
+    if _is_rows(x, "x"):
         return _update_rows(
             x,
             g2,
@@ -327,7 +327,7 @@ def fedspeed_round_end_(
 
     Outputs must not overlap each other or the inputs. Returns ``h``.
     """
-    if _is_rows(h):
+    if _is_rows(h, "h"):
         return _round_end_rows(h, x_local, x_global, acc=acc, acc_weight=acc_weight, include_h=include_h, h_sum=h_sum)
     hr = _vector(h, "h")
     _arrays.check_output(hr, "h")
@@ -360,8 +360,8 @@ def fedspeed_round_end_(
 # Row forms ([k, d]: one client per row) ------------------------------------------------------------------------
 
 
-def _is_rows(x: Any) -> bool:
-    return _arrays.is_array(x) and len(_arrays.describe(x, "x").shape) == 2
+def _is_rows(x: Any, name: str) -> bool:
+    return _arrays.is_array(x) and len(_arrays.describe(x, name).shape) == 2
 
 
 def _matrix(x: Any, name: str) -> ArrayRef:

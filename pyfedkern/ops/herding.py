@@ -97,11 +97,11 @@ def _clients(grads: Any, name: str = "grads") -> _Clients:
         ref = _arrays.describe(grads, name)
         _arrays.check_float_dtype(ref, name)
         if len(ref.shape) == 2:
-            kind, refs, objs = "single", [ref], [grads]
+            kind, refs, objs = "single", [ref], [ref.obj]
         elif len(ref.shape) == 3:
             if ref.shape[0] == 0:
                 raise ValueError(f"{name} has no clients (shape {ref.shape})")
-            kind, refs, objs = "stack", [_matrix_ref(ref, n) for n in range(ref.shape[0])], [grads]
+            kind, refs, objs = "stack", [_matrix_ref(ref, n) for n in range(ref.shape[0])], [ref.obj]
         else:
             raise ValueError(
                 f"{name} must be a [τ, d] matrix, a [N, τ, d] stack or a list of [τ_i, d] matrices, got shape "
@@ -121,7 +121,7 @@ def _clients(grads: Any, name: str = "grads") -> _Clients:
                     raise ValueError(
                         f"{name}[{n}] has d = {r.shape[1]} columns, expected {refs[0].shape[1]} (the d of {name}[0])"
                     )
-        kind, objs = "list", list(grads)
+        kind, objs = "list", [r.obj for r in refs]
     else:
         raise TypeError(f"{name} must be an array or a list of arrays, got {type(grads).__qualname__}")
     taus = [r.shape[0] for r in refs]

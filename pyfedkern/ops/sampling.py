@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from pyfedkern import _arrays
 from pyfedkern._runtime import native
 
 #: largest size per row (bigger rows would make NumPy draw 64-bit bounded integers, which the kernel does not do)
@@ -39,7 +40,7 @@ def seed_words(seed: Any) -> list[int]:
 def _integers(values: Any, name: str, ndim: int, low: int, high: int) -> np.ndarray:
     """A C-contiguous int64 copy of an integer array-like of ``ndim`` dimensions with values in [low, high]."""
     try:
-        arr = np.asarray(values)
+        arr = _arrays.host_array(values, name)
     except ValueError as exc:  # ragged nested lists
         raise ValueError(f"{name} must be a rectangular integer array: {exc}") from None
     if arr.ndim != ndim:

@@ -67,7 +67,7 @@ def _segments(segments: Any, include: Any, d: int) -> tuple[list[int], list[bool
             if include is None:
                 include = segments.include_mask()
             segments = segments.segments()
-        raw = np.asarray(segments.cpu() if hasattr(segments, "cpu") else segments)
+        raw = _arrays.host_array(segments.cpu() if hasattr(segments, "cpu") else segments, "segments")
         if raw.ndim != 1 or raw.shape[0] < 2:
             raise ValueError(f"segments must be 1-D offsets [L + 1] with L >= 1, got shape {raw.shape}")
         if raw.dtype.kind not in "iu":
@@ -88,7 +88,7 @@ def _segments(segments: Any, include: Any, d: int) -> tuple[list[int], list[bool
     if include is None:
         mask = np.ones(L, dtype=bool)
     else:
-        mask = np.asarray(include.cpu() if hasattr(include, "cpu") else include)
+        mask = _arrays.host_array(include.cpu() if hasattr(include, "cpu") else include, "include")
         if mask.ndim != 1 or mask.shape[0] != L:
             raise ValueError(f"include must be a 1-D mask of length {L} (one flag per segment), got shape {mask.shape}")
         if mask.dtype != bool:

@@ -231,6 +231,24 @@ def test_mnist_malformed(tmp_path):
         load_dataset("mnist", tmp_path)
 
 
+@pytest.mark.parametrize(
+    ("dims", "message"),
+    [
+        ((2**31, 2**31, 4), "need 18446744073709551632 bytes, the file has 16"),  # 2^64 + 16: int64 wraps to 16
+        ((2**32 - 1,) * 3, r"dimensions \(4294967295, 4294967295, 4294967295\) need"),  # unsigned, not -1
+        ((12, 0, 0), "images of 0x0 pixels"),
+        ((12, 2**31, 0), "images of 2147483648x0 pixels"),
+        ((0, 28, 28), "holds no images"),
+    ],
+)
+def test_an_impossible_idx_header_names_the_file(tmp_path, dims, message):
+    _write_mnist(tmp_path, gz=False)
+    path = tmp_path / "train-images-idx3-ubyte"
+    path.write_bytes((2051).to_bytes(4, "big") + b"".join(d.to_bytes(4, "big") for d in dims))
+    with pytest.raises(ValueError, match=f"IDX file {path}.*{message}"):
+        load_dataset("mnist", tmp_path)
+
+
 def _flip_a_byte(data: bytes) -> bytes:
     middle = len(data) // 2
     return data[:middle] + bytes([data[middle] ^ 0xFF]) + data[middle + 1 :]

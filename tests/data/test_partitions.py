@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -297,3 +299,22 @@ def test_plot_writes_png(tmp_path):
     many = np.arange(600) % 40
     heat = make_partition("iid", many, 6).plot(many, 40, tmp_path / "heat.png")
     assert heat.stat().st_size > 1000
+
+
+def test_plot_names_the_file_it_writes(tmp_path):
+    part = make_partition("shards:2", LABELS, 8, seed=0)
+    folder = tmp_path / "plots"
+    folder.mkdir()
+    cases = [
+        (tmp_path / "bare", tmp_path / "bare.png"),  # no suffix: .png added
+        (folder, folder / "partition.png"),  # an existing directory
+        (f"{folder}{os.sep}", folder / "partition.png"),  # a trailing separator means a directory
+        (tmp_path / "split.pdf", tmp_path / "split.pdf"),  # the suffix names the format
+    ]
+    magic = {".png": b"\x89PNG", ".pdf": b"%PDF"}
+    for given, written in cases:
+        assert part.plot(LABELS, 10, given) == written
+        assert written.read_bytes().startswith(magic[written.suffix])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bare.png", "plots", "split.pdf"]
+    with pytest.raises(FileNotFoundError, match=r"new/partition\.png"):  # a directory that does not exist
+        part.plot(LABELS, 10, f"{tmp_path / 'new'}{os.sep}")

@@ -3,8 +3,12 @@ client updates vs pyfedkern.sim, and real SuperLink + SuperNodes on loopback wit
 
 from __future__ import annotations
 
+import importlib.util
+import math
 import subprocess
 import sys
+from fractions import Fraction
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,9 +18,11 @@ flwr = pytest.importorskip("flwr")
 
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict  # noqa: E402
 from flwr.common import Code, FitRes, Status, ndarrays_to_parameters  # noqa: E402
+from flwr.common.config import get_project_config  # noqa: E402
 from flwr.server.strategy.aggregate import aggregate as flower_aggregate  # noqa: E402
 from flwr.server.strategy.aggregate import aggregate_inplace as flower_aggregate_inplace  # noqa: E402
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg  # noqa: E402
+from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords  # noqa: E402
 from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
 from pyfedkern import ops  # noqa: E402
@@ -25,6 +31,8 @@ from pyfedkern.algorithms.fedavg import FedAvg as FedAvgAlgorithm  # noqa: E402
 from pyfedkern.integrations import flower as pf  # noqa: E402
 from pyfedkern.sim.config import ExperimentConfig  # noqa: E402
 from pyfedkern.sim.engine import Simulation  # noqa: E402
+
+APP = Path(__file__).resolve().parents[2] / "examples" / "flower"
 
 
 @pytest.fixture(autouse=True)
@@ -171,6 +179,118 @@ def test_aggregate_inplace_keeps_float_dtypes_as_flower(dtype):
     for a, b, c in zip(ours, theirs, _numpy_mean(results), strict=True):
         assert a.dtype == b.dtype == dtype
         np.testing.assert_allclose(a.astype(np.float64), c, rtol=1e-3, atol=1e-3)  # float16 rounding
+
+
+def _extreme_counts_case(counts, seed):
+    """K clients' float32 "w" and float64 "b" arrays with ``counts``, and the exact float64 weighted means."""
+    rng = np.random.default_rng(seed)
+    payload = [
+        {"w": (rng.standard_normal((3, 4)) * 10).astype(np.float32), "b": rng.standard_normal(4)} for _ in counts
+    ]
+    total = sum(Fraction(c) for c in counts)
+    shares = [float(Fraction(c) / total) for c in counts]
+    exact = {key: sum(p[key].astype(np.float64) * w for p, w in zip(payload, shares, strict=True)) for key in "wb"}
+    return payload, exact
+
+
+EXTREME_COUNTS = [
+    [1e38, 1e38, 3e38],  # each product of a float32 layer by its count overflows float32
+    [1.0, 1e38],
+    [1e300, 3e300],
+    [1e-310, 3e-310, 2e-310],  # subnormal: 1 / total overflows
+    [1e308, 1e308],  # the float sum of the counts overflows
+    [5, 0, 7],
+]
+
+
+@pytest.mark.parametrize("counts", EXTREME_COUNTS, ids=str)
+@pytest.mark.parametrize("arrival", ["streamed", "list"])
+def test_fedavg_normalises_the_counts_before_multiplying(counts, arrival):
+    payload, exact = _extreme_counts_case(counts, seed=len(counts))
+    nodes = list(range(1, len(counts) + 1))
+    grid = FakeGrid(nodes, lambda node, msg: _reply(payload[node - 1], counts[node - 1], loss=float(node)))
+    msgs = [Message(RecordDict({"x": ConfigRecord({})}), message_type="train", dst_node_id=n) for n in nodes]
+    replies = pf.ArrivalGrid(grid).send_and_receive(msgs, timeout=5)
+    replies = list(replies) if arrival == "list" else replies
+    arrays, metrics = pf.FedAvg().aggregate_train(1, replies)
+    for key, tol in (("w", 1e-6), ("b", 1e-15)):
+        got = arrays[key].numpy()
+        assert got.dtype == payload[0][key].dtype
+        np.testing.assert_allclose(got, exact[key], rtol=tol, atol=tol * 10)
+    loss = sum(
+        float(Fraction(c) / sum(Fraction(x) for x in counts)) * node for c, node in zip(counts, nodes, strict=True)
+    )
+    assert metrics["loss"] == pytest.approx(loss, rel=1e-15)
+    if math.isfinite(sum(counts)):  # Flower's FedAvg normalises first too: the same means (it sums inf otherwise)
+        grid = FakeGrid(nodes, lambda node, msg: _reply(payload[node - 1], counts[node - 1], loss=float(node)))
+        theirs, _ = FlowerFedAvg().aggregate_train(1, list(pf.ArrivalGrid(grid).send_and_receive(msgs, timeout=5)))
+        for key in "wb":
+            np.testing.assert_allclose(arrays[key].numpy(), theirs[key].numpy(), rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("counts", EXTREME_COUNTS, ids=str)
+def test_aggregate_inplace_normalises_the_counts_before_multiplying(counts):
+    payload, exact = _extreme_counts_case(counts, seed=7)
+    fits = _fit_results([([p["w"], p["b"]], c) for p, c in zip(payload, counts, strict=True)])
+    ours = pf.aggregate_inplace(fits)
+    np.testing.assert_allclose(ours[0], exact["w"], rtol=1e-6, atol=1e-5)
+    np.testing.assert_allclose(ours[1], exact["b"], rtol=1e-15, atol=1e-14)
+    if math.isfinite(sum(counts)):  # Flower's shares n/N are exact too: float64 layers bit for bit
+        _bitwise_equal(ours[1:], flower_aggregate_inplace(fits)[1:])
+
+
+def test_mean_metrics_is_exact_for_any_finite_weights():
+    def replies(weights):
+        return [
+            RecordDict({"metrics": MetricRecord({"num-examples": w, "loss": float(k + 1)})})
+            for k, w in enumerate(weights)
+        ]
+
+    for weights, expected in [([1e308, 1e308], 1.5), ([1e308, 3e307], (1 + 0.6) / 1.3), ([1e-310, 3e-310], 1.75)]:
+        assert pf.mean_metrics(replies(weights), "num-examples")["loss"] == pytest.approx(expected, rel=1e-15)
+    normal = replies([3, 10, 0.5])  # where Flower's own sum of the weights is finite: Flower's value, bit for bit
+    assert pf.mean_metrics(normal, "num-examples")["loss"] == aggregate_metricrecords(normal, "num-examples")["loss"]
+    with pytest.raises(ValueError, match=r"records\[1\]: 'num-examples' must be finite and >= 0"):
+        pf.mean_metrics(replies([1.0, -2.0]), "num-examples")
+
+
+def test_complex_layers_are_refused_by_every_aggregation():
+    real, cplx = np.ones(3), np.array([1 + 2j, 3j, 1])
+    with pytest.raises(TypeError, match=r"results\[1\] layer 0 has dtype complex128"):
+        pf.aggregate([([real], 1), ([cplx], 1)])
+    with pytest.raises(TypeError, match=r"results\[1\]: array '0' has dtype complex128"):
+        pf.aggregate_inplace(_fit_results([([real], 1), ([cplx], 1)]))
+    strategy = pf.LegacyFedAvg(accept_failures=False)
+    with pytest.raises(TypeError, match="has dtype complex128"):
+        strategy.aggregate_fit(1, _fit_results([([cplx], 1)]), [])
+    grid = FakeGrid([1, 2], lambda node, msg: _reply({"model": real if node == 1 else cplx}, 1))
+    msgs = [Message(RecordDict({"x": ConfigRecord({})}), message_type="train", dst_node_id=n) for n in (1, 2)]
+    for listed in (False, True):
+        replies = pf.ArrivalGrid(grid).send_and_receive(msgs, timeout=5)
+        with pytest.raises(TypeError, match="reply of node 2: array 'model' has dtype complex128"):
+            pf.FedAvg().aggregate_train(1, list(replies) if listed else replies)
+
+
+def test_fraction_counts_are_taken_as_flower_takes_them():
+    rng = np.random.default_rng(21)
+    counts = [Fraction(1, 3), Fraction(2, 7), 2, Fraction(5, 3)]
+    for dtype in (np.float32, np.float64):
+        results = [
+            ([rng.standard_normal((4, 3)).astype(dtype), rng.standard_normal(5).astype(dtype)], n) for n in counts
+        ]
+        theirs = flower_aggregate(results)  # object arrays of Python floats
+        assert theirs[0].dtype == object
+        ours = pf.aggregate(results)
+        _bitwise_equal(ours, [np.asarray(layer, dtype=np.float64) for layer in theirs])
+    integers = [([np.arange(6).reshape(2, 3)], n) for n in counts]  # Flower: exact rationals; pyfedkern: float64
+    exact = [np.asarray(layer, dtype=np.float64) for layer in flower_aggregate(integers)]
+    np.testing.assert_allclose(pf.aggregate(integers)[0], exact[0], rtol=1e-15)
+    inplace = pf.aggregate_inplace(_fit_results(results))  # Flower's own aggregate_inplace fails on fractions
+    np.testing.assert_allclose(inplace[0], ours[0], rtol=1e-15)
+    with pytest.raises(ValueError, match=r"results\[1\]: num_examples must be finite and >= 0"):
+        pf.aggregate([([np.ones(2)], 1), ([np.ones(2)], Fraction(-1, 2))])
+    with pytest.raises(ValueError, match=r"results\[0\]: num_examples must be finite"):
+        pf.aggregate([([np.ones(2)], 10**400)])
 
 
 def test_legacy_fedavg_aggregate_fit():
@@ -518,6 +638,46 @@ def test_every_strategy_reports_loss_and_accuracy_every_round(algorithm):
     assert result.evaluate_metrics_serverapp[0]["test-acc"] == pytest.approx(expected["test_acc"])
 
 
+def _example_server_app():
+    """examples/flower/server_app.py as a module."""
+    spec = importlib.util.spec_from_file_location("example_server_app", APP / "server_app.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg", "bherd"])
+def test_the_example_reports_the_local_loss_the_simulator_records(algorithm):
+    """The example's local-loss is the plain mean of the clients' mean local losses, as the simulator's local_loss;
+    Flower's default (weighted by num-examples) gives 2.2343 instead of 2.2333 in the README's first round."""
+    run_config = get_project_config(APP)["tool"]["flwr"]["app"]["config"]
+    config = pf.config_from_run_config({**run_config, "algorithm": algorithm, "rounds": 2})
+    sim = Simulation(config)
+    assert len(set(sim.client_sizes.tolist())) > 1  # unequal partitions: the two means differ
+    recorded = {r["round"]: r for r in sim.run()}
+    strategy = _example_server_app().make_strategy(config)
+    strategy.poll_interval = 0.01
+    result = strategy.start(
+        grid=_client_grid(config),
+        initial_arrays=pf.initial_arrays(config),
+        num_rounds=2,
+        timeout=30,
+        evaluate_fn=pf.server_evaluation(config),
+    )
+    for rnd in (1, 2):
+        assert result.train_metrics_clientapp[rnd]["local-loss"] == pytest.approx(recorded[rnd]["local_loss"], rel=1e-6)
+        assert result.evaluate_metrics_serverapp[rnd]["test-acc"] == pytest.approx(recorded[rnd]["test_acc"])
+    if algorithm == "fedavg":  # Flower's weighting of the same replies: the example README's 2.2343 vs 2.2333
+        grid = _client_grid(config)
+        msgs = [
+            Message(_server_content(pf.initial_arrays(config)["model"].numpy(), 1), message_type="train", dst_node_id=n)
+            for n in grid.nodes
+        ]
+        replies = [reply.content for reply in pf.ArrivalGrid(grid).send_and_receive(msgs, timeout=30)]
+        weighted = pf.mean_metrics(replies, "num-examples")["local-loss"]
+        assert round(weighted, 4) == 2.2343 and round(recorded[1]["local_loss"], 4) == 2.2333
+
+
 def test_mean_metrics_averages_only_finite_measurements():
     replies = [
         RecordDict({"metrics": MetricRecord({"num-examples": 10, "local-loss": 1.0, "acc": 0.5})}),
@@ -553,7 +713,7 @@ def test_ops_used_for_streaming_are_in_place():
     acc = np.zeros(3, np.float32)
     view = pf.array_view(Array(np.arange(3, dtype=np.float32)))
     assert not view.flags.writeable  # a view of the serialized bytes, not a copy
-    ops.accumulate_(acc, view, 2.0)
+    ops.weighted_sum([acc, view], [0.5, 2.0], out=acc)  # the running mean's update writes acc in place
     np.testing.assert_array_equal(acc, [0, 2, 4])
 
 
@@ -691,11 +851,10 @@ def test_simulation_runtime_equals_sim(flower_simulation, algorithm):
         evaluated = metrics["evaluate"][str(record["round"])]
         assert evaluated["test-acc"] == pytest.approx(record["test_acc"], abs=1e-6)
         assert evaluated["train-loss"] == pytest.approx(record["train_loss"], rel=1e-5)
-        if record["round"]:  # the clients' local loss: weighted by examples for FedAvg, a plain mean for FedPBC
+        if record["round"]:  # the clients' local loss: the example averages them as the simulator does
             train = metrics["train"][str(record["round"])]
-            assert set(train) == {"local-loss"} and np.isfinite(train["local-loss"])
-            if algorithm == "fedpbc":
-                assert train["local-loss"] == pytest.approx(record["local_loss"], rel=1e-5)
+            assert set(train) == {"local-loss"}
+            assert train["local-loss"] == pytest.approx(record["local_loss"], rel=1e-5)
 
 
 def test_benchmark_cases_agree_and_pyfedkern_allocates_less():
