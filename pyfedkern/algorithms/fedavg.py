@@ -104,9 +104,9 @@ class FedAvg(Algorithm):
         _check_positive("server_lr", self.server_lr)
         _check_positive("clip_norm", self.clip_norm)
 
-    def correction(self, t: int, ctx: FLContext, run: BatchedLocal | None = None) -> Terms | None:
+    def correction(self, t: int, ctx: FLContext) -> Terms | None:
         """The algorithm's terms of the local direction, added to the loss gradient before the clip: called as
-        ``(g, x)`` for one client (run None) or ``(g, step)`` for the rows of a batched run; None for plain SGD."""
+        ``(g, x)`` for one client or ``(g, step)`` for the rows of a batched run; None for plain SGD."""
         return None
 
     def decay(self, ctx: FLContext) -> float:
@@ -141,7 +141,7 @@ class FedAvg(Algorithm):
 
     def batched_client_update(self, t: int, clients: np.ndarray, ctx: FLContext) -> ClientUpdates:
         run = BatchedLocal(ctx, t, clients)
-        direction = self.direction(ctx, self.correction(t, ctx, run))
+        direction = self.direction(ctx, self.correction(t, ctx))
         models = run.sgd_(run.start(self.x), correction=direction, weight_decay=0.0)
         return ClientUpdates.of(run, ctx, {"model": models}, weights=self.weights(ctx, run.clients))
 
@@ -169,7 +169,7 @@ class FedProx(FedAvg):
         super().__post_init__()
         _check_positive("mu", self.mu, allow_zero=True)
 
-    def correction(self, t: int, ctx: FLContext, run: BatchedLocal | None = None) -> Terms:
+    def correction(self, t: int, ctx: FLContext) -> Terms:
         anchor, mu = self.x, self.mu
         if self.ref_compat:
 

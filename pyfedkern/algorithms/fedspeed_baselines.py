@@ -208,7 +208,7 @@ class FedCM(FedAvg):
     def broadcast_floats(self) -> int:
         return 2 * int(self.x.numel())
 
-    def correction(self, t: int, ctx: FLContext, run: BatchedLocal | None = None) -> Terms:
+    def correction(self, t: int, ctx: FLContext) -> Terms:
         a, momentum = self.client_momentum, self.momentum
 
         def mix(g: torch.Tensor, where: Any) -> None:  # the same for one client (g [d]) and for rows (g [k, d])
