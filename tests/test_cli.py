@@ -240,7 +240,10 @@ def test_help_version_and_usage_errors_answer_without_importing_torch(argv, code
         (["run", "--no-progres"], "unknown option --no-progres (did you mean --no-progress?)"),
         (["run", "--algorithm", "fedprox", "--mu"], "option --mu needs a value"),
         (["compare", "--algorithms", "fedavg,fedprox", "--out", "x", "--m", "1"], "--m (did you mean --mu?)"),
-        (["run", "--algorithm", "fedprox", "--muu", "1"], "--muu (did you mean --mu?); parameters of fedprox: --mu"),
+        (
+            ["run", "--algorithm", "fedprox", "--muu", "1"],
+            "--muu (did you mean --mu?); parameters of fedprox: --clip-norm, --mu, --ref-compat, --server-lr",
+        ),
     ],
 )
 def test_misspelled_options_suggest_the_nearest_general_or_algorithm_option(argv, message, tmp_path):

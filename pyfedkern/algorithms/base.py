@@ -407,12 +407,14 @@ def local_sgd(
     drop_last: bool = False,
     correction: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
     on_gradient: Callable[[int, torch.Tensor], None] | None = None,
+    weight_decay: float | None = None,
 ) -> LocalResult:
     """Minibatch SGD on client cid from x0: x ← x − lr·(g + wd·x [+ correction]) with optional momentum.
 
     Args:
         correction: called as ``correction(g, x)`` after weight decay, may modify the direction g in place
-            (FedProx adds μ(x − x0), SCAFFOLD adds c − c_i).
+            (BHerd records it; the FedAvg family builds its whole direction here with ``weight_decay=0``).
+        weight_decay: wd (default ``ctx.weight_decay``).
         on_gradient: called as ``on_gradient(step, g)`` with the raw minibatch gradient (a view: copy it to keep).
         epochs / steps: local work (defaults: ctx.local_steps if set, else ctx.local_epochs).
     """
@@ -422,6 +424,7 @@ def local_sgd(
     lr = ctx.lr(t) if lr is None else lr
     if steps is None and epochs is None:
         steps, epochs = ctx.local_steps, ctx.local_epochs
+    wd = ctx.weight_decay if weight_decay is None else weight_decay
     momentum_buf: torch.Tensor | None = None
     total, n = 0.0, 0
     for n, (xb, yb) in enumerate(
@@ -430,8 +433,8 @@ def local_sgd(
         total += local.loss_and_grad(xb, yb)
         if on_gradient is not None:
             on_gradient(n - 1, g)
-        if ctx.weight_decay:
-            g.add_(x, alpha=ctx.weight_decay)
+        if wd:
+            g.add_(x, alpha=wd)
         if correction is not None:
             correction(g, x)
         direction = g

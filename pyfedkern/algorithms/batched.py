@@ -489,17 +489,20 @@ class BatchedLocal:
         models: torch.Tensor,
         *,
         correction: Callable[[torch.Tensor, Step], None] | None = None,
+        weight_decay: float | None = None,
     ) -> torch.Tensor:
         """Minibatch SGD of every row in place, as :func:`~pyfedkern.algorithms.local_sgd` per client:
         x ← x − lr·(g + wd·x [+ correction]), heavy-ball momentum when ctx.momentum > 0.
 
         Args:
             correction: called as ``correction(g, step)`` after weight decay with g the step's [rows, d] direction;
-                may modify g in place (FedProx adds μ(x − x^t), SCAFFOLD adds c − c_i, BHerd records it).
+                may modify g in place (BHerd records it; the FedAvg family builds its whole direction here, clip
+                and weight decay included, with ``weight_decay=0``).
+            weight_decay: wd (default ``ctx.weight_decay``).
 
         Returns ``models``.
         """
-        wd, momentum = self.ctx.weight_decay, self.ctx.momentum
+        wd, momentum = self.ctx.weight_decay if weight_decay is None else weight_decay, self.ctx.momentum
         buffer = torch.empty_like(models) if momentum else None
         for step in self.run(models):
             g = self.gradients(step)

@@ -1,8 +1,15 @@
-"""FedAvg (McMahan et al. 2017), FedProx (Li et al. 2020) and SCAFFOLD (Karimireddy et al. 2020, option II)."""
+"""FedAvg (McMahan et al. 2017), FedProx (Li et al. 2020) and SCAFFOLD (Karimireddy et al. 2020, option II).
+
+Their local step direction is built in one place, :func:`step_direction`: the loss gradient plus the algorithm's
+terms, clipped when ``ref_compat`` asks for FL-Simulator's clip, plus the weight decay. The FedSpeed paper's other
+baselines (:mod:`.fedspeed_baselines`) build theirs the same way.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -18,6 +25,9 @@ from pyfedkern.algorithms.base import (
     local_sgd,
 )
 from pyfedkern.algorithms.batched import BatchedLocal, Step
+
+#: torch.nn.utils.clip_grad_norm_'s ε, which FL-Simulator's clients use: the factor is min(1, M/(‖g‖ + ε))
+CLIP_EPS = 1e-6
 
 
 def _check_positive(name: str, value: float, *, allow_zero: bool = False) -> None:
@@ -39,33 +49,101 @@ def add_weighted_models(sums: RoundSums, updates: ClientUpdates, name: str = "mo
     sums.add_scalar("weight", updates.weights.sum())
 
 
+def clip_by_norm_(g: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """g ← g·min(1, M/(‖g‖ + 1e-6)) in place (torch.nn.utils.clip_grad_norm_'s rule, M = ``max_norm``): one norm
+    for a [d] vector, one per row of a [k, d] tensor (each client clips its own gradient). Returns g."""
+    norm = torch.linalg.vector_norm(g, dim=-1, keepdim=True)
+    return g.mul_(torch.clamp(max_norm / (norm + CLIP_EPS), max=1.0))
+
+
+Terms = Callable[[torch.Tensor, Any], None]
+
+
+def step_direction(terms: Terms | None, decay: float, clip_norm: float | None) -> Terms:
+    """The local step direction as the ``correction`` of :func:`~pyfedkern.algorithms.local_sgd` (called as
+    ``(g, x)``, g and x [d]) or of :meth:`BatchedLocal.sgd_` (``(g, step)``, g [rows, d]), both run with
+    ``weight_decay=0``: g (the loss gradient) gains the algorithm's ``terms`` in place, is clipped to norm
+    ``clip_norm`` when that is not None, and gains ``decay``·x.
+
+    This is FL-Simulator's order: its clients put the algorithm's terms into the loss, clip the gradient with
+    ``clip_grad_norm_`` and let ``SGD(weight_decay=decay)`` add decay·x after the clip.
+    """
+
+    def direction(g: torch.Tensor, where: Any) -> None:
+        if terms is not None:
+            terms(g, where)
+        if clip_norm is not None:
+            clip_by_norm_(g, clip_norm)
+        if decay:
+            g.add_(where.x if isinstance(where, Step) else where, alpha=decay)
+
+    return direction
+
+
 @dataclass
 class FedAvg(Algorithm):
     """Clients run local SGD from the global model; the server averages the models weighted by |D_i|.
 
+    Local direction: g + the algorithm's terms (none for FedAvg) + wd·x. With ``ref_compat`` clients and server run as
+    FL-Simulator's do (docs/fedspeed.md, "Reference code"): g + the terms is clipped to norm ``clip_norm`` before
+    the weight decay is added, the server takes the plain mean over the participants (weights 1, not |D_i|), and
+    SCAFFOLD and FedCM count a round's local steps as E·|D_0|/B.
+
     Args:
         server_lr: global step η_g on the averaged update (1 = plain model averaging).
+        ref_compat: FL-Simulator's clip, plain mean and step count.
+        clip_norm: the clip threshold M > 0 of ``ref_compat`` (FL-Simulator's is 10).
     """
 
     name = "fedavg"
     server_lr: float = 1.0
+    ref_compat: bool = False
+    clip_norm: float = 10.0
 
     def __post_init__(self) -> None:
         _check_positive("server_lr", self.server_lr)
+        _check_positive("clip_norm", self.clip_norm)
 
-    def correction(self, t: int, ctx: FLContext, run: BatchedLocal | None = None):
-        """The local direction's extra term as ``(g, x)`` → None for :func:`~pyfedkern.algorithms.local_sgd` (run
-        None), or ``(g, step)`` → None for the rows of a batched run; None for plain SGD."""
+    def correction(self, t: int, ctx: FLContext) -> Terms | None:
+        """The algorithm's terms of the local direction, added to the loss gradient before the clip: called as
+        ``(g, x)`` for one client or ``(g, step)`` for the rows of a batched run; None for plain SGD."""
         return None
 
+    def decay(self, ctx: FLContext) -> float:
+        """The coefficient of the x term added after the clip (FL-Simulator's SGD weight decay): wd."""
+        return ctx.weight_decay
+
+    def direction(self, ctx: FLContext, terms: Terms | None) -> Terms:
+        """The whole local direction around ``terms`` (:func:`step_direction`), for a run with weight_decay=0."""
+        return step_direction(terms, self.decay(ctx), self.clip_norm if self.ref_compat else None)
+
+    def weights(self, ctx: FLContext, clients: np.ndarray) -> np.ndarray:
+        """Aggregation weights of ``clients`` (float64 [k]): |D_i|, or 1 each with ``ref_compat``."""
+        clients = np.asarray(clients, dtype=np.int64)
+        return np.ones(len(clients)) if self.ref_compat else ctx.client_sizes[clients].astype(np.float64)
+
+    def counted_steps(self, ctx: FLContext, steps: np.ndarray) -> np.ndarray:
+        """K_i of SCAFFOLD's and FedCM's server rules (float64 [k]): the local steps taken, or with ``ref_compat``
+        FL-Simulator's count E·|D_0|/B for every client (client 0's size, not rounded; ``local_steps`` when set)."""
+        steps = np.asarray(steps, dtype=np.float64)
+        if not self.ref_compat:
+            return steps
+        count = (
+            ctx.local_steps if ctx.local_steps is not None else ctx.local_epochs * ctx.client_sizes[0] / ctx.batch_size
+        )
+        return np.full(steps.shape, float(count))
+
     def client_update(self, t: int, cid: int, ctx: FLContext) -> ClientMessage:
-        result = local_sgd(ctx, cid, t, self.x, correction=self.correction(t, ctx))
-        return ClientMessage(cid, float(ctx.client_sizes[cid]), {"model": result.x}, result.loss, result.steps)
+        direction = self.direction(ctx, self.correction(t, ctx))
+        result = local_sgd(ctx, cid, t, self.x, correction=direction, weight_decay=0.0)
+        weight = float(self.weights(ctx, [cid])[0])
+        return ClientMessage(cid, weight, {"model": result.x}, result.loss, result.steps)
 
     def batched_client_update(self, t: int, clients: np.ndarray, ctx: FLContext) -> ClientUpdates:
         run = BatchedLocal(ctx, t, clients)
-        models = run.sgd_(run.start(self.x), correction=self.correction(t, ctx, run))
-        return ClientUpdates.of(run, ctx, {"model": models})
+        direction = self.direction(ctx, self.correction(t, ctx))
+        models = run.sgd_(run.start(self.x), correction=direction, weight_decay=0.0)
+        return ClientUpdates.of(run, ctx, {"model": models}, weights=self.weights(ctx, run.clients))
 
     def accumulate(self, t: int, sums: RoundSums, updates: ClientUpdates, ctx: FLContext) -> None:
         add_weighted_models(sums, updates)
@@ -78,6 +156,8 @@ class FedAvg(Algorithm):
 class FedProx(FedAvg):
     """FedAvg whose local objective adds (μ/2)‖x − x^t‖² (the gradient gains μ(x − x^t)).
 
+    With ``ref_compat``, as FL-Simulator: −μ·x^t is added before the clip and μ·x after it (with the weight decay).
+
     Args:
         mu: proximal coefficient μ ≥ 0 (0 gives FedAvg).
     """
@@ -89,28 +169,32 @@ class FedProx(FedAvg):
         super().__post_init__()
         _check_positive("mu", self.mu, allow_zero=True)
 
-    def correction(self, t: int, ctx: FLContext, run: BatchedLocal | None = None):
-        anchor = self.x
-        if run is None:
+    def correction(self, t: int, ctx: FLContext) -> Terms:
+        anchor, mu = self.x, self.mu
+        if self.ref_compat:
 
-            def proximal(g: torch.Tensor, x: torch.Tensor) -> None:
-                g.add_(x - anchor, alpha=self.mu)
+            def pull(g: torch.Tensor, where: Any) -> None:  # μ·x comes with the weight decay (decay())
+                g.sub_(anchor, alpha=mu)
 
-            return proximal
+            return pull
 
-        def proximal_rows(g: torch.Tensor, step: Step) -> None:
-            g.add_(step.x - anchor, alpha=self.mu)
+        def proximal(g: torch.Tensor, where: Any) -> None:
+            g.add_((where.x if isinstance(where, Step) else where) - anchor, alpha=mu)
 
-        return proximal_rows
+        return proximal
+
+    def decay(self, ctx: FLContext) -> float:
+        return ctx.weight_decay + (self.mu if self.ref_compat else 0.0)
 
 
 @dataclass
 class Scaffold(FedAvg):
     """SCAFFOLD with option-II control variates.
 
-    Local step direction g + c − c_i; after K steps of size η: c_i⁺ = c_i − c + (x^t − y_i)/(K·η).
+    Local step direction g + c − c_i (+ wd·x); after K steps of size η: c_i⁺ = c_i − c + (x^t − y_i)/(K·η).
     Server: x ← x + η_g·Σ p_i (y_i − x) with p_i ∝ |D_i| over the participants, and c ← c + (1/m)·Σ (c_i⁺ − c_i)
     (so c stays the uniform mean of all c_i). Uploads the model and the control delta; downloads x and c.
+    With ``ref_compat``: g + c − c_i clipped, p_i = 1/S, K = E·|D_0|/B (:meth:`FedAvg.counted_steps`).
     """
 
     name = "scaffold"
@@ -131,20 +215,15 @@ class Scaffold(FedAvg):
             g.add_(shift)
 
         lr = ctx.lr(t)
-        result = local_sgd(ctx, cid, t, self.x, lr=lr, correction=control)
+        result = local_sgd(ctx, cid, t, self.x, lr=lr, correction=self.direction(ctx, control), weight_decay=0.0)
         if result.steps == 0:
             raise ValueError(f"SCAFFOLD: client {cid} took no local steps (empty local dataset?)")
         # c_i⁺ − c_i = −c + (x^t − y_i)/(K η)
-        scale = 1.0 / (result.steps * lr)
+        scale = 1.0 / (float(self.counted_steps(ctx, [result.steps])[0]) * lr)
         delta_c = ops.weighted_sum([self.c, self.x, result.x], [-1.0, scale, -scale])
         c_i.add_(delta_c)
-        return ClientMessage(
-            cid,
-            float(ctx.client_sizes[cid]),
-            {"model": result.x, "delta_c": delta_c},
-            result.loss,
-            result.steps,
-        )
+        weight = float(self.weights(ctx, [cid])[0])
+        return ClientMessage(cid, weight, {"model": result.x, "delta_c": delta_c}, result.loss, result.steps)
 
     def batched_client_update(self, t: int, clients: np.ndarray, ctx: FLContext) -> ClientUpdates:
         run = BatchedLocal(ctx, t, clients)
@@ -155,11 +234,12 @@ class Scaffold(FedAvg):
         def control(g: torch.Tensor, step: Step) -> None:
             g.add_(shift[: step.rows])
 
-        models = run.sgd_(run.start(self.x), correction=control)
-        scale = torch.as_tensor(1.0 / (run.steps * run.lr), dtype=self.x.dtype, device=self.x.device)
+        models = run.sgd_(run.start(self.x), correction=self.direction(ctx, control), weight_decay=0.0)
+        steps = self.counted_steps(ctx, run.steps)
+        scale = torch.as_tensor(1.0 / (steps * run.lr), dtype=self.x.dtype, device=self.x.device)
         delta_c = torch.sub(self.x, models).mul_(scale[:, None]).sub_(self.c)  # −c + (x^t − y_i)/(K η)
         self.client_c.data.index_add_(0, run.index, delta_c)
-        return ClientUpdates.of(run, ctx, {"model": models, "delta_c": delta_c})
+        return ClientUpdates.of(run, ctx, {"model": models, "delta_c": delta_c}, weights=self.weights(ctx, run.clients))
 
     def accumulate(self, t: int, sums: RoundSums, updates: ClientUpdates, ctx: FLContext) -> None:
         add_weighted_models(sums, updates)

@@ -1,12 +1,14 @@
 """The baselines FedSpeed is compared with (besides FedAvg, FedProx and SCAFFOLD in :mod:`.fedavg`).
 
-- :class:`FedDyn` (Acar et al. 2021) in FL-Simulator's storage form, with its optional gradient clipping;
+- :class:`FedDyn` (Acar et al. 2021) in FL-Simulator's storage form;
 - :class:`FedSAM` (Qu et al. 2022): local SAM steps, FedAvg server;
 - :class:`FedCM` (Xu et al. 2021): client momentum towards the previous round's average update;
 - :class:`FedAdam` (Reddi et al. 2021): FedAvg clients, Adam on the server.
 
-They are written with plain torch operations on the flat buffers (not the fused FedSpeed kernels), so the tests
-that equate FedSpeed's special cases with them check two independent implementations.
+Each has ``ref_compat``: the run as FL-Simulator's client and server code do it (the clip of the loss gradient plus
+the algorithm's terms at ``clip_norm`` before the weight decay, and the reference server rules; docs/fedspeed.md,
+"Reference code"). They are written with plain torch operations on the flat buffers (not the fused FedSpeed
+kernels), so the tests that equate FedSpeed's special cases with them check two independent implementations.
 """
 
 from __future__ import annotations
@@ -29,7 +31,14 @@ from pyfedkern.algorithms.base import (
     local_sgd,
 )
 from pyfedkern.algorithms.batched import BatchedLocal, Step
-from pyfedkern.algorithms.fedavg import FedAvg, _check_positive, add_weighted_models, server_average_
+from pyfedkern.algorithms.fedavg import (
+    FedAvg,
+    Terms,
+    _check_positive,
+    add_weighted_models,
+    server_average_,
+    step_direction,
+)
 
 
 def _no_momentum(name: str, ctx: FLContext) -> None:
@@ -42,7 +51,8 @@ class FedDyn(Algorithm):
     """FedDyn with prox parameter λ (prox weight 1/λ), in the storage form h_i = −λ·∇L_i-state.
 
     Client: SGD on the direction g + (1/λ)(x + h_i − x^t) + wd·x; with ``ref_compat`` (FL-Simulator) the loss gradient
-    plus the correction g + (1/λ)(h_i − x^t) is first clipped to norm ``clip_norm``. Then h_i += x_K − x^t.
+    plus the correction g + (1/λ)(h_i − x^t) is first clipped to norm ``clip_norm`` and (1/λ + wd)·x added after the
+    clip. Then h_i += x_K − x^t.
     Server: x^{t+1} = mean over participants of x_K + mean over all m clients of h_i (plain means, not weighted by
     |D_i|, as in FedSpeed).
     """
@@ -66,39 +76,33 @@ class FedDyn(Algorithm):
     def state_rows_per_client(self, ctx: FLContext) -> int:
         return 3  # h_i, h_i − x^t, the model change
 
+    def direction(self, ctx: FLContext, anchor: torch.Tensor) -> Terms:
+        """The local direction around the anchor h_i − x^t ([d], or [k, d] rows of a batched run)."""
+        c = 1.0 / self.lam
+
+        def dual(g: torch.Tensor, where: Any) -> None:
+            rows = isinstance(where, Step)
+            a = anchor[: where.rows] if rows else anchor
+            if self.ref_compat:  # c·x comes after the clip, with the weight decay
+                g.add_(a, alpha=c)
+            else:
+                g.add_((where.x if rows else where) + a, alpha=c)
+
+        decay = ctx.weight_decay + (c if self.ref_compat else 0.0)
+        return step_direction(dual, decay, self.clip_norm if self.ref_compat else None)
+
     def client_update(self, t: int, cid: int, ctx: FLContext) -> ClientMessage:
         h_i = self.h_store[cid]
-        anchor = h_i - self.x
-        c, wd = 1.0 / self.lam, ctx.weight_decay
-
-        def dual(g: torch.Tensor, x: torch.Tensor) -> None:  # g arrives as loss gradient + wd·x
-            if self.ref_compat:
-                v = g - wd * x + c * anchor
-                k = min(1.0, self.clip_norm / (float(v.norm()) + 1e-6))
-                g.copy_(k * v + (c + wd) * x)
-            else:
-                g.add_(x + anchor, alpha=c)
-
-        result = local_sgd(ctx, cid, t, self.x, correction=dual)
+        direction = self.direction(ctx, h_i - self.x)
+        result = local_sgd(ctx, cid, t, self.x, correction=direction, weight_decay=0.0)
         delta = result.x - self.x
         h_i.add_(delta)
         return ClientMessage(cid, 1.0, {"model": result.x, "delta": delta}, result.loss, result.steps)
 
     def batched_client_update(self, t: int, clients: np.ndarray, ctx: FLContext) -> ClientUpdates:
         run = BatchedLocal(ctx, t, clients)
-        anchor = self.h_store.data[run.index] - self.x
-        c, wd = 1.0 / self.lam, ctx.weight_decay
-
-        def dual(g: torch.Tensor, step: Step) -> None:  # the rows of `dual` in client_update
-            x, a = step.x, anchor[: step.rows]
-            if self.ref_compat:
-                v = g - wd * x + c * a
-                k = torch.clamp(self.clip_norm / (torch.linalg.vector_norm(v, dim=1) + 1e-6), max=1.0)
-                g.copy_(k[:, None] * v + (c + wd) * x)
-            else:
-                g.add_(x + a, alpha=c)
-
-        models = run.sgd_(run.start(self.x), correction=dual)
+        direction = self.direction(ctx, self.h_store.data[run.index] - self.x)
+        models = run.sgd_(run.start(self.x), correction=direction, weight_decay=0.0)
         delta = models - self.x
         self.h_store.data.index_add_(0, run.index, delta)
         return ClientUpdates.of(run, ctx, {"model": models, "delta": delta}, weights=np.ones(len(run)))
@@ -126,7 +130,8 @@ class FedDyn(Algorithm):
 
 @dataclass
 class FedSAM(FedAvg):
-    """FedAvg whose clients take SAM steps: g1 at x, x̆ = x + ρ·g1/(‖g1‖ + ε), g2 at x̆, x ← x − η(g2 + wd·x)."""
+    """FedAvg whose clients take SAM steps: g1 at x, x̆ = x + ρ·g1/(‖g1‖ + ε), g2 at x̆, x ← x − η(g2 + wd·x)
+    (with ``ref_compat`` g2 is clipped to norm ``clip_norm`` first, as FL-Simulator's client does)."""
 
     name = "fedsam"
     rho: float = 0.1
@@ -145,7 +150,8 @@ class FedSAM(FedAvg):
         local = ctx.local
         local.load_(self.x)
         x, g = local.flat.data, local.flat.grad
-        lr, wd = ctx.lr(t), ctx.weight_decay
+        lr = ctx.lr(t)
+        finish = self.direction(ctx, None)  # g2 → [clip] + wd·x
         total, n = 0.0, 0
         for xb, yb in ctx.batches(cid, t, epochs=ctx.local_epochs, steps=ctx.local_steps):
             total += local.loss_and_grad(xb, yb)
@@ -158,31 +164,33 @@ class FedSAM(FedAvg):
             local.loss_and_grad(xb, yb)
             with torch.no_grad():
                 x.copy_(x_saved)
-                if wd:
-                    g.add_(x, alpha=wd)
+                finish(g, x)
                 x.add_(g, alpha=-lr)
         loss = total / n if n else float("nan")
-        return ClientMessage(cid, float(ctx.client_sizes[cid]), {"model": x.clone()}, loss, n)
+        return ClientMessage(cid, float(self.weights(ctx, [cid])[0]), {"model": x.clone()}, loss, n)
 
     def batched_client_update(self, t: int, clients: np.ndarray, ctx: FLContext) -> ClientUpdates:
         run = BatchedLocal(ctx, t, clients)
         models = run.start(self.x)
-        wd = ctx.weight_decay
+        finish = self.direction(ctx, None)
         for step in run.run(models):
             g = run.gradients(step)
             denom = torch.linalg.vector_norm(g, dim=1) + self.eps  # one norm per client
             scale = torch.where(denom > 0, self.rho / denom, torch.zeros_like(denom))
             g = run.gradients(step, step.x + scale[:, None] * g, record=False)
-            if wd:
-                g.add_(step.x, alpha=wd)
+            finish(g, step)
             step.x.add_(g, alpha=-run.lr)
-        return ClientUpdates.of(run, ctx, {"model": models})
+        return ClientUpdates.of(run, ctx, {"model": models}, weights=self.weights(ctx, run.clients))
 
 
 @dataclass
 class FedCM(FedAvg):
-    """FedAvg with client-level momentum: local direction a·(g + wd·x) + (1 − a)·m, where m = −Δ/(K·η) is the
-    previous round's average model change per local step (0 in round 0) and a = ``client_momentum``."""
+    """FedAvg with client-level momentum: local direction a·g + (1 − a)·m + wd·x, where m = −Δ/(K·η) is the
+    previous round's average model change per local step (0 in round 0) and a = ``client_momentum``.
+
+    This is FL-Simulator's FedCM client (the loss a·L + (1 − a)·⟨x, m⟩ under SGD with weight decay wd): the weight
+    decay is not scaled by a. With ``ref_compat`` a·g + (1 − a)·m is clipped to norm ``clip_norm`` before wd·x is
+    added, Δ is the plain mean over the participants and K = E·|D_0|/B."""
 
     name = "fedcm"
     client_momentum: float = 0.1
@@ -195,22 +203,22 @@ class FedCM(FedAvg):
     def setup(self, ctx: FLContext, x0: torch.Tensor) -> None:
         _no_momentum(self.name, ctx)
         super().setup(ctx, x0)
-        self.direction = torch.zeros_like(self.x)
+        self.momentum = torch.zeros_like(self.x)
 
     def broadcast_floats(self) -> int:
         return 2 * int(self.x.numel())
 
-    def correction(self, t: int, ctx: FLContext, run: BatchedLocal | None = None):
-        a, direction = self.client_momentum, self.direction
+    def correction(self, t: int, ctx: FLContext) -> Terms:
+        a, momentum = self.client_momentum, self.momentum
 
         def mix(g: torch.Tensor, where: Any) -> None:  # the same for one client (g [d]) and for rows (g [k, d])
-            g.mul_(a).add_(direction, alpha=1.0 - a)
+            g.mul_(a).add_(momentum, alpha=1.0 - a)
 
         return mix
 
     def accumulate(self, t: int, sums: RoundSums, updates: ClientUpdates, ctx: FLContext) -> None:
         add_weighted_models(sums, updates)
-        sums.add_scalar("steps", updates.steps.sum())
+        sums.add_scalar("steps", self.counted_steps(ctx, updates.steps).sum())
         sums.add_scalar("count", len(updates))
 
     def server_step(self, t: int, sums: RoundSums, ctx: FLContext) -> None:
@@ -218,15 +226,15 @@ class FedCM(FedAvg):
         steps = sums.scalar("steps") / sums.scalar("count")
         if steps > 0:
             scale = 1.0 / (steps * ctx.lr(t))
-            ops.weighted_sum([self.x, total], [scale, -scale / weight], out=self.direction)
+            ops.weighted_sum([self.x, total], [scale, -scale / weight], out=self.momentum)
         server_average_(self.x, total, weight, self.server_lr)
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "direction": self.direction}
+        return {**super().state_dict(), "momentum": self.momentum}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
-        self.direction.copy_(state["direction"])
+        self.momentum.copy_(state["momentum"])
 
 
 @dataclass

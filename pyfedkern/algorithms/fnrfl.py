@@ -8,7 +8,9 @@ Round t (participants S, n = |S|):
    :func:`pyfedkern.ops.class_feature_norms` pass per batch;
 2. the server picks S_re, the n_re = ⌊n·p⌋ clients with the lowest A_i (stable: lower id first on ties), and for
    each j ∈ S_re the differences Δ_j[l] = Σ_{m∈S∖S_re} (F_m[l] − F_j[l]) (Alg. 2, a signed sum over the M
-   non-selected clients; a client whose F_m lacks label l is skipped for l);
+   non-selected clients; a client whose F_m lacks label l is skipped for l). ``delta_rule="authors"`` sums over
+   every other participant m ∈ S∖{j}, refined ones included, as the authors' code does (docs/fnrfl.md, "Reference
+   code"); the regularizer's Σ_m F_m[l] and M_l below are taken over the same clients;
 3. each selected client continues from its own w_j for ``refine_epochs`` epochs of minibatch SGD on D_pub with
    objective CE + λ·J, J = Σ_{l in batch} ρ_l·(...), ρ_l = #(y = l)/|B|;
 4. w^{t+1} = Σ_i |D_i|/Σ|D|·w_i with the refined models substituted (public samples are not counted).
@@ -34,7 +36,7 @@ of the round ([k, d]).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -48,6 +50,7 @@ from pyfedkern.algorithms.batched import client_chunks, trainer_for, use_batched
 from pyfedkern.algorithms.fedavg import FedAvg, _check_positive
 
 REG_MODES = ("abs", "sq", "literal")
+DELTA_RULES = ("paper", "authors")
 _REFINE_STREAM = 0x464E52  # purpose key of the refinement batch order ("FNR")
 _STAT_BATCH = 1024
 _VMAP_ELEMENTS = 1 << 24  # feature elements of one vmapped forward over the public set (rows × samples × width)
@@ -83,6 +86,23 @@ def differences(target_sum: torch.Tensor, target_count: torch.Tensor, own: Publi
     """Alg. 2: Δ_j[l] = Σ_m (F_m[l] − F_j[l]) = Σ_m F_m[l] − M_l·F_j[l] for labels l in F_j (0 elsewhere)."""
     delta = target_sum - target_count * own.class_mean.to(torch.float64)
     return torch.where(own.present, delta, torch.zeros_like(delta))
+
+
+def round_targets(
+    stats: list[PublicStats], chosen: np.ndarray, rule: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For each chosen position j (rows in ``chosen``'s order): (Σ_m F_m[l] [r, K], M_l [r, K], Δ_j [r, K]), m over
+    the participants not chosen (rule "paper", Alg. 2) or over every participant but j (rule "authors")."""
+    chosen = np.asarray(chosen, dtype=np.int64).tolist()
+    sums, counts, deltas = [], [], []
+    for j in chosen:
+        excluded = set(chosen) if rule == "paper" else {j}
+        others = [s for k, s in enumerate(stats) if k not in excluded]
+        target = reference_sums(others) if others else _empty_target(stats[j])
+        sums.append(target[0])
+        counts.append(target[1])
+        deltas.append(differences(*target, stats[j]))
+    return torch.stack(sums), torch.stack(counts), torch.stack(deltas)
 
 
 def regularizer(
@@ -149,18 +169,21 @@ class _Heads(nn.Module):
 
 
 class _RefineObjective(nn.Module):
-    """forward(xb, yb, delta) = (CE + λ·J (λ·J left out in literal mode), (CE, J)) of the wrapped model."""
+    """forward(xb, yb, target_sum, target_count, delta) = (CE + λ·J (λ·J left out in literal mode), (CE, J)) of the
+    wrapped model."""
 
-    def __init__(self, local: Any, mode: str, lam: float, num_classes: int, target: tuple[torch.Tensor, ...]) -> None:
+    def __init__(self, local: Any, mode: str, lam: float, num_classes: int) -> None:
         super().__init__()
         self.model = local.module
         self.local = [local]  # a plain list: not registered as a submodule
-        self.mode, self.lam, self.num_classes, self.target = mode, lam, num_classes, target
+        self.mode, self.lam, self.num_classes = mode, lam, num_classes
 
-    def forward(self, xb: torch.Tensor, yb: torch.Tensor, delta: torch.Tensor):
+    def forward(
+        self, xb: torch.Tensor, yb: torch.Tensor, target_sum: torch.Tensor, target_count: torch.Tensor, delta
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         feats = self.model.features(xb)
         loss = self.local[0].objective(self.model.classifier(feats), yb)
-        reg = plain_regularizer(self.mode, feats, yb, self.num_classes, *self.target, delta)
+        reg = plain_regularizer(self.mode, feats, yb, self.num_classes, target_sum, target_count, delta)
         total = loss + self.lam * reg if self.mode != "literal" else loss
         return total, (loss.detach(), reg.detach())
 
@@ -185,6 +208,8 @@ class FNRFL(FedAvg):
             clients and the test set); the engine carves public_size × num_classes samples.
         refine_epochs: epochs E_re of refinement on the public set.
         reg_mode: "abs" (default, differentiable), "sq" or "literal" (the paper's constant J).
+        delta_rule: "paper" (Δ_j and the regularizer's sums over the participants not refined, Alg. 2) or
+            "authors" (over every other participant, refined ones included, as the authors' code).
     """
 
     name = "fnrfl"
@@ -193,6 +218,10 @@ class FNRFL(FedAvg):
     public_size: int = 100
     refine_epochs: float = 5.0
     reg_mode: str = "abs"
+    delta_rule: str = "paper"
+    # FL-Simulator's reference behaviours (FedAvg's ref_compat) are no part of FNR-FL: not parameters here
+    ref_compat: bool = field(default=False, init=False, repr=False)
+    clip_norm: float = field(default=10.0, init=False, repr=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -204,6 +233,8 @@ class FNRFL(FedAvg):
         _check_positive("refine_epochs", self.refine_epochs, allow_zero=True)
         if self.reg_mode not in REG_MODES:
             raise ValueError(f"reg_mode must be one of {', '.join(REG_MODES)}, got {self.reg_mode!r}")
+        if self.delta_rule not in DELTA_RULES:
+            raise ValueError(f"delta_rule must be one of {', '.join(DELTA_RULES)}, got {self.delta_rule!r}")
         self.public_per_class = self.public_size  # read by the engine to carve the public set
 
     # Alg. 1 -----------------------------------------------------------------------------------------------
@@ -317,12 +348,12 @@ class FNRFL(FedAvg):
         clients: np.ndarray,
         starts: torch.Tensor,
         ctx: FLContext,
-        target: tuple[torch.Tensor, torch.Tensor],
+        targets: tuple[torch.Tensor, torch.Tensor],
         deltas: torch.Tensor,
     ) -> tuple[torch.Tensor, np.ndarray]:
-        """:meth:`refine` of every client in ``clients`` from its row of ``starts`` [r, d] with its Δ row of
-        ``deltas`` [r, K], trained together (vmapped gradients, the same minibatches); (models [r, d], mean J of
-        each)."""
+        """:meth:`refine` of every client in ``clients`` from its row of ``starts`` [r, d] with its rows of
+        ``targets`` (Σ_m F_m [r, K], M [r, K]) and ``deltas`` [r, K], trained together (vmapped gradients, the same
+        minibatches); (models [r, d], mean J of each)."""
         px, py = _public_set(ctx)
         local = ctx.local
         K, n, r = _num_classes(local.module), px.shape[0], len(clients)
@@ -334,8 +365,8 @@ class FNRFL(FedAvg):
         for j, cid in enumerate(clients):
             for e in range(epochs):
                 perms[j, e] = ctx.rng(_REFINE_STREAM, t, int(cid), e).permutation(n)
-        objective = _RefineObjective(local, self.reg_mode, self.lam, K, target)
-        step_fn = vmap(grad_and_value(lambda p, xb, yb, dl: functional_call(objective, p, (xb, yb, dl)), has_aux=True))
+        objective = _RefineObjective(local, self.reg_mode, self.lam, K)
+        step_fn = vmap(grad_and_value(lambda p, *batch: functional_call(objective, p, batch), has_aux=True))
         x = starts.clone()
         params = trainer_for(local).params(x)
         momentum = torch.zeros_like(x) if ctx.momentum else None
@@ -348,7 +379,7 @@ class FNRFL(FedAvg):
                 if step >= steps:
                     break
                 idx = index[:, b : b + size]
-                grads, (_, (_, reg)) = step_fn(params, px[idx], py[idx], deltas)
+                grads, (_, (_, reg)) = step_fn(params, px[idx], py[idx], *targets, deltas)
                 g = torch.cat([grads[name].reshape(r, -1) for name in params], dim=1)
                 reg_sum += reg
                 if ctx.weight_decay:
@@ -381,19 +412,18 @@ class FNRFL(FedAvg):
         by_id = np.argsort(ids, kind="stable")
         accuracies = np.array([s.accuracy for s in stats])[by_id]
         chosen = by_id[select_lowest(accuracies, selection_count(len(clients), self.p))]
-        chosen_set = set(chosen.tolist())
-        others = [s for k, s in enumerate(stats) if k not in chosen_set]
         reg_values = np.zeros(0)
         if chosen.size:
-            target = reference_sums(others) if others else _empty_target(stats[0])
-            deltas = torch.stack([differences(*target, stats[k]) for k in chosen])
+            target_sums, target_counts, deltas = round_targets(stats, chosen, self.delta_rule)
             starts = torch.stack([chunks[where[k][0]].vectors["model"][where[k][1]] for k in chosen])
             with ctx.timer("local"):
                 if batched:
-                    refined, reg_values = self.batched_refine(t, ids[chosen], starts, ctx, target, deltas)
+                    targets = (target_sums, target_counts)
+                    refined, reg_values = self.batched_refine(t, ids[chosen], starts, ctx, targets, deltas)
                 else:
                     results = [
-                        self.refine(t, int(ids[k]), starts[j], ctx, target, deltas[j]) for j, k in enumerate(chosen)
+                        self.refine(t, int(ids[k]), starts[j], ctx, (target_sums[j], target_counts[j]), deltas[j])
+                        for j, k in enumerate(chosen)
                     ]
                     refined = torch.stack([model for model, _, _ in results]) if results else starts
                     reg_values = np.array([reg for _, _, reg in results])

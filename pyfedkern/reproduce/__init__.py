@@ -28,8 +28,8 @@ SUMMARIES: dict[str, str] = {
     "initial model vs the previous, average and continuous ones; FedAvg and FedProx hosts, 3 seeds",
     "fedpbc": "FedPBC: the quadratic bias experiment (FedAvg's biased limit vs FedPBC) and a table of link "
     "patterns × FedPBC, FedAvg, FedAvg-all, FedAU, known-p and MIFA, 100 clients, 3 seeds",
-    "fedspeed": "FedSpeed: rounds to target and final accuracy of FedAvg, FedProx, SCAFFOLD, FedDyn, FedSAM and "
-    "FedSpeed (3 variants), 20 clients at 25% participation, 3 seeds",
+    "fedspeed": "FedSpeed: rounds to target and final accuracy of FedAvg, FedProx, SCAFFOLD, FedCM, FedAdam, FedDyn, "
+    "FedSAM and FedSpeed (3 variants), all as FL-Simulator runs them, 20 clients at 25% participation, 3 seeds",
     "fnrfl": "FNR-FL vs FedAvg and FedProx under feature, label and quantity skew, with an ablation of its "
     "regularizer, 10 clients, 5 seeds",
 }

@@ -1,13 +1,16 @@
-"""FedSpeed reproduction: rounds to a target accuracy and final accuracy of FedAvg, FedProx, SCAFFOLD, FedDyn,
-FedSAM and FedSpeed under partial participation (``reproduce fedspeed``).
+"""FedSpeed reproduction: rounds to a target accuracy and final accuracy of FedAvg, FedProx, SCAFFOLD, FedCM, FedAdam,
+FedDyn, FedSAM and FedSpeed under partial participation (``reproduce fedspeed``).
 
 The paper's Setting A (CIFAR-10, m = 100, 10% participation, B = 50, E = 5, η0 = 0.1 decayed per round, weight
 decay 1e-3, prox weight 1/λ = 0.1, ρ0 = 0.1, α = 0.9375) scaled to digits: m = 20 clients with 25% participation
 (S = 5, the paper's S = 10 would be half the federation), B = 16 and E = 2 (~9 local steps, as the paper's K = 10 of
 Setting B), an MLP, 150 rounds instead of 1500 with the decays raised to the 10th power so the learning rate falls by
 the same factor over the run (0.998 → 0.980, 0.9995 → 0.995). Clients have equal sizes (~67 samples) with
-Dirichlet 0.3 and 0.6 label mixes (``dirichlet-equal:α``, as the reference code's split), so the plain 1/S mean of
-FedSpeed and FedDyn and the |D_i|-weighted mean of the other methods coincide. 3 seeds.
+Dirichlet 0.3 and 0.6 label mixes (``dirichlet-equal:α``, as the reference code's split). 3 seeds.
+
+Every method runs with ``ref_compat=True``, as FL-Simulator (the code the paper's baseline numbers come from) runs
+it: the loss gradient plus the method's terms clipped at norm 10 before the weight decay, plain 1/S means on the
+server, SCAFFOLD's and FedCM's K = E·|D_0|/B (docs/fedspeed.md, "Reference code").
 
 FedSpeed runs in three variants that, with FedDyn (= FedSpeed with ρ0 = 0 and ``corr_avg="all"``, which the tests
 check), form a 2 × 2 grid: server average of the correction (Algorithm 1's mean over the S participants of x_K + h_i,
@@ -34,19 +37,22 @@ from pyfedkern.sim.config import ExperimentConfig
 from pyfedkern.sim.engine import run_or_reuse
 from pyfedkern.sim.plots import plot_curves
 
-BASELINES = ("fedavg", "fedprox", "scaffold", "feddyn", "fedsam")
+BASELINES = ("fedavg", "fedprox", "scaffold", "fedcm", "fedadam", "feddyn", "fedsam")
 FEDSPEED_VARIANTS = ("fedspeed", "fedspeed-all", "fedspeed-rho0")
 METHODS = BASELINES + FEDSPEED_VARIANTS
 LABELS = {
     "fedavg": "FedAvg",
     "fedprox": "FedProx",
     "scaffold": "SCAFFOLD",
+    "fedcm": "FedCM",
+    "fedadam": "FedAdam",
     "feddyn": "FedDyn",
     "fedsam": "FedSAM",
     "fedspeed": "FedSpeed (Alg. 1)",
     "fedspeed-all": "FedSpeed (corr_avg=all)",
     "fedspeed-rho0": "FedSpeed (ρ0 = 0)",
 }
+REFERENCE = {"ref_compat": True}  # every method as FL-Simulator runs it (clip at 10, plain means, its K)
 PROX_WEIGHT = 0.1  # the paper's 1/λ
 LR0 = 0.1  # the paper's η0
 RHO0 = 0.1
@@ -54,6 +60,8 @@ _FEDSPEED = {"lam": 1 / PROX_WEIGHT, "rho": RHO0, "alpha": 0.9375}
 PARAMS: dict[str, dict[str, Any]] = {
     "fedprox": {"mu": PROX_WEIGHT},
     "feddyn": {"lam": 1 / PROX_WEIGHT},
+    "fedcm": {"client_momentum": 0.1},
+    "fedadam": {"server_lr": 0.1, "beta1": 0.9, "beta2": 0.99, "eps": 1e-3},
     "fedsam": {"rho": RHO0},
     "fedspeed": {**_FEDSPEED, "corr_avg": "active"},
     "fedspeed-all": {**_FEDSPEED, "corr_avg": "all"},
@@ -99,7 +107,7 @@ class Setup:
         decay = self.decay[1] if algorithm in SLOW_DECAY else self.decay[0]
         return ExperimentConfig(
             algorithm=algorithm,
-            algorithm_params=dict(PARAMS.get(method, {})),
+            algorithm_params={**PARAMS.get(method, {}), **REFERENCE},
             dataset=self.dataset,
             data_root=self.data_root,
             partition=f"{self.partition}:{alpha:g}",
@@ -201,7 +209,7 @@ def _run_setup(setup: Setup, out: Path, progress: bool) -> tuple[list[dict], lis
                     "alpha": alpha,
                     "method": method,
                     "algorithm": algorithm_of(method),
-                    "params": PARAMS.get(method, {}),
+                    "params": {**PARAMS.get(method, {}), **REFERENCE},
                     "seeds": len(runs[method]),
                     "rounds": setup.rounds,
                     "targets": list(setup.targets),
@@ -374,11 +382,15 @@ def _markdown(rows: list[dict], setups: list[Setup], skipped: list[str], images:
     lines = [
         "## FedSpeed (Sun et al., ICLR 2023)",
         "",
-        f"`pyfedkern reproduce fedspeed{' --quick' if quick else ''}`: FedAvg, FedProx, SCAFFOLD, FedDyn, FedSAM and "
-        "FedSpeed under partial participation on Dirichlet label mixes over equal-size clients. The paper's "
+        f"`pyfedkern reproduce fedspeed{' --quick' if quick else ''}`: FedAvg, FedProx, SCAFFOLD, FedCM, FedAdam, "
+        "FedDyn, FedSAM and FedSpeed under partial participation on Dirichlet label mixes over equal-size clients, "
+        "every method in `ref_compat` (as FL-Simulator, the code behind the paper's baseline numbers, runs it: the "
+        "loss gradient plus the method's terms clipped at norm 10 before the weight decay is added, plain 1/S means "
+        "on the server, SCAFFOLD's and FedCM's K = E·|D_0|/B; docs/fedspeed.md, \"Reference code\"). The paper's "
         "Setting A (CIFAR-10, m = 100, 10%, B = 50, E = 5, η0 = 0.1 decayed every round by 0.998 — 0.9995 for FedDyn "
         "and FedSpeed — weight decay 1e-3, prox weight 1/λ = 0.1 for FedProx/FedDyn/FedSpeed, ρ0 = 0.1, "
-        "α = 0.9375; FedSAM ρ = 0.1) is scaled to the task:",
+        "α = 0.9375; FedSAM ρ = 0.1; FedCM a = 0.1; FedAdam η_g = 0.1, β = (0.9, 0.99), ε = 1e-3) is scaled to the "
+        "task:",
         "",
     ]
     for s in setups:
@@ -399,8 +411,8 @@ def _markdown(rows: list[dict], setups: list[Setup], skipped: list[str], images:
     lines += [f"- {note}" for note in skipped]
     lines += [
         "- Equal-size clients (each holds ⌊n/m⌋ or ⌈n/m⌉ samples, its label mix drawn from Dir(α)), as in the "
-        "reference code: FedSpeed and FedDyn average their clients with a plain 1/S mean, the other methods weight by "
-        "|D_i|; with equal sizes the two coincide, so the weighting does not separate the methods.",
+        "reference code; every method averages its participants with a plain 1/S mean, as the reference server "
+        "does.",
         '- FedSpeed variants: **Alg. 1** (`corr_avg="active"`, the library default: x^{t+1} = mean over the S '
         "participants of x_K + h_i); **corr_avg=all** (the reference code's server, mean_S(x_K) + mean over all m "
         "clients of h_i, stale h of inactive clients included); **ρ0 = 0** (Alg. 1 server, no perturbation). FedDyn "

@@ -410,7 +410,7 @@ def test_fedadam_and_fedcm_server_rules():
     assert torch.allclose(run(cm, ToyContext(), 3), run(FedAvg(), ToyContext(), 3), rtol=1e-12, atol=1e-14)
     cm = FedCM(client_momentum=0.1)
     cm_delta = run(cm, ToyContext(), 1) - x0
-    assert torch.allclose(cm.direction, -cm_delta / (ToyContext().local_steps * ToyContext().lr(0)), rtol=1e-9)
+    assert torch.allclose(cm.momentum, -cm_delta / (ToyContext().local_steps * ToyContext().lr(0)), rtol=1e-9)
 
 
 # end to end through the engine ---------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from pyfedkern.algorithms.fnrfl import (
     differences,
     reference_sums,
     regularizer,
+    round_targets,
     select_lowest,
     selection_count,
 )
@@ -100,6 +101,48 @@ def test_differences_are_signed_sums_over_non_selected_clients():
     assert delta.tolist() == [1.0, 1.0, 0.0]
 
 
+def _literal_deltas(norms: list[dict], chosen: list[int], rule: str) -> list[dict]:
+    """Δ_j as dictionaries {label: value}, summed the way the authors' calculate_feature_norm_diff does (rule
+    "authors": over every other client, refined or not) or Alg. 2 does (rule "paper": over the clients not chosen),
+    skipping a client for the labels it lacks."""
+    out = []
+    for j in chosen:
+        delta = {}
+        for m, other in enumerate(norms):
+            if m == j or (rule == "paper" and m in chosen):
+                continue
+            for label, own in norms[j].items():
+                if label in other:
+                    delta[label] = delta.get(label, 0.0) + other[label] - own
+        out.append(delta)
+    return out
+
+
+def _as_dicts(stats: list[PublicStats]) -> list[dict]:
+    return [{l: float(s.class_mean[l]) for l in range(len(s.present)) if s.present[l]} for s in stats]
+
+
+@pytest.mark.parametrize("rule", ["paper", "authors"])
+def test_delta_rules_are_the_literal_sums(rule):
+    gen = torch.Generator().manual_seed(4)
+    stats = []
+    for _ in range(6):
+        present = torch.rand(5, generator=gen) > 0.3
+        means = torch.where(present, torch.rand(5, generator=gen, dtype=torch.float64) * 3, torch.zeros(5).double())
+        stats.append(PublicStats(means, present, 0.5))
+    chosen = np.array([1, 4, 5])
+    sums, counts, deltas = round_targets(stats, chosen, rule)
+    expected = _literal_deltas(_as_dicts(stats), chosen.tolist(), rule)
+    for r, j in enumerate(chosen):
+        dense = [expected[r].get(l, 0.0) for l in range(5)]
+        torch.testing.assert_close(deltas[r], torch.tensor(dense, dtype=torch.float64), rtol=1e-14, atol=1e-14)
+        others = [s for k, s in enumerate(stats) if k != j and (rule == "authors" or k not in chosen)]
+        torch.testing.assert_close(sums[r], sum(s.class_mean * s.present for s in others))
+        torch.testing.assert_close(counts[r], sum(s.present.double() for s in others))
+    other_rule = round_targets(stats, chosen, "authors" if rule == "paper" else "paper")[2]
+    assert (other_rule - deltas).abs().max() > 0.1  # the refined clients' norms are what separates the rules
+
+
 def test_selection_picks_the_lowest_accuracies_stably():
     assert selection_count(10, 0.3) == 3 and selection_count(10, 0.0) == 0 and selection_count(3, 1.0) == 3
     assert selection_count(7, 0.5) == 3
@@ -166,6 +209,36 @@ def test_refined_clients_are_the_lowest_accuracy_and_aggregation_substitutes_the
     expected = sum(w[k] * (torch.zeros_like(x0) if k in refined else trained[k]) for k in range(4))
     torch.testing.assert_close(algo.x, expected.to(algo.x.dtype), rtol=1e-6, atol=1e-7)
     monkeypatch.setattr(FNRFL, "refine", original_refine)
+
+
+def test_authors_delta_rule_reaches_the_refinement(monkeypatch):
+    """With delta_rule="authors" each refined client gets Δ_j (and the regularizer's sums) over every other
+    participant of the round, refined ones included: checked against the literal sum of the authors' code."""
+    sim = Simulation(dataclasses.replace(_config(p=0.5, delta_rule="authors"), batched=False))
+    algo: FNRFL = sim.algorithm
+    algo.setup(sim, sim.initial_vector)
+    stats, received = [], {}
+    original_stats = FNRFL.public_statistics
+
+    def stats_spy(self, vector, ctx):
+        stats.append(original_stats(self, vector, ctx))
+        return stats[-1]
+
+    def refine_spy(self, t, cid, start, ctx, target, delta):
+        received[cid] = (target, delta)
+        return start, 0.0, 0.0
+
+    monkeypatch.setattr(FNRFL, "public_statistics", stats_spy)
+    monkeypatch.setattr(FNRFL, "refine", refine_spy)
+    algo.round(0, sim)
+    assert len(received) == 2
+    norms = _as_dicts(stats)  # participants in client order (all 4 clients take part)
+    for cid, (target, delta) in received.items():
+        expected = _literal_deltas(norms, [cid], "authors")[0]
+        dense = torch.tensor([expected.get(l, 0.0) for l in range(len(delta))], dtype=torch.float64)
+        torch.testing.assert_close(delta, dense, rtol=1e-12, atol=1e-12)
+        others = [s for k, s in enumerate(stats) if k != cid]
+        torch.testing.assert_close(target[0], sum(s.class_mean.double() * s.present for s in others))
 
 
 class _RefineContext:
@@ -291,7 +364,13 @@ def test_parameters_are_validated_and_reach_the_cli():
     params = _algorithm_params(["fnrfl"], {"lam": "0.1", "p": "0.2", "public_size": "10", "reg_mode": "sq"})["fnrfl"]
     algo = make_algorithm("fnrfl", **params)
     assert (algo.lam, algo.p, algo.public_size, algo.reg_mode, algo.public_per_class) == (0.1, 0.2, 10, "sq", 10)
-    for bad in ({"p": 1.5}, {"lam": -1.0}, {"public_size": 0}, {"reg_mode": "linear"}, {"refine_epochs": -1.0}):
+    assert make_algorithm("fnrfl", **_algorithm_params(["fnrfl"], {"delta_rule": "authors"})["fnrfl"]).delta_rule == (
+        "authors"
+    )
+    assert "ref_compat" not in FNRFL.hyperparameters()  # FL-Simulator's behaviours are no FNR-FL parameter
+    bad_values = ({"p": 1.5}, {"lam": -1.0}, {"public_size": 0}, {"reg_mode": "linear"}, {"refine_epochs": -1.0},
+                  {"delta_rule": "all"})  # fmt: skip
+    for bad in bad_values:
         with pytest.raises(ValueError):
             FNRFL(**bad)
 

@@ -109,7 +109,9 @@ def test_tiny_reproduction(tmp_path, capsys):
         repro.FEDSPEED_VARIANTS, "fedspeed"
     )
     speed = configs["fedspeed"]["algorithm_params"]
-    assert speed == {"lam": 10.0, "rho": 0.1, "alpha": 0.9375, "corr_avg": "active"}  # prox weight 1/λ = 0.1
+    expected = {"lam": 10.0, "rho": 0.1, "alpha": 0.9375, "corr_avg": "active", "ref_compat": True}
+    assert speed == expected  # prox weight 1/λ = 0.1, as FL-Simulator runs it
+    assert all(c["algorithm_params"]["ref_compat"] is True for c in configs.values())  # the baselines too
     assert configs["fedspeed-all"]["algorithm_params"] == {**speed, "corr_avg": "all"}
     assert configs["fedspeed-rho0"]["algorithm_params"] == {**speed, "rho": 0.0}
 

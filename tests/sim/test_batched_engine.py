@@ -38,7 +38,8 @@ BASE = ExperimentConfig(
 MODEL_PARAMS = {"mlp": {"hidden": 16}, "cnn": {"channels": 4, "hidden": 16}}
 
 # (case id, algorithm, parameters, local momentum): every SGD-based algorithm, with its options that change the
-# local step (FedDyn's and FedSpeed's clipping, FedSpeed's α < 1 and reference server, the dynamic hosts).
+# local step (the FedSpeed-paper baselines' ref_compat clipping, FedSpeed's α < 1 and reference server, the dynamic
+# hosts).
 CASES = [
     ("fedavg", "fedavg", {}, 0.5),
     ("fedprox", "fedprox", {"mu": 0.1}, 0.5),
@@ -48,8 +49,12 @@ CASES = [
     ("fedspeed-ref", "fedspeed", {"ref_compat": True, "clip_norm": 0.5, "corr_avg": "all"}, 0.0),
     ("feddyn", "feddyn", {}, 0.5),
     ("feddyn-clip", "feddyn", {"ref_compat": True, "clip_norm": 0.5}, 0.0),
+    ("fedprox-ref", "fedprox", {"mu": 0.1, "ref_compat": True, "clip_norm": 0.5}, 0.0),
+    ("scaffold-ref", "scaffold", {"ref_compat": True, "clip_norm": 0.5}, 0.0),
     ("fedsam", "fedsam", {}, 0.0),
+    ("fedsam-ref", "fedsam", {"ref_compat": True, "clip_norm": 0.5}, 0.0),
     ("fedcm", "fedcm", {}, 0.0),
+    ("fedcm-ref", "fedcm", {"ref_compat": True, "clip_norm": 0.5}, 0.0),
     ("fedadam", "fedadam", {}, 0.0),
     ("bherd", "bherd", {"alpha": 0.5}, 0.0),
     ("grab", "grab", {}, 0.0),
