@@ -262,6 +262,8 @@ class BatchedTrainer:
         which the vmapped step requires anyway). With ``soft`` [k, B, C] (a teacher's log-probabilities) the
         objective gains kd_weight·KL(teacher ‖ model), averaged (or weighted) over the batch like the loss.
         """
+        if weights is not None:  # float64 for integer inputs (padding_weights)
+            weights = weights.to(rows.dtype)
         if self.chain is not None and self.chain.accepts(rows, xb, yb):
             return self.chain(rows, xb, yb, weights, soft, kd_weight)
         self.local.module.train()
@@ -493,9 +495,10 @@ def stack_batches(batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor, tor
 
 def padding_weights(sizes: Sequence[int] | torch.Tensor, xb: torch.Tensor) -> torch.Tensor:
     """[k, B] per-sample weights of k batches of ``sizes`` ([k] integers) zero-padded into xb [k, B, ...]: 1/b_r on
-    the b_r real samples of batch r, 0 on its padding (xb's float dtype, or the default one for integer inputs)."""
+    the b_r real samples of batch r, 0 on its padding (xb's float dtype, or float64 for integer inputs such as token
+    ids: :meth:`BatchedTrainer.gradients` rounds them to the model's dtype)."""
     sizes = torch.as_tensor(sizes, device=xb.device)
-    dtype = xb.dtype if xb.is_floating_point() else torch.get_default_dtype()
+    dtype = xb.dtype if xb.is_floating_point() else torch.float64
     real = torch.arange(xb.shape[1], device=xb.device)[None, :] < sizes[:, None]
     return real.to(dtype) / sizes[:, None].to(dtype)
 
