@@ -41,7 +41,7 @@ THREADS = (1, 2)
 CIFAR = {"users": 1000, "per_user": 50, "per_round": 50, "batch": 10, "lr": 0.1}
 QUICK_CIFAR = {"users": 60, "per_user": 50, "per_round": 6, "batch": 10, "lr": 0.1}
 SHAKESPEARE = {"users": 715, "per_round": 10, "batch": 10, "lr": 0.8, "length": 80, "vocab": 80}
-QUICK_SHAKESPEARE = {"users": 40, "per_round": 4, "batch": 10, "lr": 0.8, "length": 20, "vocab": 20}
+QUICK_SHAKESPEARE = {"users": 40, "per_round": 4, "batch": 10, "lr": 0.8, "length": 20, "vocab": 20, "hidden": 32}
 #: multiply-adds of one sample's forward pass through simple_cnn on 3×32×32 (conv1, conv2, fc1, fc2)
 SIMPLE_CNN_MACS = 30 * 30 * 32 * 27 + 28 * 28 * 64 * 288 + 12544 * 128 + 128 * 10
 
@@ -359,7 +359,7 @@ def cases(quick: bool = False, device: str = "cpu") -> list[Case]:
         if "text" not in data:
             data["text"] = shakespeare_shaped(text["users"], text["length"], text["vocab"])
         torch.manual_seed(0)
-        module = models.build_model("lstm", (text["length"],), text["vocab"])
+        module = models.build_model("lstm", (text["length"],), text["vocab"], hidden=text.get("hidden", 256))
         return ArrayContext(
             module, *data["text"], per_round=text["per_round"], batch_size=text["batch"], lr=text["lr"], batched=batched
         )
