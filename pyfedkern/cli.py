@@ -39,7 +39,12 @@ def _flag(text: str) -> bool:
 
 def _flag_or_auto(text: str) -> bool | None:
     """A command-line boolean, or None for "auto" (the program decides)."""
-    return None if text.strip().lower() == "auto" else _flag(text)
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        return _flag(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected true, false or auto, got {text!r}") from None
 
 
 # (config field, flag, type, help) of the options shared by `run` and `compare`.

@@ -446,3 +446,16 @@ def test_unreadable_dataset_files_are_one_line_errors_naming_the_file(tmp_path):
     (mnist / "t10k-labels-idx1-ubyte").write_bytes(b"\x00" * 64)
     line = _error_line(["run", *FAST, "--dataset", "mnist", "--data-root", str(mnist)], tmp_path)
     assert f"cannot read IDX file {mnist / 'train-images-idx3-ubyte.gz'}: " in line
+
+
+@pytest.mark.parametrize(("value", "expected"), [("auto", None), ("AUTO", None), ("true", True), ("no", False)])
+def test_batched_takes_auto_true_or_false(value, expected, tmp_path):
+    assert main(["run", *FAST, "--batched", value, "--out", str(tmp_path / "run")]) == 0
+    assert load_config(tmp_path / "run").batched is expected
+
+
+def test_batched_refuses_other_values(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["run", *FAST, "--batched", "sometimes"])
+    assert exit_.value.code == 2
+    assert "argument --batched: expected true, false or auto, got 'sometimes'" in capsys.readouterr().err
