@@ -386,16 +386,19 @@ def cases(quick: bool = False, device: str = "cpu") -> list[Case]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m pyfedkern.benchmarks.engine_models [--quick]``: seconds per round of every case, the paths of
-    each group timed alternately (round after round) so that a changing machine load hits them alike."""
+    """``python -m pyfedkern.benchmarks.engine_models [--quick] [WORD ...]``: seconds per round of every case of
+    the groups whose name contains every WORD (e.g. ``cifar10 t=1``), the cases of a group timed alternately (round
+    after round, five rounds after a warm-up) so that a changing machine load hits them alike."""
     import sys
 
     args = sys.argv[1:] if argv is None else argv
     quick = "--quick" in args
+    words = [a for a in args if a != "--quick"]
     rounds = 2 if quick else 5
     groups: dict[str, list[Case]] = {}
     for case in cases(quick=quick):
-        groups.setdefault(case.group, []).append(case)
+        if all(word in case.group for word in words):
+            groups.setdefault(case.group, []).append(case)
     for group, members in groups.items():
         runs = {c.name: c.make() for c in members}
         for run in runs.values():
