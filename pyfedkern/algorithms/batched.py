@@ -19,6 +19,10 @@ Gradients:
 - models with buffers (BatchNorm running statistics) cannot be vmapped this way: :func:`use_batched` is False for
   them and the engine loops over clients.
 
+Batching is not always the faster path: on the CPU, vmapped convolutions and LSTM layers run slower than the same
+layers called once per client. :func:`choose_path` picks the faster path for a model (rules where the answer is
+known, else a short measurement of both); the engine takes it unless the user forces one.
+
 Rows that run out of minibatches stop: the clients are ordered by descending number of steps, so the clients still
 training at step s are the first a_s rows and every step works on a prefix view of the [k, d] tensor. Losses are
 summed on the device; nothing waits for the GPU between steps. :func:`client_chunks` splits a round's participants
