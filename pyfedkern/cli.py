@@ -37,6 +37,16 @@ def _flag(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+def _flag_or_auto(text: str) -> bool | None:
+    """A command-line boolean, or None for "auto" (the program decides)."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        return _flag(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected true, false or auto, got {text!r}") from None
+
+
 # (config field, flag, type, help) of the options shared by `run` and `compare`.
 _COMMON = [
     ("dataset", "--dataset", str, "dataset: digits (bundled), synthetic:α,β, quadratic:m,d, mnist, cifar10"),
@@ -64,7 +74,13 @@ _COMMON = [
     ("device", "--device", str, "cpu | cuda | cuda:N"),
     ("checkpoint_every", "--checkpoint-every", int, "save a checkpoint every n rounds"),
     ("threads", "--threads", int, "CPU threads for torch and pyfedkern (none: 1 below 1M parameters, else all)"),
-    ("batched", "--batched", _flag, "train each round's participants as batched steps (false: a loop over clients)"),
+    (
+        "batched",
+        "--batched",
+        _flag_or_auto,
+        "true: train each round's participants as batched steps; false: a loop over clients; auto (default): the "
+        "faster of the two for the model, measured once",
+    ),
     ("client_chunk", "--client-chunk", int, "train at most this many participants at once (none: fit free memory)"),
     ("dtype", "--dtype", str, "float32 | float64 (model and data)"),
 ]

@@ -13,6 +13,13 @@ their composition (batched local training then uses a hand-written backward for 
 - ``cnn`` (channels=32, hidden=256): BHerd's CNN, 430,698 parameters on MNIST and 555,178 on CIFAR-10.
 - ``resnet18`` (groups=2, stem="cifar"): ResNet-18 with GroupNorm.
 - ``quadratic``: FedPBC's F_i(x) = ½‖x − u_i‖², one parameter x ∈ R^d.
+- ``simple_cnn`` (dropout=true): pfl-research's CIFAR-10 benchmark CNN, 1,626,442 parameters on 3×32×32.
+- ``lstm`` (vocab=num_classes, embed=8, hidden=256, layers=2): LEAF's Shakespeare next-character model on token
+  sequences [B, T].
+- ``transformer`` (vocab=num_classes, dim=64, heads=4, layers=2, ff=128, dropout=0): a small transformer encoder
+  on token sequences [B, T], mean-pooled.
+
+The sequence models take token ids, as integers or as floats holding integers (datasets store features as floats).
 """
 
 from __future__ import annotations
@@ -210,6 +217,86 @@ class Quadratic(nn.Module):
         return 0.5 * (self.x - output).square().sum(dim=1).mean()
 
 
+class SimpleCNN(nn.Module):
+    """pfl-research's ``simple_cnn`` for CIFAR-10: conv 3×3 (32) → ReLU → conv 3×3 (64) → ReLU → max-pool 2×2 →
+    dropout 0.25 → flatten → FC 128 → ReLU → dropout 0.5 → FC(num_classes); no padding. On 3×32×32: 1,626,442
+    parameters and 16.8 M multiply-adds a sample. Features: the FC-128 layer's ReLU output [B, 128]."""
+
+    def __init__(self, input_shape: tuple[int, int, int], num_classes: int, dropout: bool) -> None:
+        super().__init__()
+        in_channels, height, width = input_shape
+        self.conv = nn.Sequential(
+            nn.Conv2d(in_channels, 32, 3),
+            nn.ReLU(),
+            nn.Conv2d(32, 64, 3),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Dropout(0.25 if dropout else 0.0),
+            nn.Flatten(),
+        )
+        self.fc = nn.Sequential(
+            nn.Linear(64 * ((height - 4) // 2) * ((width - 4) // 2), 128),
+            nn.ReLU(),
+            nn.Dropout(0.5 if dropout else 0.0),
+        )
+        self.classifier = nn.Linear(128, num_classes)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.conv(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+
+def _token_ids(x: torch.Tensor) -> torch.Tensor:
+    """Token ids [B, T] as int64 (datasets may hold them as floats)."""
+    return x.long() if x.is_floating_point() else x
+
+
+class CharLSTM(nn.Module):
+    """LEAF's Shakespeare model: embedding(vocab, embed) → LSTM(hidden) × layers → Linear(num_classes) on the last
+    position's output. Input: token ids [B, T]; output: logits [B, num_classes]. Features: the last position's
+    top-layer output [B, hidden]."""
+
+    def __init__(self, vocab: int, num_classes: int, embed: int, hidden: int, layers: int) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, embed)
+        self.lstm = nn.LSTM(embed, hidden, layers, batch_first=True)
+        self.classifier = nn.Linear(hidden, num_classes)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.lstm(self.embedding(_token_ids(x)))
+        return out[:, -1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+
+class TransformerClassifier(nn.Module):
+    """A small transformer encoder on token sequences: token embedding(vocab, dim) + learned position embedding →
+    ``layers`` post-norm encoder layers (``heads`` heads, feed-forward width ``ff``, ReLU, ``dropout``) → mean over
+    positions → Linear(num_classes). Input: token ids [B, T] (T at most the ``length`` it was built for); output:
+    logits [B, num_classes]. Features: the mean-pooled encoding [B, dim]."""
+
+    def __init__(
+        self, length: int, vocab: int, num_classes: int, dim: int, heads: int, layers: int, ff: int, dropout: float
+    ) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, dim)
+        self.position = nn.Parameter(0.02 * torch.randn(length, dim))
+        layer = nn.TransformerEncoderLayer(dim, heads, ff, dropout, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.classifier = nn.Linear(dim, num_classes)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = _token_ids(x)
+        h = self.embedding(tokens) + self.position[: tokens.shape[1]]
+        return self.encoder(h).mean(dim=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+
 # builders -------------------------------------------------------------------------------------------------------
 
 
@@ -278,6 +365,58 @@ def _quadratic(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     return Quadratic(math.prod(input_shape))
 
 
+def _simple_cnn(input_shape: tuple[int, ...], num_classes: int, dropout: bool = True) -> nn.Module:
+    shape = _image_shape(input_shape, "simple_cnn", 6)
+    return SimpleCNN(shape, num_classes, _flag(dropout, "simple_cnn: dropout"))
+
+
+def _sequence_length(input_shape: tuple[int, ...], model: str) -> int:
+    if len(input_shape) != 1:
+        raise ValueError(f"model {model!r} needs input_shape (sequence length,) of token ids, got {input_shape}")
+    return input_shape[0]
+
+
+def _lstm(
+    input_shape: tuple[int, ...],
+    num_classes: int,
+    vocab: int | None = None,
+    embed: int = 8,
+    hidden: int = 256,
+    layers: int = 2,
+) -> nn.Module:
+    _sequence_length(input_shape, "lstm")
+    vocab = num_classes if vocab is None else _pos_int(vocab, "lstm: vocab")
+    return CharLSTM(
+        vocab,
+        num_classes,
+        _pos_int(embed, "lstm: embed"),
+        _pos_int(hidden, "lstm: hidden"),
+        _pos_int(layers, "lstm: layers"),
+    )
+
+
+def _transformer(
+    input_shape: tuple[int, ...],
+    num_classes: int,
+    vocab: int | None = None,
+    dim: int = 64,
+    heads: int = 4,
+    layers: int = 2,
+    ff: int = 128,
+    dropout: float = 0.0,
+) -> nn.Module:
+    length = _sequence_length(input_shape, "transformer")
+    vocab = num_classes if vocab is None else _pos_int(vocab, "transformer: vocab")
+    dim, heads = _pos_int(dim, "transformer: dim"), _pos_int(heads, "transformer: heads")
+    if dim % heads:
+        raise ValueError(f"transformer: heads must divide dim, got dim={dim}, heads={heads}")
+    dropout = _nonneg_float(dropout, "transformer: dropout")
+    if dropout >= 1:
+        raise ValueError(f"transformer: dropout must be < 1, got {dropout}")
+    layers, ff = _pos_int(layers, "transformer: layers"), _pos_int(ff, "transformer: ff")
+    return TransformerClassifier(length, vocab, num_classes, dim, heads, layers, ff, dropout)
+
+
 _BUILDERS: dict[str, Callable[..., nn.Module]] = {
     "svm": _svm,
     "logreg": _logreg,
@@ -285,6 +424,9 @@ _BUILDERS: dict[str, Callable[..., nn.Module]] = {
     "cnn": _cnn,
     "resnet18": _resnet18,
     "quadratic": _quadratic,
+    "simple_cnn": _simple_cnn,
+    "lstm": _lstm,
+    "transformer": _transformer,
 }
 MODELS = tuple(_BUILDERS)
 

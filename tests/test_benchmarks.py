@@ -123,3 +123,24 @@ def test_engine_round_peers_compute_the_same_round():
     flower = [c.name for c in cases if c.group.startswith("flower_round")]
     assert flower == ["pyfedkern"] + (["flower simulation engine (Ray)"] if engine.flower_available() else [])
     assert engine.client_steps(engine.flower_config(engine.QUICK_FLOWER_CLIENTS)) > engine.QUICK_FLOWER_CLIENTS
+
+
+def test_engine_models_cases_compute_the_same_rounds():
+    """The engine_models groups hold the three pyfedkern paths (and pfl when installed) at 1 and 2 threads with the
+    GEMM and convolution limits for the CNN; the Shakespeare-shaped round (no dropout) is the same on every path,
+    and the engine's choice there is one of the two paths."""
+    from pyfedkern.benchmarks import engine_models
+
+    cases = engine_models.cases(quick=True)
+    groups = dict.fromkeys(c.group for c in cases)
+    assert len(groups) == 4 and engine_models.cases(quick=True, device="cuda") == []
+    paths = set(engine_models.PATHS) | ({"pfl 0.6"} if engine_models.pfl_available() else set())
+    for group in groups:
+        names = {c.name for c in cases if c.group == group}
+        limits = {"limit:gemm", "limit:conv batch 10"} if "simple_cnn" in group else set()
+        assert names == paths | limits, group
+    text = next(g for g in groups if "lstm" in g and g.endswith("t=1"))
+    results = {c.name: _flat(c.make()()) for c in cases if c.group == text and c.name in engine_models.PATHS}
+    ours = results.pop("pyfedkern per-client loop")
+    for name, value in results.items():
+        np.testing.assert_allclose(value, ours, rtol=1e-4, atol=1e-5, err_msg=name)

@@ -150,7 +150,7 @@ def test_bench_prints_speedups_over_the_peers(capsys, monkeypatch):
         (["run", "--algorithm", "nope", *FAST], "unknown algorithm 'nope'; valid choices: "),
         (["run", "--dataset", "nope", *FAST], "unknown dataset 'nope'; valid choices: cifar10, digits, mnist"),
         (["run", *FAST, "--partition", "nope"], "unknown partition 'nope'; valid choices: bherd1,"),
-        (["run", "--model", "nope", "--rounds", "1"], "unknown model 'nope'; valid choices: cnn, logreg, mlp"),
+        (["run", "--model", "nope", "--rounds", "1"], "unknown model 'nope'; valid choices: cnn, logreg, lstm, mlp"),
         (["compare", "--algorithms", "fedavg,nope", *FAST, "--out", "x"], "unknown algorithm 'nope'; valid choices"),
         (["run", "--partition", "dirichlet:0", "--no-progress"], "dirichlet:α must be > 0, got 0"),
         (["run", "--partition", "dirichlet:-1", "--dataset", "mnist", "--no-progress"], "dirichlet:α must be > 0"),
@@ -463,3 +463,16 @@ def test_unreadable_dataset_files_are_one_line_errors_naming_the_file(tmp_path):
     (mnist / "t10k-labels-idx1-ubyte").write_bytes(b"\x00" * 64)
     line = _error_line(["run", *FAST, "--dataset", "mnist", "--data-root", str(mnist)], tmp_path)
     assert f"cannot read IDX file {mnist / 'train-images-idx3-ubyte.gz'}: " in line
+
+
+@pytest.mark.parametrize(("value", "expected"), [("auto", None), ("AUTO", None), ("true", True), ("no", False)])
+def test_batched_takes_auto_true_or_false(value, expected, tmp_path):
+    assert main(["run", *FAST, "--batched", value, "--out", str(tmp_path / "run")]) == 0
+    assert load_config(tmp_path / "run").batched is expected
+
+
+def test_batched_refuses_other_values(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["run", *FAST, "--batched", "sometimes"])
+    assert exit_.value.code == 2
+    assert "argument --batched: expected true, false or auto, got 'sometimes'" in capsys.readouterr().err

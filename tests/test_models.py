@@ -27,7 +27,45 @@ def _count(module: torch.nn.Module) -> int:
 
 
 def test_names():
-    assert set(MODELS) == {"svm", "logreg", "mlp", "cnn", "resnet18", "quadratic"}
+    assert set(MODELS) == {"svm", "logreg", "mlp", "cnn", "resnet18", "quadratic", "simple_cnn", "lstm", "transformer"}
+
+
+def test_simple_cnn_is_pfls_benchmark_cnn():
+    model = build_model("simple_cnn", SHAPES["cifar"], 10)
+    assert _count(model) == 1_626_442  # pfl-research's simple_cnn on CIFAR-10
+    x = torch.randn(2, *SHAPES["cifar"])
+    assert model(x).shape == (2, 10) and model.features(x).shape == (2, 128)
+    dropouts = [m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)]
+    assert dropouts == [0.25, 0.5]
+    assert all(m.p == 0 for m in build_model("simple_cnn", SHAPES["cifar"], 10, dropout=False).modules()
+               if isinstance(m, torch.nn.Dropout))  # fmt: skip
+
+
+def test_sequence_models_on_token_ids():
+    lstm = build_model("lstm", (80,), 80)
+    # LEAF's Shakespeare LSTM: embedding 80·8, two LSTM layers of 256 (4 gates, two biases each), FC 256 → 80
+    assert _count(lstm) == 640 + (4 * 256 * (8 + 256) + 8 * 256) + (4 * 256 * 512 + 8 * 256) + 256 * 80 + 80
+    tokens = torch.randint(0, 80, (3, 80))
+    assert lstm(tokens).shape == (3, 80) and lstm.features(tokens).shape == (3, 256)
+    transformer = build_model("transformer", (12,), 4, vocab=30, dim=16, heads=2)
+    tokens = torch.randint(0, 30, (3, 12))
+    assert transformer(tokens).shape == (3, 4) and transformer.features(tokens).shape == (3, 16)
+    assert transformer(tokens[:, :5]).shape == (3, 4)  # shorter sequences use the first positions
+
+
+@pytest.mark.parametrize(
+    ("name", "shape", "kwargs", "match"),
+    [
+        ("lstm", (3, 8, 8), {}, "sequence length"),
+        ("transformer", (8,), {"dim": 10, "heads": 4}, "heads must divide dim"),
+        ("transformer", (8,), {"dropout": 1.0}, "dropout"),
+        ("lstm", (8,), {"hidden": 0}, "lstm: hidden"),
+        ("simple_cnn", (3, 5, 5), {}, "sides >= 6"),
+    ],
+)
+def test_sequence_and_pfl_models_refuse_bad_arguments(name, shape, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        build_model(name, shape, 10, **kwargs)
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,10 @@ Gradients:
 - models with buffers (BatchNorm running statistics) cannot be vmapped this way: :func:`use_batched` is False for
   them and the engine loops over clients.
 
+Batching is not always the faster path: on the CPU, vmapped convolutions and LSTM layers run slower than the same
+layers called once per client. :func:`choose_path` picks the faster path for a model (rules where the answer is
+known, else a short measurement of both); the engine takes it unless the user forces one.
+
 Rows that run out of minibatches stop: the clients are ordered by descending number of steps, so the clients still
 training at step s are the first a_s rows and every step works on a prefix view of the [k, d] tensor. Losses are
 summed on the device; nothing waits for the GPU between steps. :func:`client_chunks` splits a round's participants
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -262,6 +267,8 @@ class BatchedTrainer:
         which the vmapped step requires anyway). With ``soft`` [k, B, C] (a teacher's log-probabilities) the
         objective gains kd_weight·KL(teacher ‖ model), averaged (or weighted) over the batch like the loss.
         """
+        if weights is not None:  # float64 for integer inputs (padding_weights)
+            weights = weights.to(rows.dtype)
         if self.chain is not None and self.chain.accepts(rows, xb, yb):
             return self.chain(rows, xb, yb, weights, soft, kd_weight)
         self.local.module.train()
@@ -286,8 +293,11 @@ class BatchedTrainer:
             leaves = [m for m in self.local.module.modules() if not list(m.children())]
             handles = [m.register_forward_hook(count) for m in leaves]
             try:
+                sample = sample.unsqueeze(0)
+                if sample.is_floating_point():
+                    sample = sample.to(self.local.flat.data.dtype)
                 with torch.no_grad():
-                    self.local.module(sample.unsqueeze(0).to(self.local.flat.data.dtype))
+                    self.local.module(sample)
             finally:
                 for h in handles:
                     h.remove()
@@ -310,6 +320,117 @@ def use_batched(ctx: FLContext) -> bool:
     """Whether a round's participants train as batched steps: the context allows it (``ctx.batched``, default
     True) and its model can be batched (:func:`can_batch`)."""
     return bool(getattr(ctx, "batched", True)) and can_batch(ctx.local)
+
+
+# Which path is faster ----------------------------------------------------------------------------------------------
+
+#: Most participants one measurement of :func:`choose_path` trains (per path): enough to show how a path scales
+#: with the rows, few enough that measuring costs less than a round of a large model.
+PROBE_ROWS = 16
+#: Timed calls of each path in one measurement (the fastest counts: a busy machine only ever slows a call down).
+MEASUREMENTS = 2
+
+
+@dataclass(frozen=True)
+class PathChoice:
+    """The local-training path of a model: ``batched`` (True: rows of one [k, d] tensor, False: the per-client
+    loop), why, and the measured seconds of one local step of the probed clients on each path (None when a rule
+    decided without measuring)."""
+
+    batched: bool
+    reason: str
+    seconds: dict[str, float] | None = None
+
+
+def faster_path(seconds: dict[str, float]) -> bool:
+    """Whether the batched path wins a measurement {"batched": s, "loop": s}: the faster path, batched on a tie."""
+    return seconds["batched"] <= seconds["loop"]
+
+
+_CHOICES: dict[tuple, PathChoice] = {}
+
+
+def choose_path(ctx: FLContext, rows: int) -> PathChoice:
+    """The faster local-training path for ``ctx``'s model when ``rows`` participants train at once.
+
+    Rules first: a model with buffers takes the loop (it cannot be batched); a Flatten/Linear/ReLU chain takes the
+    batched path (its hand-written backward is many times faster than the loop). Any other model is measured: one
+    local step (gradient and update) of min(rows, :data:`PROBE_ROWS`) clients on their first minibatch of round 0,
+    batched and looped (:func:`_measure_paths`); the faster wins (:func:`faster_path`). The measurement leaves
+    the model's parameters and torch's random state as it found them, and is kept for the process, per model
+    structure, device, dtype, rows, batch shape and thread count, so every simulation of that model in the process
+    takes the same path.
+    """
+    local = ctx.local
+    if not can_batch(local):
+        return PathChoice(False, "the model has buffers (e.g. BatchNorm statistics)")
+    if trainer_for(local).chain is not None:
+        return PathChoice(True, "a Flatten/Linear/ReLU chain (hand-written batched backward)")
+    rows = max(1, min(int(rows), PROBE_ROWS, int(ctx.num_clients)))
+    xb, yb, wb = next(iter(stacked_batches(ctx, np.arange(rows), 0, steps=1)))
+    data = local.flat.data
+    key = (
+        repr(local.module),
+        tuple((e.name, e.shape) for e in local.flat.layout.entries),
+        str(data.device),
+        data.dtype,
+        tuple(xb.shape),
+        xb.dtype,
+        torch.get_num_threads(),
+    )
+    if key not in _CHOICES:
+        seconds = _measure_paths(ctx, xb, yb, wb)
+        batched = faster_path(seconds)
+        _CHOICES[key] = PathChoice(
+            batched,
+            f"measured on one local step of {xb.shape[0]} clients",
+            {k: round(v, 6) for k, v in seconds.items()},
+        )
+    return _CHOICES[key]
+
+
+def _measure_paths(ctx: FLContext, xb: torch.Tensor, yb: torch.Tensor, wb: torch.Tensor | None) -> dict[str, float]:
+    """Seconds of one local step of xb.shape[0] clients on each path ({"batched", "loop"}): the fastest of
+    :data:`MEASUREMENTS` timed calls of each, alternating, after an untimed call of each. The model's parameters and
+    torch's random state are restored."""
+    local, lr = ctx.local, 0.0  # lr 0: the updates cost the same and keep every call at the same model
+    x0 = local.flat.data.clone()
+    trainer = trainer_for(local)
+    sizes = [xb.shape[1]] * xb.shape[0] if wb is None else (wb > 0).sum(1).tolist()
+    device = x0.device
+
+    def batched() -> None:
+        models = x0.expand(xb.shape[0], -1).clone()
+        g, _ = trainer.gradients(models, xb, yb, wb)
+        models.add_(g, alpha=-lr)
+
+    def loop() -> None:
+        for r, n in enumerate(sizes):
+            local.load_(x0)
+            local.loss_and_grad(xb[r, :n], yb[r, :n])
+            local.flat.data.add_(local.flat.grad, alpha=-lr)
+
+    def timed(fn: Callable[[], None]) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    try:
+        batched(), loop()
+        times = [(timed(batched), timed(loop)) for _ in range(MEASUREMENTS)]  # alternating: load hits both alike
+        return {"batched": min(t[0] for t in times), "loop": min(t[1] for t in times)}
+    finally:
+        local.load_(x0)
+        local.flat.zero_grad()
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state(cuda_rng, device)
 
 
 # Minibatches of many clients -----------------------------------------------------------------------------------
@@ -383,9 +504,10 @@ def stack_batches(batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor, tor
 
 def padding_weights(sizes: Sequence[int] | torch.Tensor, xb: torch.Tensor) -> torch.Tensor:
     """[k, B] per-sample weights of k batches of ``sizes`` ([k] integers) zero-padded into xb [k, B, ...]: 1/b_r on
-    the b_r real samples of batch r, 0 on its padding (xb's float dtype, or the default one for integer inputs)."""
+    the b_r real samples of batch r, 0 on its padding (xb's float dtype, or float64 for integer inputs such as token
+    ids: :meth:`BatchedTrainer.gradients` rounds them to the model's dtype)."""
     sizes = torch.as_tensor(sizes, device=xb.device)
-    dtype = xb.dtype if xb.is_floating_point() else torch.get_default_dtype()
+    dtype = xb.dtype if xb.is_floating_point() else torch.float64
     real = torch.arange(xb.shape[1], device=xb.device)[None, :] < sizes[:, None]
     return real.to(dtype) / sizes[:, None].to(dtype)
 

@@ -11,6 +11,7 @@ from pyfedkern.benchmarks.common import Case, InputCache
 FAMILIES = [
     "aggregate",
     "engine",
+    "engine_models",
     "fedspeed",
     "flower",
     "herding",

@@ -28,11 +28,12 @@ class ExperimentConfig:
     pyfedkern during the run (None: 1 for models under 1M parameters, whose tiny ops only lose time to threading
     overhead, else torch's default). eval_train_max caps the training
     samples used to measure the global model's train loss (a fixed seeded subset when the train set is larger).
-    batched: train a round's participants as batched steps (:mod:`pyfedkern.algorithms.batched`; models with
+    batched: True: train a round's participants as batched steps (:mod:`pyfedkern.algorithms.batched`; models with
     buffers such as BatchNorm always use the per-client loop); False: a loop over clients (same results to
-    rounding). client_chunk: train at most this many participants at once (None: as many as fit a share of the free
-    memory; chunking changes only the order of the server's sums). dtype: of the model parameters and the float
-    data, "float32" or "float64".
+    rounding); None: the engine takes the faster of the two for the model, device and chunk size
+    (:func:`~pyfedkern.algorithms.batched.choose_path`). client_chunk: train at most this many participants at
+    once (None: as many as fit a share of the free memory; chunking changes only the order of the server's sums).
+    dtype: of the model parameters and the float data, "float32" or "float64".
     """
 
     algorithm: str = "fedavg"
@@ -60,7 +61,7 @@ class ExperimentConfig:
     device: str = "cpu"
     checkpoint_every: int = 10
     threads: int | None = None
-    batched: bool = True
+    batched: bool | None = None
     client_chunk: int | None = None
     dtype: str = "float32"
 
@@ -90,9 +91,10 @@ class ExperimentConfig:
         for name in ("algorithm_params", "model_params"):
             if not isinstance(getattr(self, name), dict):
                 raise ValueError(f"{name} must be a dict, got {getattr(self, name)!r}")
-        for name in ("parity", "batched"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.parity, bool):
+            raise ValueError(f"parity must be true or false, got {self.parity!r}")
+        if self.batched is not None and not isinstance(self.batched, bool):
+            raise ValueError(f"batched must be true, false or None (the engine chooses), got {self.batched!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         for name in ("clients", "rounds", "batch_size", "eval_every", "checkpoint_every", "eval_train_max"):

@@ -26,7 +26,7 @@ import torch
 
 from pyfedkern import models
 from pyfedkern.algorithms import Algorithm, LocalModel, make_algorithm
-from pyfedkern.algorithms.batched import can_batch, padding_weights
+from pyfedkern.algorithms.batched import can_batch, choose_path, padding_weights
 from pyfedkern.data import datasets, partitions
 from pyfedkern.ops import seeded_permutations
 from pyfedkern.sim.config import ExperimentConfig, check_client_count, check_device, parse_lr_schedule
@@ -107,8 +107,9 @@ class Simulation:
         module = models.build_model(config.model, data.input_shape, data.num_classes, **config.model_params)
         self.local = LocalModel(module.to(device=self.device, dtype=self.dtype))
         self.initial_vector = self.local.flat.data.detach().clone()
-        #: Batched training of each round's participants (FLContext.batched), in chunks of client_chunk.
-        self.batched = config.batched
+        #: Batched training of each round's participants (FLContext.batched), in chunks of client_chunk; None until
+        #: the engine's choice is made (see the ``batched`` property).
+        self._batched = config.batched
         self.client_chunk = config.client_chunk
         #: One training sample (the memory estimate of batched training measures the model's activations on it).
         self.sample_input = self._all_x[0]
@@ -120,6 +121,24 @@ class Simulation:
         self._timers: dict[str, float] = {}
 
     # FLContext -------------------------------------------------------------------------------------------
+
+    @property
+    def batched(self) -> bool:
+        """Whether a round's participants train batched: ``config.batched``, or when that is None the faster path
+        for this model, device and chunk size (:func:`~pyfedkern.algorithms.batched.choose_path`), chosen at the
+        first read (under the run's thread count) and logged."""
+        if self._batched is None:
+            rows = max(1, round(self.config.fraction * self.num_clients))
+            choice = choose_path(self, min(rows, self.client_chunk or rows))
+            self._batched = choice.batched
+            measured = "" if choice.seconds is None else f" (seconds: {choice.seconds})"
+            path = "batched steps" if choice.batched else "a loop over clients"
+            logger.info("model %s: clients train as %s: %s%s", self.config.model, path, choice.reason, measured)
+        return self._batched
+
+    @batched.setter
+    def batched(self, value: bool) -> None:
+        self._batched = value
 
     def lr(self, t: int) -> float:
         """The local learning rate of round t under the config's schedule."""
@@ -411,6 +430,7 @@ class Simulation:
             "algorithm": self.algorithm.state_dict(),
             "active_clients": self.active_clients,
             "eval_labels": self.eval_labels,
+            "batched": self.batched,
         }
 
     def _restore(self, path: Path, state: dict[str, Any]) -> None:
@@ -438,6 +458,8 @@ class Simulation:
             ) from None
         self.active_clients = active.astype(np.int64)
         self.eval_labels = eval_labels
+        if self.config.batched is None and isinstance(state.get("batched"), bool):
+            self._batched = state["batched"]  # the path the run was taking: a resumed run continues on it
 
     def _timed_evaluation(self, vector: torch.Tensor) -> dict[str, float]:
         start = time.perf_counter()

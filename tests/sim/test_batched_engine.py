@@ -34,6 +34,7 @@ BASE = ExperimentConfig(
     weight_decay=1e-3,
     dtype="float64",
     seed=1,
+    batched=True,
 )
 MODEL_PARAMS = {"mlp": {"hidden": 16}, "cnn": {"channels": 4, "hidden": 16}}
 

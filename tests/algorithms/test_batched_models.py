@@ -1,0 +1,211 @@
+"""Batched local training of conv nets and sequence models against the per-client loop, and the engine's choice
+between the two paths (:func:`pyfedkern.algorithms.batched.choose_path`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from pyfedkern import models
+from pyfedkern.algorithms import batched
+from pyfedkern.algorithms.batched import BatchedLocal, choose_path, faster_path
+from pyfedkern.algorithms.fedavg import FedAvg
+from pyfedkern.benchmarks.engine_models import ArrayContext, shakespeare_shaped
+from pyfedkern.sim.engine import ExperimentConfig, Simulation, _cpu_threads
+
+SIZES = np.array([7, 3, 12, 5, 9], dtype=np.int64)  # unequal: rows stop at different steps, batches are padded
+
+
+def _user_cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(4, 3, 3),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(3 * 2 * 2, 6),
+        nn.ReLU(),
+        nn.Linear(6, 4),
+    )
+
+
+def _images(shape: tuple[int, ...], classes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    n = int(SIZES.sum())
+    return torch.randn(n, *shape, generator=gen, dtype=torch.float64), torch.randint(0, classes, (n,), generator=gen)
+
+
+def _tokens(length: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(4)
+    n = int(SIZES.sum())
+    return torch.randint(0, vocab, (n, length), generator=gen), torch.randint(0, vocab, (n,), generator=gen)
+
+
+TASKS = {  # name: (model factory, data)
+    "user-cnn": (_user_cnn, lambda: _images((2, 8, 8), 4)),
+    "simple_cnn": (
+        lambda: models.build_model("simple_cnn", (3, 8, 8), 5, dropout=False),
+        lambda: _images((3, 8, 8), 5),
+    ),
+    "lstm": (lambda: models.build_model("lstm", (6,), 7, embed=4, hidden=5), lambda: _tokens(6, 7)),
+    "transformer": (
+        lambda: models.build_model("transformer", (6,), 7, dim=8, heads=2, ff=12, layers=2),
+        lambda: _tokens(6, 7),
+    ),
+}
+
+
+def _context(task: str, batched_flag: bool | None) -> ArrayContext:
+    factory, data = TASKS[task]
+    torch.manual_seed(0)
+    x, y = data()
+    return ArrayContext(
+        factory().double(),
+        x,
+        y,
+        SIZES,
+        per_round=len(SIZES),
+        batch_size=4,
+        lr=0.3,
+        local_epochs=2.0,
+        batched=batched_flag,
+    )
+
+
+def _rounds(ctx: ArrayContext, rounds: int = 2) -> tuple[torch.Tensor, float]:
+    algo = FedAvg()
+    x0 = ctx.local.flat.data.clone()
+    algo.setup(ctx, x0)
+    with _cpu_threads(1):
+        for t in range(rounds):
+            stats = algo.round(t, ctx)
+    return algo.global_model() - x0, stats.local_loss
+
+
+@pytest.mark.parametrize("task", list(TASKS))
+def test_batched_rounds_of_conv_and_sequence_models_equal_the_loop(task, monkeypatch):
+    built = []
+    init = BatchedLocal.__init__
+    monkeypatch.setattr(BatchedLocal, "__init__", lambda self, *a, **k: (built.append(1), init(self, *a, **k))[1])
+    moved_batched, loss_batched = _rounds(_context(task, True))
+    runs = len(built)
+    moved_loop, loss_loop = _rounds(_context(task, False))
+    assert runs == 2 and len(built) == runs  # one batched run a round; none in the loop
+    assert moved_batched.abs().max() > 1e-3  # the models trained
+    torch.testing.assert_close(moved_batched, moved_loop, rtol=1e-9, atol=1e-11)
+    assert np.isfinite(loss_batched) and loss_batched == pytest.approx(loss_loop, rel=1e-9)
+
+
+def test_float_token_ids_give_the_integer_ids_results():
+    model = models.build_model("lstm", (6,), 7, embed=4, hidden=5).double()
+    x, _ = _tokens(6, 7)
+    torch.testing.assert_close(model(x.double()), model(x), rtol=0, atol=0)
+
+
+def test_faster_path_is_the_faster_measurement_and_batched_on_a_tie():
+    assert faster_path({"batched": 1.0, "loop": 2.0}) is True
+    assert faster_path({"batched": 2.0, "loop": 1.0}) is False
+    assert faster_path({"batched": 1.5, "loop": 1.5}) is True
+
+
+@pytest.fixture
+def fresh_choices(monkeypatch):
+    monkeypatch.setattr(batched, "_CHOICES", {})
+
+
+@pytest.mark.parametrize("loop_faster", [True, False])
+def test_choose_path_follows_its_measurement_once_per_model_structure(loop_faster, monkeypatch, fresh_choices):
+    calls = []
+
+    def measured(ctx, xb, yb, wb):
+        calls.append(xb.shape[0])
+        return {"batched": 2.0, "loop": 1.0} if loop_faster else {"batched": 1.0, "loop": 2.0}
+
+    monkeypatch.setattr(batched, "_measure_paths", measured)
+    first = choose_path(_context("user-cnn", None), rows=50)
+    again = choose_path(_context("user-cnn", None), rows=50)  # another simulation of the same model: no measurement
+    assert first == again
+    assert first.batched is (not loop_faster) and first.seconds == measured(None, torch.zeros(0), None, None)
+    calls.pop()
+    assert calls == [len(SIZES)]  # min(rows, PROBE_ROWS, clients) clients, measured once
+    choose_path(_context("lstm", None), rows=50)  # another structure is measured anew
+    assert len(calls) == 2
+
+
+def test_rules_decide_without_measuring(monkeypatch, fresh_choices):
+    monkeypatch.setattr(batched, "_measure_paths", lambda *args: pytest.fail("measured"))
+    x, y = _images((2, 8, 8), 4)
+    mlp = ArrayContext(models.build_model("mlp", (2, 8, 8), 4).double(), x, y, SIZES, per_round=5, batch_size=4, lr=0.1)
+    assert choose_path(mlp, 5).batched is True
+    norm = nn.Sequential(nn.Flatten(), nn.Linear(128, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 4)).double()
+    with_buffers = ArrayContext(norm, x, y, SIZES, per_round=5, batch_size=4, lr=0.1)
+    choice = choose_path(with_buffers, 5)
+    assert choice.batched is False and "buffers" in choice.reason and choice.seconds is None
+
+
+def test_measuring_leaves_the_model_and_the_random_state_unchanged(fresh_choices):
+    torch.manual_seed(0)
+    x, y = _images((3, 8, 8), 5)
+    ctx = ArrayContext(
+        models.build_model("simple_cnn", (3, 8, 8), 5).double(), x, y, SIZES, per_round=5, batch_size=4, lr=0.1
+    )
+    before = ctx.local.flat.data.clone()
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    seconds = batched._measure_paths(ctx, *next(iter(batched.stacked_batches(ctx, np.arange(5), 0, steps=1))))
+    assert set(seconds) == {"batched", "loop"} and all(s > 0 for s in seconds.values())
+    assert torch.equal(torch.rand(3), expected)  # dropout's draws during the measurement were undone
+    assert torch.equal(ctx.local.flat.data, before)
+
+
+def test_the_engine_takes_the_chosen_path_logs_it_once_and_can_be_forced(monkeypatch, caplog, fresh_choices):
+    config = ExperimentConfig(
+        dataset="digits", partition="iid", clients=4, rounds=2, batch_size=32, model="cnn",
+        model_params={"channels": 2, "hidden": 8}, dtype="float64", seed=2, batched=None,
+    )  # fmt: skip
+    monkeypatch.setattr(batched, "_measure_paths", lambda *args: {"batched": 3.0, "loop": 1.0})
+    built = []
+    init = BatchedLocal.__init__
+    monkeypatch.setattr(BatchedLocal, "__init__", lambda self, *a, **k: (built.append(1), init(self, *a, **k))[1])
+    with caplog.at_level(logging.INFO, logger="pyfedkern"):
+        auto = Simulation(config).run()
+    notes = [r.getMessage() for r in caplog.records if "clients train as" in r.getMessage()]
+    assert len(notes) == 1 and "a loop over clients" in notes[0] and "measured" in notes[0]
+    assert built == []  # the loop, as measured
+    forced_loop = Simulation(dataclasses.replace(config, batched=False)).run()
+    assert [m["test_loss"] for m in auto] == [m["test_loss"] for m in forced_loop]  # the same path, bit for bit
+    forced = Simulation(dataclasses.replace(config, batched=True)).run()  # forcing ignores the measurement
+    assert len(built) == 2
+    assert forced[-1]["test_loss"] == pytest.approx(auto[-1]["test_loss"], rel=1e-9)
+
+
+def test_a_resumed_run_keeps_the_path_it_was_taking(monkeypatch, fresh_choices, tmp_path):
+    config = ExperimentConfig(
+        dataset="digits", partition="iid", clients=4, rounds=3, batch_size=32, model="cnn",
+        model_params={"channels": 2, "hidden": 8}, seed=2, batched=None, checkpoint_every=1,
+    )  # fmt: skip
+    monkeypatch.setattr(batched, "_measure_paths", lambda *args: {"batched": 3.0, "loop": 1.0})
+    sim = Simulation(config)
+    sim.run(tmp_path / "run")
+    assert sim._checkpoint(1)["batched"] is False
+    monkeypatch.setattr(batched, "_CHOICES", {})
+    monkeypatch.setattr(batched, "_measure_paths", lambda *args: pytest.fail("measured again"))
+    resumed = Simulation(config)
+    resumed.algorithm.setup(resumed, resumed.initial_vector)
+    resumed._restore(tmp_path / "checkpoint", sim._checkpoint(1))
+    assert resumed.batched is False
+
+
+def test_shakespeare_shaped_text_follows_its_description():
+    x, y, sizes = shakespeare_shaped(30, 12, 9, seed=1)
+    assert x.shape == (int(sizes.sum()), 12) and y.shape == (int(sizes.sum()),)
+    assert sizes.min() >= 2 and sizes.max() <= 400 and len(sizes) == 30
+    assert int(x.min()) >= 0 and int(x.max()) < 9 and int(y.max()) < 9
+    assert torch.equal(shakespeare_shaped(30, 12, 9, seed=1)[0], x)  # seeded
