@@ -30,7 +30,14 @@ from pyfedkern.algorithms.batched import can_batch, padding_weights
 from pyfedkern.data import datasets, partitions
 from pyfedkern.ops import seeded_permutations
 from pyfedkern.sim.config import ExperimentConfig, check_client_count, check_device, parse_lr_schedule
-from pyfedkern.sim.results import RunWriter, config_differences, is_finished, read_config, read_metrics
+from pyfedkern.sim.results import (
+    ResumePoint,
+    RunWriter,
+    config_differences,
+    is_finished,
+    read_config,
+    read_metrics,
+)
 
 # Purposes of the random streams (first key after the seed).
 _SAMPLE, _BATCH, _FIXED_ORDER, _NOISE, _PUBLIC, _EVAL_SUBSET = 1, 2, 3, 4, 5, 6
@@ -340,15 +347,17 @@ class Simulation:
         """Run (or resume) the experiment; return the per-round metrics (round 0 = the initial model).
 
         With ``out_dir``, config.json, metrics.jsonl (one line per round, written as it goes), checkpoints every
-        ``checkpoint_every`` rounds, summary.json and model.pt are written there.
+        ``checkpoint_every`` rounds and after the last, summary.json and model.pt are written there, by this process
+        alone (:class:`~pyfedkern.sim.results.RunWriter` holds the directory's lock). ``resume`` continues the run
+        in ``out_dir``, or extends a finished one when ``config.rounds`` is above its rounds.
         """
         threads = self.config.threads or (1 if self.local.dim < 1_000_000 else torch.get_num_threads())
-        with _cpu_threads(threads):
-            return self._run(out_dir, resume, progress)
+        writing = RunWriter(out_dir, self.config.to_dict(), resume=resume) if out_dir is not None else None
+        with _cpu_threads(threads), writing or contextlib.nullcontext() as writer:  # the lock held to the end
+            return self._run(writer, resume, progress)
 
-    def _run(self, out_dir: str | Path | None, resume: bool, progress: bool) -> list[dict[str, Any]]:
+    def _run(self, writer: RunWriter | None, resume: bool, progress: bool) -> list[dict[str, Any]]:
         cfg = self.config
-        writer = RunWriter(out_dir, cfg.to_dict(), resume=resume) if out_dir is not None else None
         algo = self.algorithm
         algo.setup(self, self.initial_vector)
         metrics: list[dict[str, Any]] = []
@@ -388,7 +397,7 @@ class Simulation:
             metrics.append(record)
             if writer is not None:
                 writer.append_metrics(record)
-                if (t + 1) % cfg.checkpoint_every == 0 and t + 1 < cfg.rounds:
+                if (t + 1) % cfg.checkpoint_every == 0 or t + 1 == cfg.rounds:  # the last: to extend the run
                     writer.save_checkpoint(self._checkpoint(t + 1))
             if bar is not None:
                 bar.update(1)
@@ -554,10 +563,12 @@ def run_experiment(
     return Simulation(config).run(out_dir, resume=resume, progress=progress)
 
 
-def check_resumable(config: ExperimentConfig, run_dir: str | Path) -> None:
+def check_resumable(config: ExperimentConfig, run_dir: str | Path) -> ResumePoint:
     """Raise what ``Simulation(config).run(run_dir, resume=True)`` would raise about the run directory (a changed
-    config, a finished run, damaged files, ...), without building the simulation or changing any file."""
-    RunWriter(run_dir, config.to_dict(), resume=True).resume_point()
+    config, a finished run, damaged files, another process writing it, ...), without building the simulation or
+    changing any file; return where the run goes on."""
+    with RunWriter(run_dir, config.to_dict(), resume=True) as writer:
+        return writer.resume_point()
 
 
 def check_reusable(config: ExperimentConfig, run_dir: str | Path) -> None:

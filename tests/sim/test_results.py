@@ -48,7 +48,7 @@ def runs(tmp_path_factory):
     with pytest.raises(KeyboardInterrupt):
         sim.run(base / "cut")
     model = torch.load(base / "full" / "model.pt", weights_only=True)["x"]
-    return {"metrics": full, "model": model, "cut": base / "cut"}
+    return {"metrics": full, "model": model, "cut": base / "cut", "full": base / "full"}
 
 
 @pytest.fixture
@@ -250,14 +250,37 @@ def test_rounds_may_grow_but_not_drop_below_a_recorded_round(cut, runs, files_un
     assert {k: v for k, v in files_under(cut).items() if k != "config.json"} == {
         k: v for k, v in before.items() if k != "config.json"
     }
-    _edit_config(cut, rounds=4)  # round 4 recorded and checkpointed: nothing left to run
-    with pytest.raises(ValueError, match="has done them all"):
-        _resume(cut)
+    _edit_config(cut, rounds=4)  # round 4 recorded and checkpointed: resume only finishes the run
+    assert _numbers(_resume(cut)) == _numbers(runs["metrics"][:5])
+    assert json.loads((cut / "summary.json").read_text())["rounds"] == 4
+    assert sorted(p.name for p in (cut / "checkpoints").glob("*.pt")) == ["round_000003.pt", "round_000004.pt"]
     _edit_config(cut, rounds=7)
     extended = _resume(cut)
     assert [m["round"] for m in read_metrics(cut)] == list(range(8))
     # The first five rounds are those of the 5-round run (round 5 is evaluated in both: eval_every is 1).
     assert _numbers(extended[:6]) == _numbers(runs["metrics"])
+
+
+def test_a_finished_run_given_more_rounds_is_extended_to_the_uninterrupted_result(runs, tmp_path):
+    """The last round is checkpointed, so a finished run goes on from it; the newest two checkpoints are kept."""
+    longer = dataclasses.replace(CONFIG, rounds=8)
+    uninterrupted = Simulation(longer).run(tmp_path / "long")
+    finished = tmp_path / "finished"
+    shutil.copytree(runs["full"], finished)
+    assert sorted(p.name for p in (finished / "checkpoints").glob("*.pt")) == ["round_000004.pt", "round_000005.pt"]
+    with pytest.raises(FileExistsError, match="already finished .* give it more rounds"):
+        check_resumable(CONFIG, finished)
+    assert check_resumable(longer, finished).round == 5
+    Simulation(longer).run(finished, resume=True)
+    assert _numbers(read_metrics(finished)) == _numbers(uninterrupted)
+    assert torch.equal(
+        torch.load(finished / "model.pt", weights_only=True)["x"],
+        torch.load(tmp_path / "long" / "model.pt", weights_only=True)["x"],
+    )
+    assert read_config(finished)["rounds"] == 8 and json.loads((finished / "summary.json").read_text())["rounds"] == 8
+    assert sorted(p.name for p in (finished / "checkpoints").iterdir()) == [
+        f"round_00000{r}.pt{ext}" for r in (7, 8) for ext in ("", ".sha256")
+    ]
 
 
 @pytest.mark.parametrize(
