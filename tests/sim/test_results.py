@@ -268,7 +268,7 @@ def test_a_finished_run_given_more_rounds_is_extended_to_the_uninterrupted_resul
     finished = tmp_path / "finished"
     shutil.copytree(runs["full"], finished)
     assert sorted(p.name for p in (finished / "checkpoints").glob("*.pt")) == ["round_000004.pt", "round_000005.pt"]
-    with pytest.raises(FileExistsError, match="already finished .* give it more rounds"):
+    with pytest.raises(FileExistsError, match=r"already finished .* give it more rounds"):
         check_resumable(CONFIG, finished)
     assert check_resumable(longer, finished).round == 5
     Simulation(longer).run(finished, resume=True)
