@@ -31,6 +31,7 @@ from pyfedkern.data import datasets, partitions
 from pyfedkern.ops import seeded_permutations
 from pyfedkern.sim.config import ExperimentConfig, check_client_count, check_device, parse_lr_schedule
 from pyfedkern.sim.results import (
+    RESUME_FREE_FIELDS,
     ResumePoint,
     RunWriter,
     config_differences,
@@ -572,22 +573,27 @@ def check_resumable(config: ExperimentConfig, run_dir: str | Path) -> ResumePoin
 
 
 def check_reusable(config: ExperimentConfig, run_dir: str | Path) -> None:
-    """Raise ValueError if ``run_dir`` holds a run (finished or interrupted) of a config other than ``config``."""
+    """Raise ValueError if ``run_dir`` holds a run (finished or interrupted) of a config other than ``config`` but
+    for :data:`~pyfedkern.sim.results.RESUME_FREE_FIELDS`, or a finished run of more rounds."""
     run_dir = Path(run_dir)
     if (run_dir / "config.json").exists():
-        changed = config_differences(run_dir, config.to_dict())
+        changed = [k for k in config_differences(run_dir, config.to_dict()) if k not in RESUME_FREE_FIELDS]
         if changed:
             raise ValueError(
                 f"{run_dir} holds a run with a different config (it differs in {', '.join(changed)}); "
                 "choose a fresh output directory (--out) or delete that one"
             )
+        done = read_config(run_dir)["rounds"]
+        if is_finished(run_dir) and done > config.rounds:
+            raise ValueError(f"{run_dir} holds a finished run of {done} rounds, more than the {config.rounds} asked")
 
 
 def run_or_reuse(config: ExperimentConfig, run_dir: str | Path, *, progress: bool = False) -> list[dict[str, Any]]:
-    """The per-round metrics of ``config`` run in ``run_dir``: read back if that run finished, resumed if it was
-    interrupted, run otherwise; a run of another config there raises ValueError (never silently reused)."""
+    """The per-round metrics of ``config`` run in ``run_dir``: read back if that run finished (extended when
+    ``config`` has more rounds), resumed if it was interrupted, run otherwise; a run of another config there raises
+    ValueError (never silently reused)."""
     check_reusable(config, run_dir)
-    if is_finished(run_dir):
+    if is_finished(run_dir) and read_config(run_dir)["rounds"] == config.rounds:
         return read_metrics(run_dir)
     resume = (Path(run_dir) / "metrics.jsonl").exists()
     return Simulation(config).run(run_dir, resume=resume, progress=progress)
