@@ -83,14 +83,25 @@ def load_dataset(
 def train_size(spec: str, *, split_seed: int = 0) -> int | None:
     """The number of training samples ``load_dataset(spec, split_seed=split_seed)`` gives, found without loading
     it (digits, synthetic, quadratic; the arguments are checked); None for datasets read from files."""
+    size = planned_size(spec, split_seed=split_seed)
+    return None if size is None else size[0]
+
+
+def planned_size(spec: str, *, split_seed: int = 0) -> tuple[int, int, tuple[int, ...]] | None:
+    """(training samples, test samples, input shape) of ``load_dataset(spec, split_seed=split_seed)``, found
+    without making the data (digits, synthetic, quadratic; the arguments are checked); None for datasets read from
+    files."""
     name, args = parse_spec(spec, what="dataset", choices=DATASETS)
     if name == "synthetic":
-        sizes = _synthetic_sizes(np.random.default_rng(split_seed), _synthetic_args(args)[2])
-        return sum(_synthetic_train_part(n) for n in sizes)
+        _, _, clients, dim, _ = _synthetic_args(args)
+        sizes = _synthetic_sizes(np.random.default_rng(split_seed), clients)
+        train = sum(_synthetic_train_part(n) for n in sizes.tolist())
+        return train, int(sizes.sum()) - train, (dim,)
     if name == "quadratic":
-        return _quadratic_args(args)[0]
+        m, d = _quadratic_args(args)
+        return m, m, (d,)
     _no_arguments(name, args, spec)
-    return _DIGITS_SAMPLES - _DIGITS_TEST if name == "digits" else None
+    return (_DIGITS_SAMPLES - _DIGITS_TEST, _DIGITS_TEST, (1, 8, 8)) if name == "digits" else None
 
 
 def _no_arguments(name: str, args: list[float], spec: str) -> None:
@@ -187,11 +198,15 @@ def _int_arg(value: float, what: str, minimum: int) -> int:
     return int(value)
 
 
+#: Defaults of synthetic:α,β,clients,dim,classes.
+SYNTHETIC_DEFAULTS = (1.0, 1.0, 30.0, 60.0, 10.0)
+
+
 def _synthetic_args(args: list[float]) -> tuple[float, float, int, int, int]:
     """Checked (α, β, clients, dim, classes) of ``synthetic:...``, defaults filled in."""
     if len(args) > 5:
         raise ValueError(f"dataset synthetic takes at most 5 arguments (α,β,clients,dim,classes), got {len(args)}")
-    alpha, beta, clients, dim, classes = [*args, *(1.0, 1.0, 30.0, 60.0, 10.0)[len(args) :]]
+    alpha, beta, clients, dim, classes = [*args, *SYNTHETIC_DEFAULTS[len(args) :]]
     if not (np.isfinite(alpha) and alpha >= 0 and np.isfinite(beta) and beta >= 0):
         raise ValueError(f"synthetic: α and β must be finite and >= 0, got α={alpha:g}, β={beta:g}")
     return (

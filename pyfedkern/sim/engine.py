@@ -26,10 +26,19 @@ import torch
 
 from pyfedkern import models
 from pyfedkern.algorithms import Algorithm, LocalModel, make_algorithm
-from pyfedkern.algorithms.batched import can_batch, padding_weights
+from pyfedkern.algorithms.batched import can_batch, free_memory, padding_weights
 from pyfedkern.data import datasets, partitions
 from pyfedkern.ops import seeded_permutations
-from pyfedkern.sim.config import ExperimentConfig, check_client_count, check_device, parse_lr_schedule
+from pyfedkern.sim.config import (
+    ExperimentConfig,
+    check_client_count,
+    check_data_memory,
+    check_device,
+    check_local_work,
+    check_model_memory,
+    check_threads,
+    parse_lr_schedule,
+)
 from pyfedkern.sim.results import (
     RESUME_FREE_FIELDS,
     ResumePoint,
@@ -52,6 +61,8 @@ class Simulation:
     def __init__(self, config: ExperimentConfig, algorithm: Algorithm | None = None) -> None:
         config.validate()
         check_device(config.device)
+        check_threads(config.threads)
+        check_data_memory(config, free_memory(torch.device("cpu")))  # before the data is made
         self.config = config
         self.seed = config.seed
         self.device = torch.device(config.device)
@@ -89,6 +100,7 @@ class Simulation:
         if np.any(self.client_sizes == 0):
             empty = np.flatnonzero(self.client_sizes == 0).tolist()
             raise ValueError(f"partition {config.partition!r} left clients {empty} without data; use fewer clients")
+        check_local_work(config, self.client_sizes, free_memory(torch.device("cpu")))  # plans are made on the host
 
         x_train, y_train = self._tensor(data.x_train), self._tensor(data.y_train)
         # every client's samples, client after client; client_x/client_y are views of these (stacked_batches
@@ -111,6 +123,7 @@ class Simulation:
         #: When set, evaluation uses only test samples with these labels (the classes current clients hold).
         self.eval_labels: np.ndarray | None = None
 
+        check_model_memory(config, data.input_shape, data.num_classes, free_memory(self.device))
         torch.manual_seed(config.seed)
         module = models.build_model(config.model, data.input_shape, data.num_classes, **config.model_params)
         self.local = LocalModel(module.to(device=self.device, dtype=self.dtype))
