@@ -40,13 +40,14 @@ def _flag(text: str) -> bool:
 
 
 _DATASETS_HELP = (
-    "digits (bundled) | synthetic:α,β[,N[,dim[,classes]]] (Li et al.'s synthetic(α,β) of N clients, default 30, "
-    "dim 60, 10 classes; with --partition natural --clients N each client holds its own) | quadratic:m,d | mnist | "
-    "cifar10 (mnist and cifar10 from --data-root)"
+    "digits (bundled) | synthetic:α,β[,N[,dim[,classes]]] (Li et al.'s synthetic(α,β): N clients, default 30, each "
+    "with its own model; dim 60, 10 classes by default) | synthetic-iid[:N[,dim[,classes]]] (one model for all N "
+    "clients) | quadratic:m,d | mnist | cifar10 (from --data-root). With --partition natural --clients N each "
+    "client holds its own samples"
 )
 _PARTITIONS_HELP = (
     "iid | dirichlet:α | dirichlet-equal:α (equal sizes) | shards:k | quantity:α | noise:σ (IID plus input noise) | "
-    "bherd1 | bherd2 | bherd3 | groups:o,α | natural (one client per client of synthetic or quadratic)"
+    "bherd1 | bherd2 | bherd3 | groups:o,α | natural (the dataset's own clients: synthetic, synthetic-iid, quadratic)"
 )
 
 # (config field, flag, type, help) of the options shared by `run` and `compare`.

@@ -1,6 +1,7 @@
 """The `pyfedkern` command line: a short experiment end to end, resume after a kill, compare, partition, bench,
 info, usage errors, and damaged or misused run directories, devices and dataset files."""
 
+import dataclasses
 import gzip
 import hashlib
 import io
@@ -19,12 +20,19 @@ import pytest
 import torch
 
 import pyfedkern
+from pyfedkern.benchmarks import FAMILIES
 from pyfedkern.cli import main
+from pyfedkern.data.partitions import PARTITIONS
 from pyfedkern.reproduce import REPRODUCTIONS, SUMMARIES
 from pyfedkern.sim.config import ExperimentConfig
 from pyfedkern.sim.engine import Simulation, load_config
 from pyfedkern.sim.results import read_metrics
 
+# every partition as `--help` writes it (name, or name:arguments)
+PARTITION_FORMS = [
+    *("iid", "dirichlet:α", "dirichlet-equal:α", "shards:k", "quantity:α", "noise:σ", "bherd1", "bherd2", "bherd3"),
+    *("groups:o,α", "natural"),
+]
 FAST = ["--rounds", "2", "--clients", "4", "--model", "logreg", "--partition", "iid", "--no-progress"]
 
 
@@ -46,7 +54,26 @@ def test_run_writes_results_and_will_not_resume_a_finished_run(tmp_path, capsys)
     assert (out / "metrics.jsonl").read_text() == metrics
     assert main(["run", "--resume", "--out", str(out), "--rounds", "5", "--mu", "1", "--no-progress"]) == 2
     err = capsys.readouterr().err
-    assert "these options contradict it: --rounds 5 (the run has rounds=2), --mu 1.0 (the run has mu=0.1)" in err
+    assert "these options contradict it: --mu 1.0 (the run has mu=0.1);" in err
+    assert "--rounds" not in err  # more rounds extend the run
+    assert main(["run", "--resume", "--out", str(out), "--rounds", "1", "--no-progress"]) == 2
+    assert "nothing to resume: the run in" in capsys.readouterr().err
+
+
+def test_resume_with_more_rounds_extends_a_finished_run_saying_from_where(tmp_path, capsys):
+    out, direct = tmp_path / "run", tmp_path / "direct"
+    assert main(["run", *FAST, "--out", str(out)]) == 0
+    assert main(["run", *FAST, "--rounds", "4", "--out", str(direct)]) == 0
+    capsys.readouterr()
+    assert (
+        main(["run", "--resume", "--out", str(out), "--rounds", "4", "--checkpoint-every", "3", "--no-progress"]) == 0
+    )
+    said = capsys.readouterr().out
+    assert f"resuming {out} from round 2 (checkpoint round_000002.pt): rounds 3..4 to run" in said
+    assert _numbers(read_metrics(out)) == _numbers(read_metrics(direct))
+    assert torch.equal(torch.load(out / "model.pt")["x"], torch.load(direct / "model.pt")["x"])
+    assert load_config(out) == dataclasses.replace(load_config(direct), checkpoint_every=3)
+    assert json.loads((out / "summary.json").read_text())["rounds"] == 4
 
 
 def test_resume_after_a_kill_gives_the_uninterrupted_metrics(tmp_path):
@@ -176,6 +203,7 @@ def _python_m_pyfedkern(argv, cwd):
     stdout, stderr without the import-time lines, and the names of the modules it imported."""
     root = str(Path(pyfedkern.__file__).parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    env["COLUMNS"] = "1000"  # help on one line per option, as tests look for it
     proc = subprocess.run(
         [sys.executable, "-X", "importtime", "-m", "pyfedkern", *argv],
         env=env,
@@ -195,11 +223,21 @@ def _python_m_pyfedkern(argv, cwd):
     [
         (["--help"], 0, ["run", "compare", "partition", "reproduce", "bench", "info", "--version"]),
         (["--version"], 0, [f"pyfedkern {pyfedkern.__version__}"]),
-        (["run", "--help"], 0, ["--rounds", "(default: 50)", "--help-algorithm"]),
+        (["run", "--help"], 0, ["--rounds", "(default: 50)", "--help-algorithm", *PARTITION_FORMS, "synthetic-iid"]),
+        (
+            ["run", "--help"],
+            0,
+            ["synthetic:α,β[,N[,dim[,classes]]] (Li et al.'s synthetic(α,β): N clients, default 30"],
+        ),
+        (["partition", "--help"], 0, [*PARTITION_FORMS, "number of clients (default: 20)", "random seed of the split"]),
+        (["partition", "--help"], 0, ["directory holding the MNIST / CIFAR-10 files", "synthetic-iid"]),
+        (["bench", "--help"], 0, [" | ".join(FAMILIES) + " | all (default: aggregate)"]),
         (["compare", "--help"], 0, ["--algorithms", "--target"]),
         (["reproduce", "--help"], 0, [*REPRODUCTIONS, SUMMARIES["bherd"][:40], "NAME --help"]),
         (["run", "--rounds", "abc"], 2, ["--rounds: invalid int value: 'abc'"]),
-        (["frobnicate"], 2, ["pyfedkern: error: argument command: invalid choice: 'frobnicate'"]),
+        (["frobnicate"], 2, ["pyfedkern: error: unknown command 'frobnicate'; the commands are run, compare,"]),
+        (["runn", "--rounds", "3"], 2, ["pyfedkern: error: unknown command 'runn' (did you mean run?); the commands"]),
+        (["comapre"], 2, ["unknown command 'comapre' (did you mean compare?)"]),
         ([], 2, ["pyfedkern: error: the following arguments are required: command"]),
         (["compare", "--rounds", "3"], 2, ["required: --algorithms"]),
         (["bench", "--famly", "all"], 2, ["unexpected argument(s): --famly all (did you mean --family?)"]),
@@ -235,6 +273,10 @@ def test_misspelled_options_suggest_the_nearest_general_or_algorithm_option(argv
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"pyfedkern {argv[0]}: error: ") and message in lines[0], err
     assert not (tmp_path / "x").exists()
+
+
+def test_the_help_names_every_partition():
+    assert sorted(form.partition(":")[0] for form in PARTITION_FORMS) == sorted(PARTITIONS)
 
 
 def test_no_algorithm_parameter_is_taken_for_a_misspelled_command_option():

@@ -196,12 +196,13 @@ def check_data_memory(config: ExperimentConfig, available: int) -> None:
         return
     name, args = parse_spec(config.dataset, what="dataset", choices=datasets.DATASETS)
     fits = ""
-    if name in ("synthetic", "quadratic"):  # their samples grow with the number of clients of the spec
-        if name == "synthetic":
-            count, spec = int(args[2] if len(args) > 2 else datasets.SYNTHETIC_DEFAULTS[2]), "N in synthetic:α,β,N"
-        else:
-            count, spec = train, "m in quadratic:m,d"  # one sample per client
+    where = {"synthetic": (2, "N in synthetic:α,β,N"), "synthetic-iid": (0, "N in synthetic-iid:N")}
+    if name in where:  # the samples grow with the number of clients of the spec
+        at, spec = where[name]
+        count = int(args[at] if len(args) > at else datasets.SYNTHETIC_DEFAULTS[2])
         fits = f"; about {int(count * available / needed):,} of its {count:,} clients fit (a smaller {spec})"
+    elif name == "quadratic":  # one sample per client
+        fits = f"; about {int(train * available / needed):,} of its {train:,} clients fit (a smaller m)"
     raise ValueError(
         f"dataset {config.dataset} ({train + test:,} samples of {features:,} values) needs about {_gib(needed)} of "
         f"memory in this run, but {_gib(available)} are available{fits}"
