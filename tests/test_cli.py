@@ -488,3 +488,109 @@ def test_unreadable_dataset_files_are_one_line_errors_naming_the_file(tmp_path):
     (mnist / "t10k-labels-idx1-ubyte").write_bytes(b"\x00" * 64)
     line = _error_line(["run", *FAST, "--dataset", "mnist", "--data-root", str(mnist)], tmp_path)
     assert f"cannot read IDX file {mnist / 'train-images-idx3-ubyte.gz'}: " in line
+
+
+def _start_run(argv, cwd) -> subprocess.Popen:
+    """``python -m pyfedkern ARGV`` in the background (its stderr piped)."""
+    root = str(Path(pyfedkern.__file__).parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "pyfedkern", *argv]
+    return subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_rounds(proc: subprocess.Popen, out: Path, rounds: int) -> None:
+    deadline = time.monotonic() + 180
+    while len(read_metrics(out)) < rounds:
+        assert proc.poll() is None, proc.stderr.read()
+        assert time.monotonic() < deadline, f"the run wrote {rounds} rounds in 180 s"
+        time.sleep(0.01)
+
+
+def test_one_writer_per_run_directory_and_ctrl_c_says_how_to_resume(tmp_path):
+    """While a run writes --out, a resume or a new run there is refused naming its PID, and the run's metrics stay
+    whole; Ctrl-C then stops it with the real --out in the advice, no temporary file left, and resume says where it
+    goes on."""
+    out = tmp_path / "my run"
+    argv = ["run", "--clients", "10", "--partition", "iid", "--rounds", "100000", "--checkpoint-every", "1"]
+    writer = _start_run([*argv, "--no-progress", "--out", str(out)], tmp_path)
+    try:
+        _wait_for_rounds(writer, out, 3)
+        for second in (["run", "--resume", "--out", str(out)], [*argv, "--out", str(out)]):
+            line = _error_line([*second, "--no-progress"], tmp_path)
+            assert f"run directory {out} is being written by another process (PID {writer.pid})" in line, line
+        assert writer.poll() is None
+        writer.send_signal(signal.SIGINT)
+        _, err = writer.communicate(timeout=120)
+    finally:
+        writer.kill()
+        writer.wait()
+    assert writer.returncode == 130, err
+    assert (
+        err.strip().splitlines()[-1]
+        == f"pyfedkern run: interrupted; resume with `pyfedkern run --resume --out '{out}'`"
+    )
+    assert not list(out.rglob("*.tmp"))
+    done = len(read_metrics(out)) - 1  # whole: every round recorded once, in order
+    assert 3 <= done < 100000
+    newest = max(int(p.name[6:12]) for p in (out / "checkpoints").glob("round_*.pt"))
+    returncode, said, err, _ = _python_m_pyfedkern(
+        ["run", "--resume", "--out", str(out), "--rounds", str(done + 2)], tmp_path
+    )
+    assert returncode == 0, err
+    assert (
+        f"resuming {out} from round {newest} (checkpoint round_{newest:06d}.pt): rounds {newest + 1}..{done + 2}"
+        in said
+    )
+    assert len(read_metrics(out)) == done + 3
+
+
+def test_ctrl_c_of_a_run_without_out_says_nothing_was_saved(tmp_path):
+    proc = _start_run(["run", "--rounds", "100000", "--clients", "10", "--partition", "iid"], tmp_path)
+    try:
+        seen, deadline = "", time.monotonic() + 180
+        while "round" not in seen:  # the progress bar: the rounds have begun
+            assert proc.poll() is None and time.monotonic() < deadline, seen
+            seen += os.read(proc.stderr.fileno(), 1024).decode(errors="replace")
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 130, err
+    assert "pyfedkern run: interrupted (without --out nothing was saved)\n" in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--threads", "1000000"], "threads=1000000 is more than the "),
+        (["--batch-size", "1" + "0" * 20], "batch_size must be an integer from 1 to 2^63 - 1, got 1" + "0" * 20),
+        (["--local-steps", "1" + "0" * 20], "local_steps must be an integer from 1 to 2^63 - 1"),
+        (["--seed", str(2**64)], f"seed must be an integer from 0 to 2^63 - 1, got {2**64}"),
+        (["--local-epochs", "1e300"], "local_epochs=1e+300 makes 4.4e+301 local steps a round (4 participants)"),
+        (["--local-steps", "1" + "0" * 15], "planning their minibatches needs about"),
+        (["--model", "mlp", "--model-param", "hidden=1000000000000"], "model mlp with hidden=1000000000000 has "),
+        (["--model", "mlp", "--model-param", "hidden=1000000000,1000"], "has 1,065,000,011,010 parameters; the run"),
+        (["--dataset", "quadratic:1000000000,1000", "--model", "quadratic", "--partition", "natural"], "clients fit"),
+        (["--out", ""], "--out '' names no directory"),
+        (["--rounds", "-1"], "rounds must be an integer from 1 to 2^63 - 1, got -1"),
+    ],
+    ids=[
+        "threads",
+        "batch-size",
+        "local-steps",
+        "seed",
+        "local-epochs",
+        "steps-memory",
+        "model",
+        "data",
+        "out",
+        "rounds",
+    ],
+)
+def test_absurd_numbers_are_one_line_errors_naming_the_option(options, message, tmp_path):
+    fast = [a for a in FAST if a not in ("--rounds", "2")]
+    line = _error_line(["run", *fast, *options], tmp_path)
+    assert message in line
+    assert list(tmp_path.iterdir()) == []  # nothing written (--out '' is not the current directory)

@@ -219,17 +219,21 @@ def check_model_memory(
 
     from pyfedkern import models
 
-    with torch.device("meta"):
-        module = models.build_model(config.model, input_shape, num_classes, **config.model_params)
+    given = ", ".join(f"{k}={_shown(v)}" for k, v in config.model_params.items())
+    model = f"model {config.model}{f' with {given}' if given else ''}"
+    fits = f"at most about {available // (MODEL_COPIES * DTYPE_BYTES[config.dtype]):,} parameters fit"
+    try:
+        with torch.device("meta"):
+            module = models.build_model(config.model, input_shape, num_classes, **config.model_params)
+    except RuntimeError:  # a layer of more than 2^63 bytes
+        raise ValueError(f"{model} has layers too large for any memory; {fits}") from None
     params = sum(p.numel() for p in module.parameters())
     needed = MODEL_COPIES * params * DTYPE_BYTES[config.dtype]
     if needed > available:
-        given = ", ".join(f"{k}={_shown(v)}" for k, v in config.model_params.items())
         raise ValueError(
-            f"model {config.model}{f' with {given}' if given else ''} has {params:,} parameters; the run holds at "
-            f"least {MODEL_COPIES} copies of them (the model, the global model, a client's model and its gradient), "
-            f"{_gib(needed)} in {config.dtype}, but {_gib(available)} are available: at most about "
-            f"{available // (MODEL_COPIES * DTYPE_BYTES[config.dtype]):,} parameters fit"
+            f"{model} has {params:,} parameters; the run holds at least {MODEL_COPIES} copies of them (the model, "
+            f"the global model, a client's model and its gradient), {_gib(needed)} in {config.dtype}, but "
+            f"{_gib(available)} are available: {fits}"
         )
 
 
