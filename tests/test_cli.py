@@ -583,6 +583,7 @@ def test_ctrl_c_of_a_run_without_out_says_nothing_was_saved(tmp_path):
         "seed",
         "local-epochs",
         "steps-memory",
+        "layer",
         "model",
         "data",
         "out",
