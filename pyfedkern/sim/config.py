@@ -204,8 +204,8 @@ def check_data_memory(config: ExperimentConfig, available: int) -> None:
     elif name == "quadratic":  # one sample per client
         fits = f"; about {int(train * available / needed):,} of its {train:,} clients fit (a smaller m)"
     raise ValueError(
-        f"dataset {config.dataset} ({train + test:,} samples of {features:,} values) needs about {_gib(needed)} of "
-        f"memory in this run, but {_gib(available)} are available{fits}"
+        f"dataset {config.dataset} ({train + test:,} samples of {features:,} values) needs about {_size(needed)} of "
+        f"memory in this run, but {_size(available)} are available{fits}"
     )
 
 
@@ -232,8 +232,8 @@ def check_model_memory(
     if needed > available:
         raise ValueError(
             f"{model} has {params:,} parameters; the run holds at least {MODEL_COPIES} copies of them (the model, "
-            f"the global model, a client's model and its gradient), {_gib(needed)} in {config.dtype}, but "
-            f"{_gib(available)} are available: {fits}"
+            f"the global model, a client's model and its gradient), {_size(needed)} in {config.dtype}, but "
+            f"{_size(available)} are available: {fits}"
         )
 
 
@@ -247,28 +247,34 @@ def check_local_work(config: ExperimentConfig, client_sizes: Any, available: int
     n = n[: max(1, round(config.fraction * len(n)))]
     size = np.minimum(float(config.batch_size), n)
     per_epoch = np.ceil(n / size)
-    steps = np.full_like(n, config.local_steps) if config.local_steps else np.ceil(config.local_epochs * per_epoch)
-    epochs = np.ceil(steps / per_epoch)  # permutations drawn
-    needed = 8 * float(np.sum(epochs * n + steps * size + 10 * steps))
+
+    def plan(steps_or_epochs: float) -> tuple[float, float]:
+        """(local steps, bytes) of a round's plan."""
+        steps = np.full_like(n, steps_or_epochs) if config.local_steps else np.ceil(steps_or_epochs * per_epoch)
+        drawn = np.ceil(steps / per_epoch)  # permutations of the client's data
+        return float(np.sum(steps)), 8 * float(np.sum(drawn * n + steps * size + 10 * steps))
+
+    option = "local_steps" if config.local_steps else "local_epochs"
+    value = getattr(config, option)
+    steps, needed = plan(value)
     if needed <= available:
         return
-    option, value = ("local_steps", config.local_steps) if config.local_steps else ("local_epochs", config.local_epochs)
+    most = value * (available / needed)
+    while most > 0 and plan(most)[1] > available:  # the rounding up of steps: a little less
+        most = int(most * 0.95) if config.local_steps else most * 0.95
+    fits = f"{int(most):,}" if config.local_steps else f"{most:.3g}"
     raise ValueError(
-        f"{option}={value:,} makes {np.sum(steps):.3g} local steps a round ({len(n)} participants); planning their "
-        f"minibatches needs about {_gib(needed)}, but {_gib(available)} are available: at most about "
-        f"{option}={_most(value, available / needed)} fits"
+        f"{option}={value:,} makes {steps:.3g} local steps a round ({len(n)} participants); planning their "
+        f"minibatches needs about {_size(needed)}, but {_size(available)} are available: at most about "
+        f"{option}={fits} fits"
     )
 
 
-def _most(value: float, share: float) -> str:
-    """``value`` scaled by ``share`` (< 1), as an int for --local-steps."""
-    most = value * share
-    return f"{int(most):,}" if isinstance(value, int) else f"{most:.3g}"
-
-
-def _gib(nbytes: float) -> str:
-    gib = nbytes / 2**30
-    return f"{gib:,.1f} GiB" if gib < 1e6 else f"{gib:.3g} GiB"
+def _size(nbytes: float) -> str:
+    """Bytes in GiB, or MiB or KiB below 1 GiB."""
+    unit, scale = next((u, s) for u, s in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)) if nbytes >= s or u == "KiB")
+    amount = nbytes / scale
+    return f"{amount:,.1f} {unit}" if amount < 1e6 else f"{amount:.3g} {unit}"
 
 
 def _shown(value: Any) -> str:
