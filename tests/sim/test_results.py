@@ -336,7 +336,7 @@ def test_resume_refuses_damaged_metrics_before_any_file_changes(cut, files_under
         (b'"fedavg"', "it holds a string"),
         (b'{\n  "clients": 4,\n  oops\n}', r"line 3 is not valid JSON"),
         (b"\xff\xfe\x00binary", "is not text: byte 0 is not UTF-8"),
-        (b'{"clients": "four"}', "clients must be an integer >= 1, got 'four'"),
+        (b'{"clients": "four"}', "clients must be an integer from 1 to 2\\^63 - 1, got 'four'"),
         (b'{"colour": "blue"}', r"unknown config field\(s\): colour"),
         (b'{"device": 5}', "device must be a string, got 5"),
         (b'{"model_params": [64]}', r"model_params must be a dict, got \[64\]"),
