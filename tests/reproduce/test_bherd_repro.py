@@ -151,7 +151,7 @@ def test_tiny_reproduction(tmp_path):
     section = docs.read_text()
     assert section.count("<!-- begin bherd -->") == 1 and "The paper's findings, checked" in section
     assert "**Batch size.** B = 10" in section
-    assert ONE_SEED in section and "In short," not in section and "± <" not in section  # one seed: no verdict, no spread
+    assert ONE_SEED in section and "In short," not in section and "± <" not in section  # no verdict, no spread
     for case in repro.CASES:
         assert (docs.parent / "img" / f"bherd-case{case}.png").stat().st_size > 0
 
