@@ -595,3 +595,17 @@ def test_absurd_numbers_are_one_line_errors_naming_the_option(options, message, 
     line = _error_line(["run", *fast, *options], tmp_path)
     assert message in line
     assert list(tmp_path.iterdir()) == []  # nothing written (--out '' is not the current directory)
+
+
+def test_ctrl_c_of_a_comparison_says_to_run_it_again(tmp_path, capsys, monkeypatch):
+    import pyfedkern.sim.compare
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pyfedkern.sim.compare, "compare", interrupted)
+    assert main(["compare", "--algorithms", "fedavg", *FAST, "--out", str(tmp_path / "cmp")]) == 130
+    assert capsys.readouterr().err == (
+        f"pyfedkern compare: interrupted; run the same command again to go on: the finished runs in "
+        f"{tmp_path / 'cmp'} are reused and the interrupted one resumed\n"
+    )
