@@ -1,4 +1,4 @@
-"""Whole FedAvg rounds on real models (issue 28): pfl-research's CIFAR-10 cross-device setup (simple_cnn, 1,000 users
+"""Whole FedAvg rounds on real models: pfl-research's CIFAR-10 cross-device setup (simple_cnn, 1,000 users
 × 50 images, 50 a round, batch 10) and a LEAF-shaped Shakespeare task (2-layer LSTM, 715 users, 10 a round), at 1 and
 2 threads: the engine's own path choice, its per-client loop, its batched path and pfl 0.6 when installed, next to
 the machine's GEMM and convolution limits. ``python -m pyfedkern.benchmarks.engine_models`` times the same cases

@@ -15,6 +15,7 @@ import dataclasses
 import difflib
 import importlib
 import json
+import shlex
 import sys
 import textwrap
 import warnings
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from pyfedkern import __version__
+from pyfedkern.benchmarks import FAMILIES
 from pyfedkern.reproduce import REPRODUCTIONS, SUMMARIES
 from pyfedkern.sim.config import ExperimentConfig
 
@@ -47,17 +49,23 @@ def _flag_or_auto(text: str) -> bool | None:
         raise argparse.ArgumentTypeError(f"expected true, false or auto, got {text!r}") from None
 
 
+_DATASETS_HELP = (
+    "digits (bundled) | synthetic:α,β[,N[,dim[,classes]]] (Li et al.'s synthetic(α,β): N clients, default 30, each "
+    "with its own model; dim 60, 10 classes by default) | synthetic-iid[:N[,dim[,classes]]] (one model for all N "
+    "clients) | quadratic:m,d | mnist | cifar10 (from --data-root). With --partition natural --clients N each "
+    "client holds its own samples"
+)
+_PARTITIONS_HELP = (
+    "iid | dirichlet:α | dirichlet-equal:α (equal sizes) | shards:k | quantity:α | noise:σ (IID plus input noise) | "
+    "bherd1 | bherd2 | bherd3 | groups:o,α | natural (the dataset's own clients: synthetic, synthetic-iid, quadratic)"
+)
+
 # (config field, flag, type, help) of the options shared by `run` and `compare`.
 _COMMON = [
-    ("dataset", "--dataset", str, "dataset: digits (bundled), synthetic:α,β, quadratic:m,d, mnist, cifar10"),
+    ("dataset", "--dataset", str, _DATASETS_HELP),
     ("data_root", "--data-root", str, "directory holding the MNIST / CIFAR-10 files"),
     ("normalize", "--normalize", str, "none | unit | standard (per-channel, train statistics)"),
-    (
-        "partition",
-        "--partition",
-        str,
-        "iid | dirichlet:α | shards:k | quantity:α | noise:σ | bherd1..3 | ...",
-    ),
+    ("partition", "--partition", str, _PARTITIONS_HELP),
     ("clients", "--clients", int, "number of clients"),
     ("model", "--model", str, "svm | logreg | mlp | cnn | resnet18 | quadratic"),
     ("rounds", "--rounds", int, "communication rounds"),
@@ -73,7 +81,12 @@ _COMMON = [
     ("seed", "--seed", int, "random seed (data split, sampling, init)"),
     ("device", "--device", str, "cpu | cuda | cuda:N"),
     ("checkpoint_every", "--checkpoint-every", int, "save a checkpoint every n rounds"),
-    ("threads", "--threads", int, "CPU threads for torch and pyfedkern (none: 1 below 1M parameters, else all)"),
+    (
+        "threads",
+        "--threads",
+        int,
+        "CPU threads for torch and pyfedkern, at most the machine's CPUs (none: 1 below 1M parameters, else all)",
+    ),
     (
         "batched",
         "--batched",
@@ -236,18 +249,21 @@ def _base_config(args: argparse.Namespace) -> ExperimentConfig:
 
 
 def _resume_config(args: argparse.Namespace, extra: list[str]):
-    """The config stored in --out, checked to agree with every option given on the command line besides it."""
+    """The config stored in --out, checked to agree with every option given on the command line besides it but
+    --rounds (more rounds extend the run), --checkpoint-every and --data-root, which replace the stored values."""
     from pyfedkern.algorithms import make_algorithm
     from pyfedkern.sim.engine import load_config
+    from pyfedkern.sim.results import RESUME_FREE_FIELDS
 
     stored = load_config(args.out)
     asked = dataclasses.replace(_base_config(args), algorithm=args.algorithm)
     options = [(name, flag) for name, flag, *_ in _COMMON]
     options += [("algorithm", "--algorithm"), ("parity", "--parity"), ("model_params", "--model-param")]
+    free = {name: getattr(asked, name) for name, flag in options if name in RESUME_FREE_FIELDS and flag in args.flags}
     clashes = []
     for name, flag in options:
         value, have = getattr(asked, name), getattr(stored, name)
-        if flag in args.flags and _plain(value) != _plain(have):
+        if flag in args.flags and name not in free and _plain(value) != _plain(have):
             if flag == "--model-param":
                 option = " ".join(f"{flag} {pair}" for pair in args.model_param)
             else:
@@ -267,7 +283,7 @@ def _resume_config(args: argparse.Namespace, extra: list[str]):
             f"--resume continues the run in {args.out} with the config stored there, and these options contradict "
             f"it: {', '.join(clashes)}; drop them, or start a new run in another --out directory"
         )
-    return stored
+    return dataclasses.replace(stored, **free)
 
 
 def _plain(value: Any) -> Any:
@@ -293,13 +309,15 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
     from pyfedkern.sim.engine import Simulation, check_resumable
     from pyfedkern.sim.results import check_new_run_dir
 
+    _check_out(args.out)
     if args.help_algorithm:
         return _help_algorithm(args.algorithm)
     if args.resume:
         if args.out is None:
             raise CliError("--resume needs --out DIR (the run to continue)")
         config = _resume_config(args, extra)
-        check_resumable(config, args.out)  # before the data is loaded
+        point = check_resumable(config, args.out)  # before the data is loaded
+        print(_resuming(args.out, point, config.rounds))
     else:
         config = dataclasses.replace(
             _base_config(args),
@@ -316,9 +334,23 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def _resuming(out: str, point, rounds: int) -> str:
+    """What a resume will do, from its :class:`~pyfedkern.sim.results.ResumePoint`."""
+    if point.checkpoint is None:
+        return f"resuming {out} from round 0 (it has no checkpoint yet): rounds 1..{rounds} to run"
+    left = f"rounds {point.round + 1}..{rounds} to run" if point.round < rounds else "nothing left but its summary"
+    return f"resuming {out} from round {point.round} (checkpoint {point.checkpoint.name}): {left}"
+
+
+def _check_out(out: str | None) -> None:
+    if out is not None and not out.strip():
+        raise CliError(f"--out {out!r} names no directory; give a directory path (use --out . for this one)")
+
+
 def cmd_compare(args: argparse.Namespace, extra: list[str]) -> int:
     from pyfedkern.sim.compare import compare
 
+    _check_out(args.out)
     algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
     params = _given_params(args, extra, algorithms)
     result = compare(
@@ -366,7 +398,7 @@ def cmd_info(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
-    from pyfedkern.benchmarks import FAMILIES, runner
+    from pyfedkern.benchmarks import runner
 
     families = FAMILIES if args.family == "all" else [args.family]
     print(runner.machine_load())
@@ -428,12 +460,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(cmp)
     cmp.set_defaults(parser=cmp, handler=cmd_compare, takes_extra=True)
 
-    part = sub.add_parser("partition", help="print (and plot) how a partition splits a dataset")
-    part.add_argument("--dataset", default="digits")
-    part.add_argument("--data-root", default=None)
-    part.add_argument("--partition", default="dirichlet:0.3")
-    part.add_argument("--clients", type=int, default=20)
-    part.add_argument("--seed", type=int, default=0)
+    part = sub.add_parser("partition", allow_abbrev=False, help="print (and plot) how a partition splits a dataset")
+    part.add_argument("--dataset", default="digits", help=f"{_DATASETS_HELP} (default: digits)")
+    part.add_argument("--data-root", default=None, help="directory holding the MNIST / CIFAR-10 files")
+    part.add_argument("--partition", default="dirichlet:0.3", help=f"{_PARTITIONS_HELP} (default: dirichlet:0.3)")
+    part.add_argument("--clients", type=int, default=20, help="number of clients (default: 20)")
+    part.add_argument("--seed", type=int, default=0, help="random seed of the split (default: 0)")
     part.add_argument("--plot", default=None, help="write a PNG of the per-client class counts")
     part.set_defaults(parser=part, handler=cmd_partition)
 
@@ -453,15 +485,18 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--docs", default=None, help="update this markdown file's section (docs/reproductions.md)")
     rep.set_defaults(parser=rep, handler=cmd_reproduce, takes_extra=True)
 
-    bench = sub.add_parser("bench", help="quick kernel benchmarks: speedups over the usual PyTorch/NumPy way")
-    bench.add_argument("--family", default="aggregate", help="op family or 'all'")
+    bench = sub.add_parser(
+        "bench", allow_abbrev=False, help="quick kernel benchmarks: speedups over the usual PyTorch/NumPy way"
+    )
+    bench.add_argument("--family", default="aggregate", help=f"{' | '.join(FAMILIES)} | all (default: aggregate)")
     bench.add_argument("--full", action="store_true", help="all sizes (slow), not the quick subset")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.set_defaults(parser=bench, handler=cmd_bench)
 
     info = sub.add_parser("info", help="build info, CUDA availability, threads and versions")
-    info.add_argument("--json", action="store_true")
+    info.add_argument("--json", action="store_true", help="print as JSON")
     info.set_defaults(parser=info, handler=cmd_info)
+    parser.commands = tuple(sub.choices)
     return parser
 
 
@@ -478,6 +513,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     # Unknown options are algorithm parameters (run, compare) or go to the reproduction (reproduce).
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and not argv[0].startswith("-") and argv[0] not in parser.commands:
+        near = _did_you_mean(argv[0], parser.commands)
+        parser.error(f"unknown command {argv[0]!r}{near}; the commands are {', '.join(parser.commands)}")
     args, extra = parser.parse_known_args(argv)
     args.flags = {token.partition("=")[0] for token in argv if token.startswith("--")}  # the options given
     try:
@@ -493,8 +531,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"pyfedkern {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("interrupted; resume with `pyfedkern run --resume --out DIR`", file=sys.stderr)
+        print(f"pyfedkern {args.command}: {_interrupted(args)}", file=sys.stderr)
         return 130
+
+
+def _interrupted(args: argparse.Namespace) -> str:
+    """What an interrupted command left, and how to go on."""
+    out = getattr(args, "out", None)
+    if args.command == "run" and out:
+        return f"interrupted; resume with `pyfedkern run --resume --out {shlex.quote(out)}`"
+    if args.command == "run":
+        return "interrupted (without --out nothing was saved)"
+    if args.command == "compare":
+        return (
+            f"interrupted; run the same command again to go on: the finished runs in {out} are reused and the "
+            "interrupted one resumed"
+        )
+    return "interrupted"
 
 
 if __name__ == "__main__":

@@ -144,3 +144,40 @@ def test_engine_models_cases_compute_the_same_rounds():
     ours = results.pop("pyfedkern per-client loop")
     for name, value in results.items():
         np.testing.assert_allclose(value, ours, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_a_groups_limits_are_timed_before_and_after_its_cases_and_the_faster_kept(monkeypatch):
+    from pyfedkern.benchmarks.common import Case
+
+    def case(group, name):
+        return Case(group, name, lambda: lambda: None, bytes_moved=1000)
+
+    cases = [case("g1", "limit:copy"), case("g1", "pyfedkern"), case("g1", "peer"), case("g2", "pyfedkern")]
+    cases.append(case("g2", "limit:copy"))
+    module = type("Family", (), {"cases": staticmethod(lambda quick, device: cases)})
+    monkeypatch.setattr(runner.importlib, "import_module", lambda name: module)
+    times = iter([5.0, 1.0, 2.0, 3.0, 4.0, 7.0, 6.0])
+    order = []
+
+    def timed(c):
+        order.append(c.id)
+        return next(times)
+
+    monkeypatch.setattr(runner, "time_case", timed)
+    rows = runner.run("family", device="cpu", progress=False)
+    first, second = ["limit:copy", "pyfedkern", "peer", "limit:copy"], ["limit:copy", "pyfedkern", "limit:copy"]
+    assert order == [f"g1 | {name}" for name in first] + [f"g2 | {name}" for name in second]
+    assert [(r.group, r.name, r.seconds) for r in rows] == [
+        ("g1", "pyfedkern", 1.0),
+        ("g1", "peer", 2.0),
+        ("g1", "limit:copy", 3.0),  # min(5, 3): the limit measured when the machine was least busy
+        ("g2", "pyfedkern", 7.0),
+        ("g2", "limit:copy", 4.0),  # min(4, 6)
+    ]
+
+
+def test_a_fraction_of_the_limit_above_100_percent_is_flagged_unreliable():
+    rows = [Row("g", "pyfedkern", 1.0, bytes_moved=3000), Row("g", "limit:copy", 2.0, bytes_moved=3000)]
+    assert "bandwidth vs limit:copy: 200% (above 100 %: unreliable" in report(rows)
+    rows = [Row("g", "pyfedkern", 2.0, bytes_moved=3000), Row("g", "limit:copy", 1.0, bytes_moved=3000)]
+    assert "bandwidth vs limit:copy: 50%." in report(rows) and "unreliable" not in report(rows)

@@ -1,6 +1,7 @@
 """The `pyfedkern` command line: a short experiment end to end, resume after a kill, compare, partition, bench,
 info, usage errors, and damaged or misused run directories, devices and dataset files."""
 
+import dataclasses
 import gzip
 import hashlib
 import io
@@ -19,12 +20,19 @@ import pytest
 import torch
 
 import pyfedkern
+from pyfedkern.benchmarks import FAMILIES
 from pyfedkern.cli import main
+from pyfedkern.data.partitions import PARTITIONS
 from pyfedkern.reproduce import REPRODUCTIONS, SUMMARIES
 from pyfedkern.sim.config import ExperimentConfig
 from pyfedkern.sim.engine import Simulation, load_config
 from pyfedkern.sim.results import read_metrics
 
+# every partition as `--help` writes it (name, or name:arguments)
+PARTITION_FORMS = [
+    *("iid", "dirichlet:α", "dirichlet-equal:α", "shards:k", "quantity:α", "noise:σ", "bherd1", "bherd2", "bherd3"),
+    *("groups:o,α", "natural"),
+]
 FAST = ["--rounds", "2", "--clients", "4", "--model", "logreg", "--partition", "iid", "--no-progress"]
 
 
@@ -46,7 +54,26 @@ def test_run_writes_results_and_will_not_resume_a_finished_run(tmp_path, capsys)
     assert (out / "metrics.jsonl").read_text() == metrics
     assert main(["run", "--resume", "--out", str(out), "--rounds", "5", "--mu", "1", "--no-progress"]) == 2
     err = capsys.readouterr().err
-    assert "these options contradict it: --rounds 5 (the run has rounds=2), --mu 1.0 (the run has mu=0.1)" in err
+    assert "these options contradict it: --mu 1.0 (the run has mu=0.1);" in err
+    assert "--rounds" not in err  # more rounds extend the run
+    assert main(["run", "--resume", "--out", str(out), "--rounds", "1", "--no-progress"]) == 2
+    assert "nothing to resume: the run in" in capsys.readouterr().err
+
+
+def test_resume_with_more_rounds_extends_a_finished_run_saying_from_where(tmp_path, capsys):
+    out, direct = tmp_path / "run", tmp_path / "direct"
+    assert main(["run", *FAST, "--out", str(out)]) == 0
+    assert main(["run", *FAST, "--rounds", "4", "--out", str(direct)]) == 0
+    capsys.readouterr()
+    assert (
+        main(["run", "--resume", "--out", str(out), "--rounds", "4", "--checkpoint-every", "3", "--no-progress"]) == 0
+    )
+    said = capsys.readouterr().out
+    assert f"resuming {out} from round 2 (checkpoint round_000002.pt): rounds 3..4 to run" in said
+    assert _numbers(read_metrics(out)) == _numbers(read_metrics(direct))
+    assert torch.equal(torch.load(out / "model.pt")["x"], torch.load(direct / "model.pt")["x"])
+    assert load_config(out) == dataclasses.replace(load_config(direct), checkpoint_every=3)
+    assert json.loads((out / "summary.json").read_text())["rounds"] == 4
 
 
 def test_resume_after_a_kill_gives_the_uninterrupted_metrics(tmp_path):
@@ -190,6 +217,7 @@ def _python_m_pyfedkern(argv, cwd):
     stdout, stderr without the import-time lines, and the names of the modules it imported."""
     root = str(Path(pyfedkern.__file__).parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    env["COLUMNS"] = "1000"  # help on one line per option, as tests look for it
     proc = subprocess.run(
         [sys.executable, "-X", "importtime", "-m", "pyfedkern", *argv],
         env=env,
@@ -209,11 +237,21 @@ def _python_m_pyfedkern(argv, cwd):
     [
         (["--help"], 0, ["run", "compare", "partition", "reproduce", "bench", "info", "--version"]),
         (["--version"], 0, [f"pyfedkern {pyfedkern.__version__}"]),
-        (["run", "--help"], 0, ["--rounds", "(default: 50)", "--help-algorithm"]),
+        (["run", "--help"], 0, ["--rounds", "(default: 50)", "--help-algorithm", *PARTITION_FORMS, "synthetic-iid"]),
+        (
+            ["run", "--help"],
+            0,
+            ["synthetic:α,β[,N[,dim[,classes]]] (Li et al.'s synthetic(α,β): N clients, default 30"],
+        ),
+        (["partition", "--help"], 0, [*PARTITION_FORMS, "number of clients (default: 20)", "random seed of the split"]),
+        (["partition", "--help"], 0, ["directory holding the MNIST / CIFAR-10 files", "synthetic-iid"]),
+        (["bench", "--help"], 0, [" | ".join(FAMILIES) + " | all (default: aggregate)"]),
         (["compare", "--help"], 0, ["--algorithms", "--target"]),
         (["reproduce", "--help"], 0, [*REPRODUCTIONS, SUMMARIES["bherd"][:40], "NAME --help"]),
         (["run", "--rounds", "abc"], 2, ["--rounds: invalid int value: 'abc'"]),
-        (["frobnicate"], 2, ["pyfedkern: error: argument command: invalid choice: 'frobnicate'"]),
+        (["frobnicate"], 2, ["pyfedkern: error: unknown command 'frobnicate'; the commands are run, compare,"]),
+        (["runn", "--rounds", "3"], 2, ["pyfedkern: error: unknown command 'runn' (did you mean run?); the commands"]),
+        (["comapre"], 2, ["unknown command 'comapre' (did you mean compare?)"]),
         ([], 2, ["pyfedkern: error: the following arguments are required: command"]),
         (["compare", "--rounds", "3"], 2, ["required: --algorithms"]),
         (["bench", "--famly", "all"], 2, ["unexpected argument(s): --famly all (did you mean --family?)"]),
@@ -252,6 +290,10 @@ def test_misspelled_options_suggest_the_nearest_general_or_algorithm_option(argv
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"pyfedkern {argv[0]}: error: ") and message in lines[0], err
     assert not (tmp_path / "x").exists()
+
+
+def test_the_help_names_every_partition():
+    assert sorted(form.partition(":")[0] for form in PARTITION_FORMS) == sorted(PARTITIONS)
 
 
 def test_no_algorithm_parameter_is_taken_for_a_misspelled_command_option():
@@ -476,3 +518,124 @@ def test_batched_refuses_other_values(capsys):
         main(["run", *FAST, "--batched", "sometimes"])
     assert exit_.value.code == 2
     assert "argument --batched: expected true, false or auto, got 'sometimes'" in capsys.readouterr().err
+
+
+def _start_run(argv, cwd) -> subprocess.Popen:
+    """``python -m pyfedkern ARGV`` in the background (its stderr piped)."""
+    root = str(Path(pyfedkern.__file__).parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "pyfedkern", *argv]
+    return subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_rounds(proc: subprocess.Popen, out: Path, rounds: int) -> None:
+    deadline = time.monotonic() + 180
+    while len(read_metrics(out)) < rounds:
+        assert proc.poll() is None, proc.stderr.read()
+        assert time.monotonic() < deadline, f"the run wrote {rounds} rounds in 180 s"
+        time.sleep(0.01)
+
+
+def test_one_writer_per_run_directory_and_ctrl_c_says_how_to_resume(tmp_path):
+    """While a run writes --out, a resume or a new run there is refused naming its PID, and the run's metrics stay
+    whole; Ctrl-C then stops it with the real --out in the advice, no temporary file left, and resume says where it
+    goes on."""
+    out = tmp_path / "my run"
+    argv = ["run", "--clients", "10", "--partition", "iid", "--rounds", "100000", "--checkpoint-every", "1"]
+    writer = _start_run([*argv, "--no-progress", "--out", str(out)], tmp_path)
+    try:
+        _wait_for_rounds(writer, out, 3)
+        for second in (["run", "--resume", "--out", str(out)], [*argv, "--out", str(out)]):
+            line = _error_line([*second, "--no-progress"], tmp_path)
+            assert f"run directory {out} is being written by another process (PID {writer.pid})" in line, line
+        assert writer.poll() is None
+        writer.send_signal(signal.SIGINT)
+        _, err = writer.communicate(timeout=120)
+    finally:
+        writer.kill()
+        writer.wait()
+    assert writer.returncode == 130, err
+    assert (
+        err.strip().splitlines()[-1]
+        == f"pyfedkern run: interrupted; resume with `pyfedkern run --resume --out '{out}'`"
+    )
+    assert not list(out.rglob("*.tmp"))
+    done = len(read_metrics(out)) - 1  # whole: every round recorded once, in order
+    assert 3 <= done < 100000
+    newest = max(int(p.name[6:12]) for p in (out / "checkpoints").glob("round_*.pt"))
+    returncode, said, err, _ = _python_m_pyfedkern(
+        ["run", "--resume", "--out", str(out), "--rounds", str(done + 2)], tmp_path
+    )
+    assert returncode == 0, err
+    assert (
+        f"resuming {out} from round {newest} (checkpoint round_{newest:06d}.pt): rounds {newest + 1}..{done + 2}"
+        in said
+    )
+    assert len(read_metrics(out)) == done + 3
+
+
+def test_ctrl_c_of_a_run_without_out_says_nothing_was_saved(tmp_path):
+    proc = _start_run(["run", "--rounds", "100000", "--clients", "10", "--partition", "iid"], tmp_path)
+    try:
+        seen, deadline = "", time.monotonic() + 180
+        while "round" not in seen:  # the progress bar: the rounds have begun
+            assert proc.poll() is None and time.monotonic() < deadline, seen
+            seen += os.read(proc.stderr.fileno(), 1024).decode(errors="replace")
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 130, err
+    assert "pyfedkern run: interrupted (without --out nothing was saved)\n" in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--threads", "1000000"], "threads=1000000 is more than the "),
+        (["--batch-size", "1" + "0" * 20], "batch_size must be an integer from 1 to 2^63 - 1, got 1" + "0" * 20),
+        (["--local-steps", "1" + "0" * 20], "local_steps must be an integer from 1 to 2^63 - 1"),
+        (["--seed", str(2**64)], f"seed must be an integer from 0 to 2^63 - 1, got {2**64}"),
+        (["--local-epochs", "1e300"], "local_epochs=1e+300 makes 4.4e+301 local steps a round (4 participants)"),
+        (["--local-steps", "1" + "0" * 15], "planning their minibatches needs about"),
+        (["--model", "mlp", "--model-param", "hidden=1000000000000"], "model mlp with hidden=1000000000000 has "),
+        (["--model", "mlp", "--model-param", "hidden=1000000000,1000"], "has 1,065,000,011,010 parameters; the run"),
+        (["--dataset", "quadratic:1000000000,1000", "--model", "quadratic", "--partition", "natural"], "clients fit"),
+        (["--out", ""], "--out '' names no directory"),
+        (["--rounds", "-1"], "rounds must be an integer from 1 to 2^63 - 1, got -1"),
+    ],
+    ids=[
+        "threads",
+        "batch-size",
+        "local-steps",
+        "seed",
+        "local-epochs",
+        "steps-memory",
+        "layer",
+        "model",
+        "data",
+        "out",
+        "rounds",
+    ],
+)
+def test_absurd_numbers_are_one_line_errors_naming_the_option(options, message, tmp_path):
+    fast = [a for a in FAST if a not in ("--rounds", "2")]
+    line = _error_line(["run", *fast, *options], tmp_path)
+    assert message in line
+    assert list(tmp_path.iterdir()) == []  # nothing written (--out '' is not the current directory)
+
+
+def test_ctrl_c_of_a_comparison_says_to_run_it_again(tmp_path, capsys, monkeypatch):
+    import pyfedkern.sim.compare
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pyfedkern.sim.compare, "compare", interrupted)
+    assert main(["compare", "--algorithms", "fedavg", *FAST, "--out", str(tmp_path / "cmp")]) == 130
+    assert capsys.readouterr().err == (
+        f"pyfedkern compare: interrupted; run the same command again to go on: the finished runs in "
+        f"{tmp_path / 'cmp'} are reused and the interrupted one resumed\n"
+    )

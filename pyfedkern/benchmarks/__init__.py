@@ -5,7 +5,7 @@ compute the same thing (pyfedkern, the peers users run today) plus the machine's
 (a copy or sum for memory-bound ops, a GEMM for compute-bound ones). Reports compare ratios within a group.
 """
 
-from pyfedkern.benchmarks.common import Case, InputCache
+from typing import Any
 
 #: family name → module under pyfedkern.benchmarks ("flower" has no cases without flwr installed)
 FAMILIES = [
@@ -23,3 +23,12 @@ FAMILIES = [
 ]
 
 __all__ = ["FAMILIES", "Case", "InputCache"]
+
+
+def __getattr__(name: str) -> Any:
+    """Case and InputCache on first use: FAMILIES stays importable without torch (``pyfedkern bench --help``)."""
+    if name in ("Case", "InputCache"):
+        from pyfedkern.benchmarks import common
+
+        return getattr(common, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""Whole FedAvg rounds on real models (issue 28): pfl-research's CIFAR-10 cross-device benchmark and a LEAF-shaped
+"""Whole FedAvg rounds on real models: pfl-research's CIFAR-10 cross-device benchmark and a LEAF-shaped
 Shakespeare task, pyfedkern's local-training paths against each other and against pfl-research, at 1 and 2 threads.
 
 - ``engine_models cifar10-shaped 1000×50 simple_cnn fedavg 50/round B=10 cpu t={1,2}``: pfl's headline setup on

@@ -2,7 +2,9 @@
 
 - ``digits``: scikit-learn's bundled 8×8 digits (no download), a seeded stratified 1347/450 split.
 - ``synthetic:α,β[,clients[,dim[,classes]]]``: the synthetic(α, β) benchmark of Li et al. (FedProx), with natural
-  clients (``client_ids``).
+  clients (``client_ids``); every client has its own model, so no one model fits many clients.
+- ``synthetic-iid[:clients[,dim[,classes]]]``: Li et al.'s synthetic IID set: the same model for every client, so one
+  model fits them all, however many there are.
 - ``mnist`` / ``cifar10``: read from files you download (``root``); nothing is fetched from the network.
 - ``quadratic:m,d``: FedPBC's toy problem F_i(x) = ½‖x − u_i‖² (not a real dataset; see :func:`load_dataset`).
 
@@ -25,7 +27,7 @@ import numpy as np
 
 from pyfedkern.data.spec import parse_spec
 
-DATASETS = ("digits", "synthetic", "mnist", "cifar10", "quadratic")
+DATASETS = ("digits", "synthetic", "synthetic-iid", "mnist", "cifar10", "quadratic")
 NORMALIZATIONS = ("standard", "unit", "none")
 
 MNIST_URL = "http://yann.lecun.com/exdb/mnist/"
@@ -37,7 +39,7 @@ class Dataset:
     """A train/test split. x: float32 [n, *input_shape]; y: int64 [n] in [0, num_classes).
 
     ``normalization`` describes what was applied to x. ``client_ids`` (int64 [n_train]) names the natural client
-    of each training sample for datasets that have them (synthetic, quadratic), else None.
+    of each training sample for datasets that have them (synthetic, synthetic-iid, quadratic), else None.
     """
 
     name: str
@@ -71,6 +73,8 @@ def load_dataset(
     name, args = parse_spec(spec, what="dataset", choices=DATASETS)
     if name == "synthetic":
         return _synthetic(args, normalize, int(split_seed))
+    if name == "synthetic-iid":
+        return _synthetic_iid(args, normalize, int(split_seed))
     if name == "quadratic":
         return _quadratic(args, int(split_seed))
     _no_arguments(name, args, spec)
@@ -83,15 +87,31 @@ def load_dataset(
 
 def train_size(spec: str, *, split_seed: int = 0) -> int | None:
     """The number of training samples ``load_dataset(spec, split_seed=split_seed)`` gives, found without loading
-    it (digits, synthetic, quadratic; the arguments are checked); None for datasets read from files."""
+    it (digits, synthetic, synthetic-iid, quadratic; the arguments are checked); None for datasets read from files."""
+    size = planned_size(spec, split_seed=split_seed)
+    return None if size is None else size[0]
+
+
+def planned_size(spec: str, *, split_seed: int = 0) -> tuple[int, int, tuple[int, ...]] | None:
+    """(training samples, test samples, input shape) of ``load_dataset(spec, split_seed=split_seed)``, found
+    without making the data (digits, synthetic, synthetic-iid, quadratic; the arguments are checked); None for
+    datasets read from files."""
     name, args = parse_spec(spec, what="dataset", choices=DATASETS)
     if name == "synthetic":
-        sizes = _synthetic_sizes(np.random.default_rng(split_seed), _synthetic_args(args)[2])
-        return sum(_synthetic_train_part(n) for n in sizes)
+        _, _, clients, dim, _ = _synthetic_args(args)
+        sizes = _synthetic_sizes(np.random.default_rng(split_seed), clients)
+        train = sum(_synthetic_train_part(n) for n in sizes.tolist())
+        return train, int(sizes.sum()) - train, (dim,)
+    if name == "synthetic-iid":
+        clients, dim, _ = _synthetic_iid_args(args)
+        sizes = _synthetic_sizes(np.random.default_rng(split_seed), clients)
+        train = sum(_synthetic_train_part(n) for n in sizes.tolist())
+        return train, int(sizes.sum()) - train, (dim,)
     if name == "quadratic":
-        return _quadratic_args(args)[0]
+        m, d = _quadratic_args(args)
+        return m, m, (d,)
     _no_arguments(name, args, spec)
-    return _DIGITS_SAMPLES - _DIGITS_TEST if name == "digits" else None
+    return (_DIGITS_SAMPLES - _DIGITS_TEST, _DIGITS_TEST, (1, 8, 8)) if name == "digits" else None
 
 
 def _no_arguments(name: str, args: list[float], spec: str) -> None:
@@ -188,11 +208,15 @@ def _int_arg(value: float, what: str, minimum: int) -> int:
     return int(value)
 
 
+#: Defaults of synthetic:α,β,clients,dim,classes.
+SYNTHETIC_DEFAULTS = (1.0, 1.0, 30.0, 60.0, 10.0)
+
+
 def _synthetic_args(args: list[float]) -> tuple[float, float, int, int, int]:
     """Checked (α, β, clients, dim, classes) of ``synthetic:...``, defaults filled in."""
     if len(args) > 5:
         raise ValueError(f"dataset synthetic takes at most 5 arguments (α,β,clients,dim,classes), got {len(args)}")
-    alpha, beta, clients, dim, classes = [*args, *(1.0, 1.0, 30.0, 60.0, 10.0)[len(args) :]]
+    alpha, beta, clients, dim, classes = [*args, *SYNTHETIC_DEFAULTS[len(args) :]]
     if not (np.isfinite(alpha) and alpha >= 0 and np.isfinite(beta) and beta >= 0):
         raise ValueError(f"synthetic: α and β must be finite and >= 0, got α={alpha:g}, β={beta:g}")
     return (
@@ -251,6 +275,61 @@ def _synthetic(args: list[float], normalize: str, seed: int) -> Dataset:
 
 
 _SYNTHETIC_DRAW = 1 << 22  # standard normals drawn per call (32 MiB)
+
+
+def _synthetic_iid_args(args: list[float]) -> tuple[int, int, int]:
+    """Checked (clients, dim, classes) of ``synthetic-iid:...``, defaults filled in."""
+    if len(args) > 3:
+        raise ValueError(f"dataset synthetic-iid takes at most 3 arguments (clients,dim,classes), got {len(args)}")
+    clients, dim, classes = [*args, *SYNTHETIC_DEFAULTS[2 + len(args) :]]
+    return (
+        _int_arg(clients, "synthetic-iid: clients", 1),
+        _int_arg(dim, "synthetic-iid: dim", 1),
+        _int_arg(classes, "synthetic-iid: classes", 2),
+    )
+
+
+def _synthetic_iid(args: list[float], normalize: str, seed: int) -> Dataset:
+    """Li et al.'s synthetic IID set: one W [dim, classes] and b [classes] ~ N(0, 1) for every client, x ~ N(0, Σ)
+    with Σ_jj = j^-1.2, y = argmax(W x + b). Clients differ only in size (as in :func:`_synthetic`: ⌊lognormal(4,
+    2)⌋ + 50, capped at 1000, split 80/20 train/test), so one model fits them all. Defaults: 30 clients, dim 60,
+    10 classes."""
+    clients, dim, classes = _synthetic_iid_args(args)
+    rng = np.random.default_rng(seed)
+    sizes = _synthetic_sizes(rng, clients)
+    w, b = rng.standard_normal((dim, classes)), rng.standard_normal(classes)
+    feature_std = np.arange(1, dim + 1, dtype=np.float64) ** -0.6  # sqrt of Σ_jj = j^-1.2
+    n_train = np.array([_synthetic_train_part(n) for n in sizes.tolist()], dtype=np.int64)
+    # samples client after client; the first n_train[k] of client k are its training samples
+    rank = np.arange(sizes.sum()) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+    is_train = rank < np.repeat(n_train, sizes)
+    x_train, x_test = (
+        np.empty((n_train.sum(), dim), np.float32),
+        np.empty((sizes.sum() - n_train.sum(), dim), np.float32),
+    )
+    y_train, y_test = np.empty(len(x_train), np.int64), np.empty(len(x_test), np.int64)
+    at_train = at_test = 0
+    rows = max(1, _SYNTHETIC_DRAW // dim)
+    for start in range(0, len(is_train), rows):
+        train = is_train[start : start + rows]
+        x = rng.standard_normal((len(train), dim)) * feature_std
+        y = np.argmax(x @ w + b, axis=1)
+        k, m = int(train.sum()), int((~train).sum())
+        x_train[at_train : at_train + k], y_train[at_train : at_train + k] = x[train], y[train]
+        x_test[at_test : at_test + m], y_test[at_test : at_test + m] = x[~train], y[~train]
+        at_train, at_test = at_train + k, at_test + m
+    x_train, x_test, how = _normalize(x_train, x_test, normalize, per="feature", pixel_max=None)
+    return Dataset(
+        f"synthetic-iid:{clients},{dim},{classes}",
+        x_train,
+        y_train,
+        x_test,
+        y_test,
+        classes,
+        (dim,),
+        how,
+        client_ids=np.repeat(np.arange(clients, dtype=np.int64), n_train),
+    )
 
 
 def _synthetic_groups(sizes: np.ndarray, dim: int, classes: int) -> list[np.ndarray]:

@@ -14,7 +14,7 @@ the same split. Specs are ``name`` or ``name:arg,arg``:
 - ``bherd1`` / ``bherd2`` / ``bherd3``: Cases 1–3 of BHerd (the code cases 1, 2 and 4 of Wang et al., JSAC'19).
 - ``groups:o,α`` (o = 0, α = 0.3): two client groups with overlapping label sets (dynamic initial models).
 - ``dirichlet-equal:α`` (α = 0.5): equal sizes, each client's label mix ~ Dir(α) (FedPBC's data split).
-- ``natural``: one client per distinct ``client_ids`` value (synthetic, quadratic).
+- ``natural``: one client per distinct ``client_ids`` value (synthetic, synthetic-iid, quadratic).
 """
 
 from __future__ import annotations

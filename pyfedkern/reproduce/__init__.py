@@ -35,6 +35,14 @@ SUMMARIES: dict[str, str] = {
 }
 
 
+#: What a reproduction says in place of its verdicts when it ran one seed (``--quick``): with one seed a difference
+#: between methods cannot be told from seed noise, and there is no spread to show.
+ONE_SEED = (
+    "**No verdict is drawn from one seed**: with one seed a difference between methods cannot be told from seed "
+    "noise, and there is no spread to show. Run with `--seeds 2` or more (the full run's default) for verdicts.\n"
+)
+
+
 def update_docs_section(path: str | Path, name: str, markdown: str) -> None:
     """Replace (or append) the section of ``path`` between ``<!-- begin NAME -->`` and ``<!-- end NAME -->``."""
     path = Path(path)

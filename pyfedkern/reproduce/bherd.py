@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from pyfedkern.ops.herding import selection_size
-from pyfedkern.reproduce import update_docs_section
+from pyfedkern.reproduce import ONE_SEED, update_docs_section
 from pyfedkern.sim.config import ExperimentConfig
 from pyfedkern.sim.engine import Simulation, run_or_reuse
 from pyfedkern.sim.plots import plot_curves
@@ -99,7 +99,7 @@ def summarize(curves: dict[str, list[dict]], finals: dict[str, list[float]]) -> 
     return {
         v: {
             "final_train_loss": c[-1]["train_loss"],
-            "final_train_loss_std": float(np.std(finals[v], ddof=1)) if len(finals[v]) > 1 else 0.0,
+            "final_train_loss_std": float(np.std(finals[v], ddof=1)) if len(finals[v]) > 1 else None,
             "final_test_acc": c[-1]["test_acc"],
             "rounds_to_fedavg_final_loss": rounds_to_loss(c, threshold),
             "rounds_to_near_fedavg_final_loss": rounds_to_loss(c, (1 + NEAR) * threshold),
@@ -243,7 +243,7 @@ def results_table(cases: list[dict]) -> str:
             s = c["summary"][v]
             rounds = [s["rounds_to_fedavg_final_loss"], s["rounds_to_near_fedavg_final_loss"]]
             lines.append(
-                f"| {c['case']} | {LABELS[v]} | {s['final_train_loss']:.4f} ± {_std(s['final_train_loss_std'])} "
+                f"| {c['case']} | {LABELS[v]} | {s['final_train_loss']:.4f}{_spread(s['final_train_loss_std'])} "
                 f"| {100 * s['final_test_acc']:.2f} | "
                 + " | ".join("never" if r is None else str(r) for r in rounds)
                 + " |"
@@ -251,8 +251,11 @@ def results_table(cases: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _std(x: float) -> str:
-    return f"{x:.5f}" if x >= 5e-6 else "< 0.00001"
+def _spread(std: float | None) -> str:
+    """`` ± std`` of the seeds, nothing for one seed (None)."""
+    if std is None:
+        return ""
+    return f" ± {std:.5f}" if std >= 5e-6 else " ± < 0.00001"
 
 
 def _seeds(n: int) -> str:
@@ -324,7 +327,7 @@ def _markdown(cases: list[dict], args: argparse.Namespace, images: list[str], qu
             "α = 0.1 fails to converge; GraB gains little. For each, the criterion we apply to the seed-averaged "
             "curves, the numbers per case, and our verdict (we agree only when the claim holds in all three cases):",
             "",
-            findings(cases),
+            findings(cases) if args.seeds > 1 else ONE_SEED,
         ]
     )
 
@@ -346,7 +349,7 @@ def main(argv: Sequence[str], *, out: Path, quick: bool, docs: str | None) -> in
     (out / "results.json").write_text(json.dumps([{k: v for k, v in c.items() if k != "curves"} for c in cases]))
     (out / "report.md").write_text(_markdown(cases, args, [p.name for p in plots], quick))
     print(results_table(cases))
-    print(findings(cases))
+    print(findings(cases) if args.seeds > 1 else ONE_SEED)
     if docs:
         img = Path(docs).parent / "img"
         img.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,7 @@ from typing import Any
 from pyfedkern.sim.config import ExperimentConfig
 from pyfedkern.sim.engine import check_reusable, run_or_reuse
 from pyfedkern.sim.plots import plot_curves, summary_table
-from pyfedkern.sim.results import summarize
+from pyfedkern.sim.results import DirectoryLock, summarize
 
 
 @dataclasses.dataclass
@@ -35,10 +35,11 @@ def compare(
 ) -> Comparison:
     """Run each algorithm with ``base``'s data, partition, model and seed into ``out_dir/<algorithm>``.
 
-    A finished sub-run (summary.json present) is reused and an interrupted one resumed, so an interrupted
-    comparison picks up where it stopped; a sub-run made with a different config raises ValueError before anything
-    runs. Writes ``compare.png`` (accuracy and loss against round) and ``compare.md`` (final/best accuracy and
-    rounds to ``target``).
+    A finished sub-run (summary.json present) is reused (extended when ``base`` has more rounds) and an interrupted
+    one resumed, so an interrupted comparison picks up where it stopped; a sub-run made with a different config
+    raises ValueError before anything runs. One comparison at a time writes ``out_dir`` (it holds the directory's
+    lock; another raises :class:`~pyfedkern.sim.results.DirectoryLocked` naming its PID). Writes ``compare.png``
+    (accuracy and loss against round) and ``compare.md`` (final/best accuracy and rounds to ``target``).
     """
     if not algorithms:
         raise ValueError("algorithms is empty: name at least one algorithm")
@@ -51,14 +52,21 @@ def compare(
     }
     for config in configs.values():
         config.validate()
+    if isinstance(out_dir, str) and not out_dir.strip():
+        raise ValueError(f"out_dir is {out_dir!r}: name a directory (--out DIR)")
     out = Path(out_dir)
-    for name, config in configs.items():
-        check_reusable(config, out / name)  # every sub-run checked before any runs
-    metrics = {name: run_or_reuse(config, out / name, progress=progress) for name, config in configs.items()}
-    summaries = {name: summarize(m, target) for name, m in metrics.items()}
-    title = f"{base.dataset}, {base.partition}, {base.clients} clients, model {base.model}"
-    plot = plot_curves(metrics, out / "compare.png", title=title)
-    table = out / "compare.md"
-    table.write_text(f"# {title}\n\n" + summary_table(summaries, target))
-    (out / "compare.json").write_text(json.dumps(summaries, indent=2))
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"cannot create the comparison directory {out}: {err.strerror}") from None
+    with DirectoryLock(out, "comparison directory"):  # one comparison at a time writes out_dir
+        for name, config in configs.items():
+            check_reusable(config, out / name)  # every sub-run checked before any runs
+        metrics = {name: run_or_reuse(config, out / name, progress=progress) for name, config in configs.items()}
+        summaries = {name: summarize(m, target) for name, m in metrics.items()}
+        title = f"{base.dataset}, {base.partition}, {base.clients} clients, model {base.model}"
+        plot = plot_curves(metrics, out / "compare.png", title=title)
+        table = out / "compare.md"
+        table.write_text(f"# {title}\n\n" + summary_table(summaries, target))
+        (out / "compare.json").write_text(json.dumps(summaries, indent=2))
     return Comparison(metrics, summaries, plot, table)

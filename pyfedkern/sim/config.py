@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,7 +17,11 @@ from pyfedkern.data.spec import parse_spec
 
 LR_SCHEDULES = ("const", "exp", "invsqrt")
 DTYPES = ("float32", "float64")  # of the model and the float data (float64 for checks to rounding)
+DTYPE_BYTES = {"float32": 4, "float64": 8}
 DEVICE = re.compile(r"cpu|cuda(:[0-9]+)?")
+INT64_MAX = 2**63 - 1  # the largest count or seed (they become int64 in NumPy, torch and the C++ ops)
+#: Copies of the model a run holds at the least (the model, the global model, a client's model and its gradient).
+MODEL_COPIES = 4
 
 
 @dataclass
@@ -77,8 +82,8 @@ class ExperimentConfig:
         from pyfedkern.data import datasets, partitions
 
         def positive_int(name: str, value: Any) -> None:
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= INT64_MAX:
+                raise ValueError(f"{name} must be an integer from 1 to 2^63 - 1, got {value!r}")
 
         def finite(name: str, value: Any) -> float:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -102,8 +107,8 @@ class ExperimentConfig:
         for name in ("local_steps", "threads", "client_chunk"):
             if getattr(self, name) is not None:
                 positive_int(name, getattr(self, name))
-        if isinstance(self.seed, bool) or not (isinstance(self.seed, int) and self.seed >= 0):
-            raise ValueError(f"seed must be an integer >= 0, got {self.seed!r}")
+        if isinstance(self.seed, bool) or not (isinstance(self.seed, int) and 0 <= self.seed <= INT64_MAX):
+            raise ValueError(f"seed must be an integer from 0 to 2^63 - 1, got {self.seed!r}")
         if not (0 < finite("fraction", self.fraction) <= 1):
             raise ValueError(f"fraction must be in (0, 1], got {self.fraction}")
         for name in ("local_epochs", "lr"):
@@ -166,6 +171,117 @@ def check_device(device: str) -> None:
     )
     if problems:
         raise ValueError(f"device {device!r} cannot be used here: {'; '.join(problems)}")
+
+
+def check_threads(threads: int | None) -> None:
+    """ValueError when ``threads`` (a valid config's) is more than this machine's CPUs: more threads than CPUs only
+    slow the kernels down, and a huge number exhausts the machine's processes."""
+    cpus = os.cpu_count() or 1
+    if threads is not None and threads > cpus:
+        raise ValueError(f"threads={threads} is more than the {cpus} CPUs of this machine; use at most {cpus}")
+
+
+def check_data_memory(config: ExperimentConfig, available: int) -> None:
+    """ValueError when the data of ``config.dataset`` would not fit in ``available`` bytes (for digits, synthetic
+    and quadratic, whose size is known before they are made), saying how many of the dataset's clients (the N of
+    synthetic:α,β,N, the m of quadratic:m,d) fit. The estimate counts the dataset's float32 arrays, the run's copy
+    of the training set in its dtype (and of all of it in float64), and the labels and indices."""
+    from pyfedkern.data import datasets
+
+    planned = datasets.planned_size(config.dataset)
+    if planned is None:
+        return
+    train, test, shape = planned
+    features, itemsize = math.prod(shape), DTYPE_BYTES[config.dtype]
+    needed = features * (4 * (train + test) + itemsize * train + (itemsize * (train + test) if itemsize != 4 else 0))
+    needed += 48 * (train + test)  # labels, client ids, sample indices
+    if needed <= available:
+        return
+    name, args = parse_spec(config.dataset, what="dataset", choices=datasets.DATASETS)
+    fits = ""
+    where = {"synthetic": (2, "N in synthetic:α,β,N"), "synthetic-iid": (0, "N in synthetic-iid:N")}
+    if name in where:  # the samples grow with the number of clients of the spec
+        at, spec = where[name]
+        count = int(args[at] if len(args) > at else datasets.SYNTHETIC_DEFAULTS[2])
+        fits = f"; about {int(count * available / needed):,} of its {count:,} clients fit (a smaller {spec})"
+    elif name == "quadratic":  # one sample per client
+        fits = f"; about {int(train * available / needed):,} of its {train:,} clients fit (a smaller m)"
+    raise ValueError(
+        f"dataset {config.dataset} ({train + test:,} samples of {features:,} values) needs about {_size(needed)} of "
+        f"memory in this run, but {_size(available)} are available{fits}"
+    )
+
+
+def check_model_memory(
+    config: ExperimentConfig, input_shape: tuple[int, ...], num_classes: int, available: int
+) -> None:
+    """ValueError when :data:`MODEL_COPIES` copies of ``config.model`` (built with its model_params for inputs
+    ``input_shape`` on PyTorch's meta device, which allocates nothing) would not fit in ``available`` bytes, saying
+    how many parameters fit."""
+    import torch
+
+    from pyfedkern import models
+
+    given = ", ".join(f"{k}={_shown(v)}" for k, v in config.model_params.items())
+    model = f"model {config.model}{f' with {given}' if given else ''}"
+    fits = f"at most about {available // (MODEL_COPIES * DTYPE_BYTES[config.dtype]):,} parameters fit"
+    try:
+        with torch.device("meta"):
+            module = models.build_model(config.model, input_shape, num_classes, **config.model_params)
+    except RuntimeError:  # a layer of more than 2^63 bytes
+        raise ValueError(f"{model} has layers too large for any memory; {fits}") from None
+    params = sum(p.numel() for p in module.parameters())
+    needed = MODEL_COPIES * params * DTYPE_BYTES[config.dtype]
+    if needed > available:
+        raise ValueError(
+            f"{model} has {params:,} parameters; the run holds at least {MODEL_COPIES} copies of them (the model, "
+            f"the global model, a client's model and its gradient), {_size(needed)} in {config.dtype}, but "
+            f"{_size(available)} are available: {fits}"
+        )
+
+
+def check_local_work(config: ExperimentConfig, client_sizes: Any, available: int) -> None:
+    """ValueError when the minibatch plan of a round (the sample positions of every local step of the round's
+    participants, the largest clients taken) would not fit in ``available`` bytes, naming --local-steps or
+    --local-epochs and the most that fits. Counted in floats, so 1e300 epochs are refused, not overflowed."""
+    import numpy as np
+
+    n = np.sort(np.asarray(client_sizes, dtype=np.float64))[::-1]
+    n = n[: max(1, round(config.fraction * len(n)))]
+    size = np.minimum(float(config.batch_size), n)
+    per_epoch = np.ceil(n / size)
+
+    def plan(steps_or_epochs: float) -> tuple[float, float]:
+        """(local steps, bytes) of a round's plan."""
+        steps = np.full_like(n, steps_or_epochs) if config.local_steps else np.ceil(steps_or_epochs * per_epoch)
+        drawn = np.ceil(steps / per_epoch)  # permutations of the client's data
+        return float(np.sum(steps)), 8 * float(np.sum(drawn * n + steps * size + 10 * steps))
+
+    option = "local_steps" if config.local_steps else "local_epochs"
+    value = getattr(config, option)
+    steps, needed = plan(value)
+    if needed <= available:
+        return
+    most = value * (available / needed)
+    while most > 0 and plan(most)[1] > available:  # the rounding up of steps: a little less
+        most = int(most * 0.95) if config.local_steps else most * 0.95
+    fits = f"{int(most):,}" if config.local_steps else f"{most:.3g}"
+    raise ValueError(
+        f"{option}={value:,} makes {steps:.3g} local steps a round ({len(n)} participants); planning their "
+        f"minibatches needs about {_size(needed)}, but {_size(available)} are available: at most about "
+        f"{option}={fits} fits"
+    )
+
+
+def _size(nbytes: float) -> str:
+    """Bytes in GiB, or MiB or KiB below 1 GiB."""
+    unit, scale = next((u, s) for u, s in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)) if nbytes >= s or u == "KiB")
+    amount = nbytes / scale
+    return f"{amount:,.1f} {unit}" if amount < 1e6 else f"{amount:.3g} {unit}"
+
+
+def _shown(value: Any) -> str:
+    return ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
 
 
 def device_problems(device: str, *, torch_cuda: bool, gpus: int, pyfedkern_cuda: bool) -> list[str]:

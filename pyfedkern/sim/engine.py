@@ -26,11 +26,28 @@ import torch
 
 from pyfedkern import models
 from pyfedkern.algorithms import Algorithm, LocalModel, make_algorithm
-from pyfedkern.algorithms.batched import can_batch, choose_path, padding_weights
+from pyfedkern.algorithms.batched import can_batch, choose_path, free_memory, padding_weights
 from pyfedkern.data import datasets, partitions
 from pyfedkern.ops import seeded_permutations
-from pyfedkern.sim.config import ExperimentConfig, check_client_count, check_device, parse_lr_schedule
-from pyfedkern.sim.results import RunWriter, config_differences, is_finished, read_config, read_metrics
+from pyfedkern.sim.config import (
+    ExperimentConfig,
+    check_client_count,
+    check_data_memory,
+    check_device,
+    check_local_work,
+    check_model_memory,
+    check_threads,
+    parse_lr_schedule,
+)
+from pyfedkern.sim.results import (
+    RESUME_FREE_FIELDS,
+    ResumePoint,
+    RunWriter,
+    config_differences,
+    is_finished,
+    read_config,
+    read_metrics,
+)
 
 # Purposes of the random streams (first key after the seed).
 _SAMPLE, _BATCH, _FIXED_ORDER, _NOISE, _PUBLIC, _EVAL_SUBSET = 1, 2, 3, 4, 5, 6
@@ -44,6 +61,8 @@ class Simulation:
     def __init__(self, config: ExperimentConfig, algorithm: Algorithm | None = None) -> None:
         config.validate()
         check_device(config.device)
+        check_threads(config.threads)
+        check_data_memory(config, free_memory(torch.device("cpu")))  # before the data is made
         self.config = config
         self.seed = config.seed
         self.device = torch.device(config.device)
@@ -81,6 +100,7 @@ class Simulation:
         if np.any(self.client_sizes == 0):
             empty = np.flatnonzero(self.client_sizes == 0).tolist()
             raise ValueError(f"partition {config.partition!r} left clients {empty} without data; use fewer clients")
+        check_local_work(config, self.client_sizes, free_memory(torch.device("cpu")))  # plans are made on the host
 
         x_train, y_train = self._tensor(data.x_train), self._tensor(data.y_train)
         # every client's samples, client after client; client_x/client_y are views of these (stacked_batches
@@ -103,6 +123,7 @@ class Simulation:
         #: When set, evaluation uses only test samples with these labels (the classes current clients hold).
         self.eval_labels: np.ndarray | None = None
 
+        check_model_memory(config, data.input_shape, data.num_classes, free_memory(self.device))
         torch.manual_seed(config.seed)
         module = models.build_model(config.model, data.input_shape, data.num_classes, **config.model_params)
         self.local = LocalModel(module.to(device=self.device, dtype=self.dtype))
@@ -363,15 +384,17 @@ class Simulation:
         """Run (or resume) the experiment; return the per-round metrics (round 0 = the initial model).
 
         With ``out_dir``, config.json, metrics.jsonl (one line per round, written as it goes), checkpoints every
-        ``checkpoint_every`` rounds, summary.json and model.pt are written there.
+        ``checkpoint_every`` rounds and after the last, summary.json and model.pt are written there, by this process
+        alone (:class:`~pyfedkern.sim.results.RunWriter` holds the directory's lock). ``resume`` continues the run
+        in ``out_dir``, or extends a finished one when ``config.rounds`` is above its rounds.
         """
         threads = self.config.threads or (1 if self.local.dim < 1_000_000 else torch.get_num_threads())
-        with _cpu_threads(threads):
-            return self._run(out_dir, resume, progress)
+        writing = RunWriter(out_dir, self.config.to_dict(), resume=resume) if out_dir is not None else None
+        with _cpu_threads(threads), writing or contextlib.nullcontext() as writer:  # the lock held to the end
+            return self._run(writer, resume, progress)
 
-    def _run(self, out_dir: str | Path | None, resume: bool, progress: bool) -> list[dict[str, Any]]:
+    def _run(self, writer: RunWriter | None, resume: bool, progress: bool) -> list[dict[str, Any]]:
         cfg = self.config
-        writer = RunWriter(out_dir, cfg.to_dict(), resume=resume) if out_dir is not None else None
         algo = self.algorithm
         algo.setup(self, self.initial_vector)
         metrics: list[dict[str, Any]] = []
@@ -411,7 +434,7 @@ class Simulation:
             metrics.append(record)
             if writer is not None:
                 writer.append_metrics(record)
-                if (t + 1) % cfg.checkpoint_every == 0 and t + 1 < cfg.rounds:
+                if (t + 1) % cfg.checkpoint_every == 0 or t + 1 == cfg.rounds:  # the last: to extend the run
                     writer.save_checkpoint(self._checkpoint(t + 1))
             if bar is not None:
                 bar.update(1)
@@ -580,29 +603,36 @@ def run_experiment(
     return Simulation(config).run(out_dir, resume=resume, progress=progress)
 
 
-def check_resumable(config: ExperimentConfig, run_dir: str | Path) -> None:
+def check_resumable(config: ExperimentConfig, run_dir: str | Path) -> ResumePoint:
     """Raise what ``Simulation(config).run(run_dir, resume=True)`` would raise about the run directory (a changed
-    config, a finished run, damaged files, ...), without building the simulation or changing any file."""
-    RunWriter(run_dir, config.to_dict(), resume=True).resume_point()
+    config, a finished run, damaged files, another process writing it, ...), without building the simulation or
+    changing any file; return where the run goes on."""
+    with RunWriter(run_dir, config.to_dict(), resume=True) as writer:
+        return writer.resume_point()
 
 
 def check_reusable(config: ExperimentConfig, run_dir: str | Path) -> None:
-    """Raise ValueError if ``run_dir`` holds a run (finished or interrupted) of a config other than ``config``."""
+    """Raise ValueError if ``run_dir`` holds a run (finished or interrupted) of a config other than ``config`` but
+    for :data:`~pyfedkern.sim.results.RESUME_FREE_FIELDS`, or a finished run of more rounds."""
     run_dir = Path(run_dir)
     if (run_dir / "config.json").exists():
-        changed = config_differences(run_dir, config.to_dict())
+        changed = [k for k in config_differences(run_dir, config.to_dict()) if k not in RESUME_FREE_FIELDS]
         if changed:
             raise ValueError(
                 f"{run_dir} holds a run with a different config (it differs in {', '.join(changed)}); "
                 "choose a fresh output directory (--out) or delete that one"
             )
+        done = read_config(run_dir)["rounds"]
+        if is_finished(run_dir) and done > config.rounds:
+            raise ValueError(f"{run_dir} holds a finished run of {done} rounds, more than the {config.rounds} asked")
 
 
 def run_or_reuse(config: ExperimentConfig, run_dir: str | Path, *, progress: bool = False) -> list[dict[str, Any]]:
-    """The per-round metrics of ``config`` run in ``run_dir``: read back if that run finished, resumed if it was
-    interrupted, run otherwise; a run of another config there raises ValueError (never silently reused)."""
+    """The per-round metrics of ``config`` run in ``run_dir``: read back if that run finished (extended when
+    ``config`` has more rounds), resumed if it was interrupted, run otherwise; a run of another config there raises
+    ValueError (never silently reused)."""
     check_reusable(config, run_dir)
-    if is_finished(run_dir):
+    if is_finished(run_dir) and read_config(run_dir)["rounds"] == config.rounds:
         return read_metrics(run_dir)
     resume = (Path(run_dir) / "metrics.jsonl").exists()
     return Simulation(config).run(run_dir, resume=resume, progress=progress)

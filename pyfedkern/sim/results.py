@@ -9,16 +9,20 @@ A run directory holds
   each with ``round_NNNNNN.pt.sha256`` beside it (the SHA-256 of the checkpoint, in ``sha256sum`` format). A
   checkpoint holds its round, the config it was made under and the algorithm's state: tensors, numbers, strings,
   lists and dicts only, loaded with ``torch.load(weights_only=True)``, so no pickled code runs on resume;
-- at the end ``model.pt`` (the final global vector) and ``summary.json`` (written last: it marks the run finished).
+- at the end ``model.pt`` (the final global vector) and ``summary.json`` (written last: it marks the run finished);
+- ``.lock``: the lock of the process writing the directory (:class:`DirectoryLock`), with its PID while it runs.
 
 Every file but metrics.jsonl is written whole to a temporary name and renamed into place, so a killed run leaves
 the old file or the new one, never half of one (a checksum is written before its checkpoint: a stop between the two
-leaves a checksum without a checkpoint, which is ignored). Resuming reads and checks all of it before it changes
-any file (:meth:`RunWriter.resume_point`, then :meth:`RunWriter.start_from`).
+leaves a checksum without a checkpoint, which is ignored; an interrupted write removes its temporary file, and
+resume removes those a ``kill -9`` left). Resuming reads and checks all of it before it changes any file
+(:meth:`RunWriter.resume_point`, then :meth:`RunWriter.start_from`). One process at a time writes a run directory:
+:class:`RunWriter` holds its lock from start to end.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import io
 import itertools
@@ -26,6 +30,8 @@ import json
 import math
 import os
 import re
+import socket
+import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,14 +50,110 @@ _CHECKSUM_LINE = re.compile(r"([0-9a-f]{64})  (\S+)\n?")
 RESUME_FREE_FIELDS = ("checkpoint_every", "data_root", "rounds")
 
 
+_TMP = ".tmp"  # suffix of the temporary files of _atomic_write
+
+
 def _atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file, synced to disk, then renamed over ``path``."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Write ``data`` to ``path`` through a temporary file, synced to disk, then renamed over ``path``; an
+    interruption (Ctrl-C, an error) removes the temporary file and leaves ``path`` as it was."""
+    tmp = path.with_name(path.name + _TMP)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+class DirectoryLocked(OSError):
+    """The directory is being written by another process (the message names its PID)."""
+
+
+class DirectoryLock:
+    """An exclusive lock on a directory that one process holds at a time: ``flock`` on the file ``DIR/.lock``,
+    which holds the holder's PID and host while it is held (and is empty otherwise).
+
+    The operating system drops the lock when its process ends, however it ends (``kill -9`` too), so the lock of a
+    dead process is taken over by the next writer without any guess about whether the PID still runs; the file
+    itself is never deleted (deleting it would let two processes lock two different files of the same name).
+    ``what`` names the directory in the error, e.g. "run directory".
+    """
+
+    NAME = ".lock"
+
+    def __init__(self, directory: str | Path, what: str = "directory") -> None:
+        self.path = Path(directory) / self.NAME
+        self.what = what
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        """Take the lock; DirectoryLocked naming the holder when another process holds it, ValueError when the
+        lock file cannot be opened."""
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:
+            raise ValueError(f"cannot lock the {self.what} {self.path.parent}: {self.path}: {err.strerror}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise DirectoryLocked(self._busy()) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+        self._fd = fd
+
+    def _busy(self) -> str:
+        return (
+            f"the {self.what} {self.path.parent} is being written by another process ({self.holder()}); wait for "
+            "it to end, or stop it, then try again"
+        )
+
+    def holder(self, tries: int = 20) -> str:
+        """``"PID 1234"`` (with ``on HOST`` when another machine holds it) of the process holding the lock; the
+        file is read again for up to ``tries`` × 25 ms while the holder has locked it but not yet written it."""
+        for _ in range(tries):
+            try:
+                pid, _, host = self.path.read_text().strip().partition(" ")
+            except (OSError, UnicodeDecodeError):
+                pid = host = ""
+            if pid.isdigit():
+                return f"PID {pid}" + (f" on {host}" if host and host != socket.gethostname() else "")
+            time.sleep(0.025)
+        return "PID unknown"
+
+    def release(self) -> None:
+        """Empty the file and drop the lock (nothing when not held)."""
+        if self._fd is None:
+            return
+        fd, self._fd = self._fd, None
+        try:
+            os.ftruncate(fd, 0)
+        finally:
+            os.close(fd)  # closing drops the flock
+
+    def check(self) -> None:
+        """DirectoryLocked when another process holds the lock; changes nothing (the probe is a shared lock on the
+        file opened for reading, dropped at once)."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError:
+            return  # no lock file (or none readable): no writer has locked the directory
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            raise DirectoryLocked(self._busy()) from None
+        finally:
+            os.close(fd)
+
+    def __enter__(self) -> DirectoryLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
 
 def _json_bytes(value: Any, indent: int | None = None) -> bytes:
@@ -142,32 +244,63 @@ class ResumePoint:
 
 
 class RunWriter:
-    """Writes one run directory. A fresh run creates it and refuses one that already holds a run; ``resume``
-    reopens an unfinished one whose config.json must equal ``config``: then call :meth:`resume_point` and
-    :meth:`start_from`."""
+    """Writes one run directory, holding its lock (:class:`DirectoryLock`) until :meth:`close` (or the end of a
+    ``with`` block). A fresh run creates the directory and refuses one that already holds a run; ``resume`` reopens
+    a run whose config.json must equal ``config`` but for :data:`RESUME_FREE_FIELDS`: an unfinished run, or a
+    finished one that ``config`` gives more rounds (it is extended). Then call :meth:`resume_point` and
+    :meth:`start_from`. DirectoryLocked when another process writes the directory."""
 
     def __init__(self, out_dir: str | Path, config: dict[str, Any], *, resume: bool = False) -> None:
+        _check_named(out_dir)
         self.dir = Path(out_dir)
         self.config = _plain(config)
+        self._lock = DirectoryLock(self.dir, "run directory")
         config_path = self.dir / "config.json"
         if resume:
             if not config_path.exists():
                 raise FileNotFoundError(f"cannot resume: {config_path} does not exist")
-            changed = config_differences(self.dir, config)
-            if changed:
-                raise ValueError(f"cannot resume {self.dir}: the config differs in {', '.join(changed)}")
-            if is_finished(self.dir):
-                raise FileExistsError(
-                    f"nothing to resume: the run in {self.dir} is already finished (see its summary.json)"
-                )
             for path in (self.dir, self.checkpoint_dir, self.metrics_path):
                 if path.exists() and not os.access(path, os.W_OK):
                     raise ValueError(f"cannot resume {self.dir}: {path} cannot be written (permission denied)")
+            self._lock.acquire()
+            try:
+                self._check_resumable()
+            except BaseException:
+                self._lock.release()
+                raise
         else:
             check_new_run_dir(self.dir)
             _make_run_dir(self.dir)
-            _atomic_write(config_path, _json_bytes(self.config, indent=2))
-            self.checkpoint_dir.mkdir(exist_ok=True)
+            self._lock.acquire()
+            try:
+                _check_holds_no_run(self.dir)  # again, now that no other writer can come in between
+                _atomic_write(config_path, _json_bytes(self.config, indent=2))
+                self.checkpoint_dir.mkdir(exist_ok=True)
+            except BaseException:
+                self._lock.release()
+                raise
+
+    def _check_resumable(self) -> None:
+        """ValueError/FileExistsError unless the run may go on under ``self.config`` (see the class)."""
+        changed = config_differences(self.dir, self.config)
+        fixed = [k for k in changed if k not in RESUME_FREE_FIELDS]
+        if fixed:
+            raise ValueError(f"cannot resume {self.dir}: the config differs in {', '.join(fixed)}")
+        if is_finished(self.dir) and self.config["rounds"] <= len(self.read_metrics()) - 1:
+            raise FileExistsError(
+                f"nothing to resume: the run in {self.dir} is already finished (see its summary.json); "
+                f"to extend it, give it more rounds (--rounds)"
+            )
+
+    def close(self) -> None:
+        """Release the directory's lock."""
+        self._lock.release()
+
+    def __enter__(self) -> RunWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def metrics_path(self) -> Path:
@@ -239,11 +372,6 @@ class RunWriter:
                     f"cannot resume {self.dir}: {self.metrics_path.name} should hold rounds 0..{number} (those of "
                     f"checkpoint {path.name}) but {holds}; its records of the later rounds are lost"
                 )
-            if number >= rounds:
-                raise ValueError(
-                    f"cannot resume {self.dir}: config.json asks for {rounds} rounds, and checkpoint {path.name} "
-                    f"has done them all (set rounds above {number})"
-                )
             return ResumePoint(path, state, metrics[: number + 1], damaged)
         if damaged:
             listing = "; ".join(f"{p.name}: {reason}" for p, reason in damaged)
@@ -269,7 +397,9 @@ class RunWriter:
 
     def start_from(self, point: ResumePoint) -> list[dict[str, Any]]:
         """Go on from ``point`` (of :meth:`resume_point`): set its damaged checkpoints aside (renamed, never
-        deleted) and say so in a warning, and cut metrics.jsonl back to ``point.metrics``, which are returned."""
+        deleted) and say so in a warning, remove temporary files a killed write left, write the new config.json
+        when ``config`` changed a free field (a finished run being extended loses its summary.json and model.pt
+        first), and cut metrics.jsonl back to ``point.metrics``, which are returned."""
         if point.damaged:
             moved = ", ".join(f"{p.name} ({reason}) -> {_set_aside(p).name}" for p, reason in point.damaged)
             warnings.warn(
@@ -277,6 +407,12 @@ class RunWriter:
                 f"{point.checkpoint.name} (round {point.round})",
                 stacklevel=2,
             )
+        for leftover in [*self.dir.glob(f"*{_TMP}"), *self.checkpoint_dir.glob(f"*{_TMP}")]:
+            leftover.unlink()  # what a kill -9 during a write left: never renamed into place, so never used
+        if read_config(self.dir) != self.config:  # rounds, checkpoint_every or data_root given anew
+            for done in ("summary.json", "model.pt"):  # summary.json first: it marks the run finished
+                (self.dir / done).unlink(missing_ok=True)
+            _atomic_write(self.dir / "config.json", _json_bytes(self.config, indent=2))
         self.checkpoint_dir.mkdir(exist_ok=True)
         _atomic_write(self.metrics_path, b"".join(_json_bytes(m) for m in point.metrics))
         return list(point.metrics)
@@ -326,8 +462,8 @@ def _read_checkpoint(path: Path, number: int) -> dict[str, Any]:
     if isinstance(done, bool) or not isinstance(done, int) or done != number or done < 1:
         raise _Damaged(f"it says round {done!r}, its name round {number}")
     rounds = made_under.get("rounds") if isinstance(made_under, dict) else None
-    if isinstance(rounds, bool) or not isinstance(rounds, int) or done >= rounds:
-        raise _Damaged(f"its config is not one of a run of more than {done} rounds")
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or done > rounds:
+        raise _Damaged(f"its config is not one of a run of {done} rounds or more")
     return state
 
 
@@ -346,15 +482,28 @@ def _set_aside(path: Path) -> Path:
 
 def check_new_run_dir(out_dir: str | Path) -> None:
     """Raise unless a new run can be written to ``out_dir``, changing nothing: FileExistsError when it holds a run
-    already, ValueError when it, or the nearest of its parents that exists, is a file or cannot be written."""
+    already, ValueError when it is empty, or it or the nearest of its parents that exists is a file or cannot be
+    written, and DirectoryLocked when another process is writing it."""
+    _check_named(out_dir)
     path = Path(out_dir)
     existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir():
         raise ValueError(f"cannot create the run directory {path}: {existing} is a file, not a directory")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ValueError(f"cannot create the run directory {path}: {existing} cannot be written (permission denied)")
+    DirectoryLock(path, "run directory").check()
+    _check_holds_no_run(path)
+
+
+def _check_holds_no_run(path: Path) -> None:
     if (path / "metrics.jsonl").exists():
         raise FileExistsError(f"{path} already holds a run; resume it or choose another output directory")
+
+
+def _check_named(out_dir: str | Path) -> None:
+    """ValueError when ``out_dir`` is an empty string (which would mean the current directory)."""
+    if isinstance(out_dir, str) and not out_dir.strip():
+        raise ValueError(f"the run directory is {out_dir!r}: name a directory (--out DIR)")
 
 
 def _make_run_dir(path: Path) -> None:

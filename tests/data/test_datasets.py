@@ -19,7 +19,7 @@ def digits():
 
 
 def test_names():
-    assert set(datasets.DATASETS) == {"digits", "synthetic", "mnist", "cifar10", "quadratic"}
+    assert set(datasets.DATASETS) == {"digits", "synthetic", "synthetic-iid", "mnist", "cifar10", "quadratic"}
 
 
 def test_digits_split_and_standardisation(digits):
@@ -134,11 +134,38 @@ def test_quadratic():
 
 
 @pytest.mark.parametrize(
-    ("spec", "split_seed"), [("digits", 0), ("digits", 5), ("synthetic:1,1,12,4", 3), ("quadratic:7,2", 0)]
+    ("spec", "split_seed"),
+    [("digits", 0), ("digits", 5), ("synthetic:1,1,12,4", 3), ("synthetic-iid:12,4", 1), ("quadratic:7,2", 0)],
 )
 def test_train_size_is_known_without_loading(spec, split_seed):
-    expected = load_dataset(spec, split_seed=split_seed).y_train.size
-    assert datasets.train_size(spec, split_seed=split_seed) == expected
+    data = load_dataset(spec, split_seed=split_seed)
+    assert datasets.train_size(spec, split_seed=split_seed) == data.y_train.size
+    planned = (data.y_train.size, data.y_test.size, data.input_shape)
+    assert datasets.planned_size(spec, split_seed=split_seed) == planned
+
+
+def test_synthetic_iid_is_one_task_for_every_client_and_synthetic_is_not():
+    """synthetic-iid: the clients' sizes and split as synthetic's, and one linear model labels every client's data
+    (a classifier fitted on the pooled train set is near perfect on the test set); synthetic(0, 0) gives every
+    client its own model, so the pooled data are not one linear task."""
+    from sklearn.linear_model import LogisticRegression
+
+    iid = load_dataset("synthetic-iid:40,6,3", split_seed=2, normalize="none")
+    other = load_dataset("synthetic:0,0,40,6,3", split_seed=2, normalize="none")
+    assert iid.name == "synthetic-iid:40,6,3" and iid.input_shape == (6,) and iid.num_classes == 3
+    np.testing.assert_array_equal(iid.client_ids, other.client_ids)  # the same client sizes and 80/20 split
+    assert iid.x_test.shape == other.x_test.shape and iid.x_train.dtype == np.float32
+    again = load_dataset("synthetic-iid:40,6,3", split_seed=2, normalize="none")
+    np.testing.assert_array_equal(iid.x_train, again.x_train)
+    assert not np.array_equal(iid.x_train, load_dataset("synthetic-iid:40,6,3", split_seed=3).x_train)
+    for data, low, high in ((iid, 0.95, 1.0), (other, 0.0, 0.8)):
+        fit = LogisticRegression(C=100.0, max_iter=2000).fit(data.x_train, data.y_train)
+        assert low <= fit.score(data.x_test, data.y_test) <= high
+    assert load_dataset("synthetic-iid").name == "synthetic-iid:30,60,10"
+    with pytest.raises(ValueError, match="at most 3 arguments"):
+        load_dataset("synthetic-iid:1,2,3,4")
+    with pytest.raises(ValueError, match="synthetic-iid: classes must be an integer >= 2"):
+        datasets.planned_size("synthetic-iid:5,4,1")
 
 
 def test_train_size_of_file_datasets_is_unknown_and_arguments_are_checked():

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from pyfedkern.cli import main as cli_main
-from pyfedkern.reproduce import REPRODUCTIONS
+from pyfedkern.reproduce import ONE_SEED, REPRODUCTIONS
 from pyfedkern.reproduce import bherd as repro
 
 
@@ -150,7 +150,8 @@ def test_tiny_reproduction(tmp_path):
             assert 0.0 <= s["final_test_acc"] <= 1.0 and s["final_train_loss"] > 0
     section = docs.read_text()
     assert section.count("<!-- begin bherd -->") == 1 and "The paper's findings, checked" in section
-    assert "In short," in section and "**Batch size.** B = 10" in section
+    assert "**Batch size.** B = 10" in section
+    assert ONE_SEED in section and "In short," not in section and "± <" not in section  # no verdict, no spread
     for case in repro.CASES:
         assert (docs.parent / "img" / f"bherd-case{case}.png").stat().st_size > 0
 

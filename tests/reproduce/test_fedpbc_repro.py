@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pyfedkern.cli import main as cli_main
-from pyfedkern.reproduce import REPRODUCTIONS
+from pyfedkern.reproduce import ONE_SEED, REPRODUCTIONS
 from pyfedkern.reproduce import fedpbc as repro
 
 
@@ -118,6 +118,7 @@ def test_tiny_reproduction(tmp_path):
     assert np.isfinite([q["fedavg_bias_measured"] for q in results["quadratic"]]).all()
     section = docs.read_text()
     assert section.count("<!-- begin fedpbc -->") == 1
+    assert ONE_SEED in section and "leads the memory-free methods" not in section  # one seed: no verdict
     for name in ("fedpbc-quadratic.png", "fedpbc-digits.png"):
         assert f"img/{name}" in section and (docs.parent / "img" / name).exists()
 

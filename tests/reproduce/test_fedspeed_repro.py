@@ -7,7 +7,7 @@ import json
 import pytest
 
 from pyfedkern.cli import main as cli_main
-from pyfedkern.reproduce import REPRODUCTIONS
+from pyfedkern.reproduce import ONE_SEED, REPRODUCTIONS
 from pyfedkern.reproduce import fedspeed as repro
 
 TINY = ["--rounds", "2", "--seeds", "1", "--no-progress"]
@@ -97,6 +97,7 @@ def test_tiny_reproduction(tmp_path, capsys):
         assert len(r["final_acc"]) == 1 and 0.0 <= r["final_acc"][0] <= 1.0
         assert r["best_acc"][0] >= r["final_acc"][0]
     assert "CIFAR-10 / ResNet-18-GN: skipped" in results["skipped"][0]
+    assert ONE_SEED in capsys.readouterr().out and "fewer rounds than every baseline" not in docs.read_text()
     # FedDyn and FedSpeed decay the learning rate more slowly, as in the paper
     run_dir = out / "digits" / "dir0.3" / "seed0"
     configs = {m: json.loads((run_dir / m / "config.json").read_text()) for m in repro.METHODS}

@@ -8,6 +8,9 @@ import json
 import os
 import pickle
 import shutil
+import socket
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -17,7 +20,7 @@ import torch
 
 from pyfedkern.sim.config import ExperimentConfig
 from pyfedkern.sim.engine import Simulation, check_resumable, load_config
-from pyfedkern.sim.results import read_config, read_metrics
+from pyfedkern.sim.results import DirectoryLocked, RunWriter, check_new_run_dir, read_config, read_metrics
 
 # rounds 1-4 recorded, checkpoints of rounds 3 and 4 kept (the newest two), round 5 still to run
 CONFIG = ExperimentConfig(
@@ -48,7 +51,7 @@ def runs(tmp_path_factory):
     with pytest.raises(KeyboardInterrupt):
         sim.run(base / "cut")
     model = torch.load(base / "full" / "model.pt", weights_only=True)["x"]
-    return {"metrics": full, "model": model, "cut": base / "cut"}
+    return {"metrics": full, "model": model, "cut": base / "cut", "full": base / "full"}
 
 
 @pytest.fixture
@@ -250,14 +253,37 @@ def test_rounds_may_grow_but_not_drop_below_a_recorded_round(cut, runs, files_un
     assert {k: v for k, v in files_under(cut).items() if k != "config.json"} == {
         k: v for k, v in before.items() if k != "config.json"
     }
-    _edit_config(cut, rounds=4)  # round 4 recorded and checkpointed: nothing left to run
-    with pytest.raises(ValueError, match="has done them all"):
-        _resume(cut)
+    _edit_config(cut, rounds=4)  # round 4 recorded and checkpointed: resume only finishes the run
+    assert _numbers(_resume(cut)) == _numbers(runs["metrics"][:5])
+    assert json.loads((cut / "summary.json").read_text())["rounds"] == 4
+    assert sorted(p.name for p in (cut / "checkpoints").glob("*.pt")) == ["round_000003.pt", "round_000004.pt"]
     _edit_config(cut, rounds=7)
     extended = _resume(cut)
     assert [m["round"] for m in read_metrics(cut)] == list(range(8))
     # The first five rounds are those of the 5-round run (round 5 is evaluated in both: eval_every is 1).
     assert _numbers(extended[:6]) == _numbers(runs["metrics"])
+
+
+def test_a_finished_run_given_more_rounds_is_extended_to_the_uninterrupted_result(runs, tmp_path):
+    """The last round is checkpointed, so a finished run goes on from it; the newest two checkpoints are kept."""
+    longer = dataclasses.replace(CONFIG, rounds=8)
+    uninterrupted = Simulation(longer).run(tmp_path / "long")
+    finished = tmp_path / "finished"
+    shutil.copytree(runs["full"], finished)
+    assert sorted(p.name for p in (finished / "checkpoints").glob("*.pt")) == ["round_000004.pt", "round_000005.pt"]
+    with pytest.raises(FileExistsError, match=r"already finished .* give it more rounds"):
+        check_resumable(CONFIG, finished)
+    assert check_resumable(longer, finished).round == 5
+    Simulation(longer).run(finished, resume=True)
+    assert _numbers(read_metrics(finished)) == _numbers(uninterrupted)
+    assert torch.equal(
+        torch.load(finished / "model.pt", weights_only=True)["x"],
+        torch.load(tmp_path / "long" / "model.pt", weights_only=True)["x"],
+    )
+    assert read_config(finished)["rounds"] == 8 and json.loads((finished / "summary.json").read_text())["rounds"] == 8
+    assert sorted(p.name for p in (finished / "checkpoints").iterdir()) == [
+        f"round_00000{r}.pt{ext}" for r in (7, 8) for ext in ("", ".sha256")
+    ]
 
 
 @pytest.mark.parametrize(
@@ -310,7 +336,7 @@ def test_resume_refuses_damaged_metrics_before_any_file_changes(cut, files_under
         (b'"fedavg"', "it holds a string"),
         (b'{\n  "clients": 4,\n  oops\n}', r"line 3 is not valid JSON"),
         (b"\xff\xfe\x00binary", "is not text: byte 0 is not UTF-8"),
-        (b'{"clients": "four"}', "clients must be an integer >= 1, got 'four'"),
+        (b'{"clients": "four"}', "clients must be an integer from 1 to 2\\^63 - 1, got 'four'"),
         (b'{"colour": "blue"}', r"unknown config field\(s\): colour"),
         (b'{"device": 5}', "device must be a string, got 5"),
         (b'{"model_params": [64]}', r"model_params must be a dict, got \[64\]"),
@@ -355,3 +381,80 @@ def test_resume_in_an_unwritable_directory_is_refused_before_any_file_changes(cu
         with pytest.raises(ValueError, match=f"cannot resume {cut}: {cut} cannot be written"):
             _resume(cut)
     assert files_under(cut) == before
+
+
+def test_one_writer_per_run_directory_a_second_is_refused_naming_the_holder(cut, files_under):
+    before = files_under(cut)
+    with RunWriter(cut, read_config(cut), resume=True):
+        for attempt in (
+            lambda: RunWriter(cut, read_config(cut), resume=True),
+            lambda: check_resumable(load_config(cut), cut),
+            lambda: check_new_run_dir(cut),
+            lambda: _resume(cut),
+        ):
+            with pytest.raises(
+                DirectoryLocked, match=rf"{cut} is being written by another process \(PID {os.getpid()}\)"
+            ):
+                attempt()
+        assert files_under(cut) == {**before, ".lock": f"{os.getpid()} {socket.gethostname()}\n".encode()}
+    assert files_under(cut) == before  # released: the lock file is empty again
+    _resume(cut)  # and the run goes on
+
+
+def test_a_new_run_is_refused_while_another_process_creates_it(tmp_path):
+    out = tmp_path / "new"
+    with RunWriter(out, CONFIG.to_dict()):
+        with pytest.raises(DirectoryLocked, match=rf"PID {os.getpid()}"):
+            RunWriter(out, CONFIG.to_dict())
+        with pytest.raises(DirectoryLocked, match=rf"PID {os.getpid()}"):
+            Simulation(CONFIG).run(out)
+    assert read_config(out) == json.loads(json.dumps(CONFIG.to_dict()))
+
+
+def test_the_lock_of_a_killed_process_is_taken_over(cut, runs):
+    """A process killed while it holds the lock (kill -9: no clean-up runs) leaves the lock file with its PID; the
+    operating system has dropped its lock, so the next writer takes it and the run resumes exactly."""
+    code = (
+        "import sys, time\n"
+        "from pyfedkern.sim.results import DirectoryLock\n"
+        "DirectoryLock(sys.argv[1]).acquire()\n"
+        "print('locked', flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", code, str(cut)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        with pytest.raises(DirectoryLocked, match=rf"\(PID {holder.pid}\)"):
+            check_resumable(load_config(cut), cut)
+    finally:
+        holder.kill()
+        holder.wait()
+        holder.stdout.close()
+    assert (cut / ".lock").read_text().startswith(f"{holder.pid} ")  # the dead holder's PID is still written
+    _resume(cut)
+    _assert_exact(cut, runs)
+    assert (cut / ".lock").read_text() == ""
+
+
+def test_an_interrupted_write_leaves_no_temporary_file_and_resume_removes_those_of_a_kill(cut, runs, monkeypatch):
+    def interrupted(fd):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "fsync", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _resume(cut)  # interrupted writing config, metrics or checkpoint files
+    monkeypatch.undo()
+    assert not list(cut.rglob("*.tmp"))
+    (cut / "checkpoints" / "round_000005.pt.tmp").write_bytes(b"half a checkpoint")  # what kill -9 leaves
+    (cut / "summary.json.tmp").write_bytes(b"{")
+    _resume(cut)
+    _assert_exact(cut, runs)
+    assert not list(cut.rglob("*.tmp"))
+
+
+def test_an_empty_out_directory_name_is_refused(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for attempt in (lambda: check_new_run_dir(""), lambda: RunWriter("", CONFIG.to_dict())):
+        with pytest.raises(ValueError, match="the run directory is '': name a directory"):
+            attempt()
+    assert list(tmp_path.iterdir()) == []
