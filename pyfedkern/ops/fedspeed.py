@@ -10,8 +10,9 @@ storage with float32 arithmetic), read strided views in place, release the GIL a
 number of CPU threads (norms: double-precision partial sums over fixed chunks, added in order). On the GPU they
 run on the caller's current stream and the norms stay on the device (``norm_out``): no host synchronisation.
 Norm outputs are one-element arrays of the accumulation dtype (float64 for float64 inputs, else float32).
-Torch tensors are read and written as data: an output that requires grad is refused while grad mode is on, and
-written tensors get their autograd version bumped (as torch's own in-place ops).
+Torch tensors are read and written as data: the ops are not differentiable, an input or output that requires grad
+is refused while grad mode is on, and written tensors get their autograd version bumped (as torch's own in-place
+ops). Inside ``torch.compile``/``torch.export`` they run as ``torch.ops.pyfedkern.<name>`` (declared below).
 
 Row forms (batched FL clients): pass [k, d] matrices instead of [d] vectors and each row is one client's vector,
 handled exactly as the 1-D op would handle it (bit for bit on the CPU): :func:`sam_perturb` and
@@ -27,6 +28,7 @@ from typing import Any, TypeVar
 from pyfedkern import _arrays
 from pyfedkern._arrays import ArrayRef
 from pyfedkern._runtime import native
+from pyfedkern.ops import _declare
 
 A = TypeVar("A")
 
@@ -129,6 +131,14 @@ def sam_perturb(
     Returns:
         ``out``, or a new [d] array of x's library, device and dtype.
     """
+    _declare.refuse_grad("sam_perturb", ("x", "grad"), x, grad)
+    if _declare.traced():
+        return _sam_perturb_torch(x, grad, rho, eps, normalize, out, norm_out)
+    return _sam_perturb(x, grad, rho, eps=eps, normalize=normalize, out=out, norm_out=norm_out)
+
+
+def _sam_perturb(x: Any, grad: Any, rho: Any, *, eps: Any, normalize: bool, out: Any, norm_out: Any) -> Any:
+    """The direct path of :func:`sam_perturb` (any library, [d] or [k, d])."""
     if _is_rows(x):
         return _perturb_rows(x, grad, rho, eps=eps, normalize=normalize, out=out, norm_out=norm_out)
     xr, gr, r, e, out, outr = _perturb_operands(_vector, _like, x, grad, rho, eps, normalize, out, norm_out)
@@ -240,6 +250,28 @@ def fedspeed_update_(
 
     The inputs must not overlap x. Returns ``x``.
     """
+    _declare.refuse_grad("fedspeed_update_", ("g2", "g1", "anchor"), g2, g1, anchor)
+    if _declare.traced():
+        _declare.torch_op("fedspeed_update_")(
+            x, g2, float(lr), g1, float(alpha), anchor, float(prox_coef), float(weight_decay), clip_norm, norm_out
+        )
+        return x
+    return _fedspeed_update(x, g2, lr, g1, alpha, anchor, prox_coef, weight_decay, clip_norm, norm_out)
+
+
+def _fedspeed_update(
+    x: Any,
+    g2: Any,
+    lr: Any,
+    g1: Any,
+    alpha: Any,
+    anchor: Any,
+    prox_coef: Any,
+    weight_decay: Any,
+    clip_norm: Any,
+    norm_out: Any,
+) -> Any:
+    """The direct path of :func:`fedspeed_update_` (any library, [d] or [k, d])."""
     if _is_rows(x):
         return _update_rows(
             x,
@@ -327,6 +359,15 @@ def fedspeed_round_end_(
 
     Outputs must not overlap each other or the inputs. Returns ``h``.
     """
+    _declare.refuse_grad("fedspeed_round_end_", ("x_local", "x_global"), x_local, x_global)
+    if _declare.traced():
+        _declare.torch_op("fedspeed_round_end_")(h, x_local, x_global, acc, float(acc_weight), include_h, h_sum)
+        return h
+    return _round_end(h, x_local, x_global, acc, acc_weight, include_h, h_sum)
+
+
+def _round_end(h: Any, x_local: Any, x_global: Any, acc: Any, acc_weight: Any, include_h: Any, h_sum: Any) -> Any:
+    """The direct path of :func:`fedspeed_round_end_` (any library, [d] or [k, d])."""
     if _is_rows(h):
         return _round_end_rows(h, x_local, x_global, acc=acc, acc_weight=acc_weight, include_h=include_h, h_sum=h_sum)
     hr = _vector(h, "h")
@@ -355,6 +396,75 @@ def fedspeed_round_end_(
     )
     _arrays.mark_written(*outs.values())
     return h
+
+
+# torch.library declarations -----------------------------------------------------------------------------------
+
+
+def _sam_perturb_torch(x: Any, grad: Any, rho: Any, eps: Any, normalize: bool, out: Any, norm_out: Any) -> Any:
+    """:func:`sam_perturb` through ``torch.ops.pyfedkern.sam_perturb`` (``out`` is a mutated argument; in place on
+    x itself it goes through a new tensor, as the operator's inputs may not alias its outputs)."""
+    target = x.new_empty(x.shape) if out is None or out is x else out
+    _declare.torch_op("sam_perturb")(x, grad, float(rho), float(eps), normalize, target, norm_out)
+    if out is x:
+        return x.copy_(target)
+    return target
+
+
+def _check_fake_shapes(**tensors: Any) -> None:
+    """ValueError unless the given tensors (None: absent) all have the shape of the first, [d] or [k, d]."""
+    shapes = {name: tuple(t.shape) for name, t in tensors.items() if t is not None}
+    first_name, first = next(iter(shapes.items()))
+    if len(first) not in (1, 2):
+        raise ValueError(f"{first_name} must be a [d] vector or a [k, d] matrix, got shape {first}")
+    for name, shape in shapes.items():
+        if shape != first:
+            raise ValueError(f"{name} has shape {shape}, expected {first} (the shape of {first_name})")
+
+
+@_declare.declare(
+    "sam_perturb",
+    "(Tensor x, Tensor grad, float rho, float eps, bool normalize, Tensor(a!) out, Tensor(b!)? norm_out) -> ()",
+    fake=lambda x, grad, rho, eps, normalize, out, norm_out: _check_fake_shapes(x=x, grad=grad, out=out),
+    mutates=("out", "norm_out"),
+)
+def _sam_perturb_native(x: Any, grad: Any, rho: float, eps: float, normalize: bool, out: Any, norm_out: Any) -> None:
+    _sam_perturb(x, grad, rho, eps=eps, normalize=normalize, out=out, norm_out=norm_out)
+
+
+@_declare.declare(
+    "fedspeed_update_",
+    "(Tensor(a!) x, Tensor g2, float lr, Tensor? g1, float alpha, Tensor? anchor, float prox_coef, "
+    "float weight_decay, float? clip_norm, Tensor(b!)? norm_out) -> ()",
+    fake=lambda x, g2, lr, g1, alpha, anchor, *_: _check_fake_shapes(x=x, g2=g2, g1=g1, anchor=anchor),
+    mutates=("x", "norm_out"),
+)
+def _fedspeed_update_native(
+    x: Any,
+    g2: Any,
+    lr: float,
+    g1: Any,
+    alpha: float,
+    anchor: Any,
+    prox_coef: float,
+    weight_decay: float,
+    clip_norm: float | None,
+    norm_out: Any,
+) -> None:
+    _fedspeed_update(x, g2, lr, g1, alpha, anchor, prox_coef, weight_decay, clip_norm, norm_out)
+
+
+@_declare.declare(
+    "fedspeed_round_end_",
+    "(Tensor(a!) h, Tensor x_local, Tensor x_global, Tensor(b!)? acc, float acc_weight, bool include_h, "
+    "Tensor(c!)? h_sum) -> ()",
+    fake=lambda h, x_local, *_: _check_fake_shapes(h=h, x_local=x_local),
+    mutates=("h", "acc", "h_sum"),
+)
+def _round_end_native(
+    h: Any, x_local: Any, x_global: Any, acc: Any, acc_weight: float, include_h: bool, h_sum: Any
+) -> None:
+    _round_end(h, x_local, x_global, acc, acc_weight, include_h, h_sum)
 
 
 # Row forms ([k, d]: one client per row) ------------------------------------------------------------------------
