@@ -414,7 +414,7 @@ def _where(cond: Any, a: Any, b: float) -> Any:
 
 @_declare.declare(
     "similarity_weights",
-    "(Tensor query, Tensor bank, float scale, str metric, int[] segments, bool[] include, float eps) "
+    "(Tensor query, Tensor bank, float scale, str metric, SymInt[] segments, bool[] include, float eps) "
     "-> (Tensor, Tensor)",
     fake=_weights_fake,
     setup_context=_weights_setup,
@@ -428,7 +428,7 @@ def _similarity_weights_native(
 
 @_declare.declare(
     "similarity_combine",
-    "(Tensor query, Tensor bank, Tensor models, float scale, str metric, int[] segments, bool[] include, "
+    "(Tensor query, Tensor bank, Tensor models, float scale, str metric, SymInt[] segments, bool[] include, "
     "float eps) -> (Tensor, Tensor, Tensor)",
     fake=_combine_fake,
     setup_context=_combine_setup,
