@@ -357,3 +357,32 @@ def test_numpy_callers_are_unchanged():
     out = ops.weighted_sum(u, [1.0, 2.0, 3.0])
     assert isinstance(out, np.ndarray)
     np.testing.assert_allclose(out, u.T @ np.array([1.0, 2.0, 3.0]), rtol=1e-12)
+
+
+# The references of the two ops added to pyfedkern.reference with this registration --------------------------
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_row_norms_matches_reference_with_zero_and_huge_rows(dtype):
+    from pyfedkern import reference
+
+    x = np.random.default_rng(0).standard_normal((6, 9)).astype(dtype)
+    x[2] = 0.0  # an all-zero row: norm 0, gradient 0
+    x[4] *= 1e18 if dtype == np.float32 else 1e150  # squares overflow unless accumulated in a wider type
+    got = ops.row_norms(x)
+    np.testing.assert_allclose(got, reference.row_norms(x), rtol=1e-6 if dtype == np.float32 else 1e-13)
+    t = torch.from_numpy(x).double().requires_grad_()
+    ops.row_norms(t).sum().backward()
+    assert torch.equal(t.grad[2], torch.zeros(9, dtype=torch.float64))
+
+
+def test_centred_gram_matches_reference_for_stacks_lists_and_a_large_mean():
+    from pyfedkern import reference
+
+    rng = np.random.default_rng(1)
+    grads = rng.standard_normal((2, 5, 40)) + 1e4  # a mean far larger than the deviations
+    np.testing.assert_allclose(ops.centred_gram(grads), reference.centred_gram(grads), rtol=1e-9, atol=1e-6)
+    clients = [grads[0], grads[1, :3]]
+    np.testing.assert_allclose(ops.centred_gram(clients), reference.centred_gram(clients), rtol=1e-9, atol=1e-6)
+    single = torch.from_numpy(grads[0])
+    torch.testing.assert_close(ops.centred_gram(single), reference.centred_gram(single), rtol=1e-9, atol=1e-6)
