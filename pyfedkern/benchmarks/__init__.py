@@ -10,6 +10,7 @@ from pyfedkern.benchmarks.common import Case, InputCache
 #: family name → module under pyfedkern.benchmarks ("flower" has no cases without flwr installed)
 FAMILIES = [
     "aggregate",
+    "compile",
     "engine",
     "fedspeed",
     "flower",
