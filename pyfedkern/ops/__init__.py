@@ -1,7 +1,7 @@
 """pyfedkern's accelerated ops: validation, CPU/CUDA dispatch and output allocation over numpy, torch and cupy.
 
 Every op has a plain reference with the same signature in :mod:`pyfedkern.reference`. Every op is also a PyTorch
-operator, ``torch.ops.pyfedkern.<name>`` (registered when torch is loaded), which compiled code and autograd use.
+operator, ``torch.ops.pyfedkern.<name>`` (registered on import), which compiled code and autograd use.
 """
 
 from pyfedkern.ops import _declare
@@ -43,4 +43,4 @@ __all__ = [
     "weighted_sum",
 ]
 
-_declare.register_if_torch_loaded()
+_declare.register()

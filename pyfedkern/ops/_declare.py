@@ -3,8 +3,9 @@
 An op module declares its op once with :func:`declare`: the torch schema, the function that runs it on real
 tensors (the op's own checked direct path, which numpy and cupy callers use too), the fake function that gives
 the output shapes and dtypes without running anything, and, for a differentiable op, its autograd formula.
-:func:`register` builds ``torch.ops.pyfedkern.<name>`` from every declaration with ``torch.library`` (Python
-registration: the extension never links libtorch).
+:func:`register` (called once by ``pyfedkern.ops`` at import, after every op module has declared its ops) builds
+``torch.ops.pyfedkern.<name>`` from every declaration with ``torch.library`` (Python registration: the extension
+never links libtorch).
 
 The public op keeps its direct path in eager mode and takes the registered operator only when it must:
 inside ``torch.compile``/``torch.export`` (:func:`traced`), and, for a differentiable op, when a torch input
@@ -14,10 +15,11 @@ requires grad with grad mode on (:func:`wants_grad`). A non-differentiable op re
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -55,66 +57,35 @@ def declare(
     return record
 
 
-class _NoTensor:
-    """Stands for torch.Tensor until torch is loaded (no object is an instance of it)."""
-
-
-_Tensor: Any = _NoTensor
-_grad_enabled: Callable[[], bool] = bool
-_registered = False
-
-
-def _is_compiling() -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and torch.compiler.is_compiling()
-
-
-traced_check: Callable[[], bool] = _is_compiling  # torch.compiler.is_compiling once torch is loaded
-
-
 def traced() -> bool:
     """Whether the caller is being traced by torch.compile (Dynamo) or torch.export."""
-    return traced_check()
+    return torch.compiler.is_compiling()
 
 
 def is_tensor(x: Any) -> bool:
-    """Whether x is a torch tensor (False before torch is loaded)."""
-    return isinstance(x, _Tensor)
+    """Whether x is a torch tensor."""
+    return isinstance(x, torch.Tensor)
 
 
 def _tensors(x: Any) -> Any:
-    if isinstance(x, (list, tuple)):
-        return x
-    return (x,)
-
-
-def _torch_loaded() -> bool:
-    """Whether torch is imported (then the ops are registered now; before it no torch tensor can exist)."""
-    if "torch" not in sys.modules:
-        return False
-    register()
-    return True
+    return x if isinstance(x, (list, tuple)) else (x,)
 
 
 def wants_grad(*xs: Any) -> bool:
     """Whether any torch tensor among ``xs`` (or in a list among them) requires grad while grad mode is on."""
-    if _Tensor is _NoTensor and not _torch_loaded():
-        return False
     for x in xs:
         for t in _tensors(x):
-            if isinstance(t, _Tensor) and t.requires_grad:
-                return _grad_enabled()
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                return torch.is_grad_enabled()
     return False
 
 
 def refuse_grad(op: str, names: tuple[str, ...], *xs: Any) -> None:
     """ValueError naming the argument when a torch input of the non-differentiable op ``op`` requires grad while
     grad mode is on: its result would silently leave the autograd graph."""
-    if _Tensor is _NoTensor and not _torch_loaded():
-        return
     for name, x in zip(names, xs, strict=True):
         for t in _tensors(x):
-            if isinstance(t, _Tensor) and t.requires_grad and _grad_enabled():
+            if isinstance(t, torch.Tensor) and t.requires_grad and torch.is_grad_enabled():
                 raise ValueError(
                     f"{op}: {name} requires grad, but {op} is not differentiable (its result would not carry a "
                     "gradient); call it under torch.no_grad() or pass .detach()"
@@ -122,21 +93,12 @@ def refuse_grad(op: str, names: tuple[str, ...], *xs: Any) -> None:
 
 
 def torch_op(name: str) -> Any:
-    """``torch.ops.pyfedkern.<name>``, registering the declared ops first if needed."""
-    if not _registered:
-        register()
-    import torch
-
+    """``torch.ops.pyfedkern.<name>``."""
     return getattr(torch.ops.pyfedkern, name)
 
 
 def register() -> None:
-    """Register every declared op as ``torch.ops.pyfedkern.<name>`` (once; imports torch)."""
-    global _registered, _Tensor, _grad_enabled, traced_check
-    if _registered:
-        return
-    import torch
-
+    """Register every declared op as ``torch.ops.pyfedkern.<name>`` (pyfedkern.ops does it once, at import)."""
     for decl in DECLARED.values():
         op = torch.library.custom_op(
             f"pyfedkern::{decl.name}",
@@ -148,13 +110,3 @@ def register() -> None:
         op.register_fake(decl.fake)
         if decl.backward is not None:
             op.register_autograd(decl.backward, setup_context=decl.setup_context)
-
-    _Tensor, _grad_enabled = torch.Tensor, torch.is_grad_enabled
-    traced_check = torch.compiler.is_compiling
-    _registered = True
-
-
-def register_if_torch_loaded() -> None:
-    """Register now when torch is already imported (so ``torch.ops.pyfedkern`` is populated at import)."""
-    if "torch" in sys.modules:
-        register()

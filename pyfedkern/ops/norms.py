@@ -249,8 +249,8 @@ def class_feature_norms(features: Any, labels: Any, num_classes: int, logits: An
     """
     _declare.refuse_grad("class_feature_norms", ("logits",), logits)
     if _declare.traced() or _declare.wants_grad(features):
-        if _declare.is_tensor(labels) and str(labels.dtype) not in ("torch.int32", "torch.int64"):
-            labels = labels.long()  # the operator (and its backward kernel) reads int32/int64 labels
+        if _declare.is_tensor(labels) and str(labels.dtype).removeprefix("torch.") in _INT_DTYPES:
+            labels = labels.long()  # small integer labels are widened (the backward kernel reads int32/int64)
         result = _declare.torch_op("class_feature_norms")(features, labels, num_classes, logits)
         return FeatureNorms(*result[:4], result[4] if logits is not None else None)
     return _class_feature_norms(features, labels, num_classes, logits)
