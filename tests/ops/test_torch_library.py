@@ -386,3 +386,18 @@ def test_centred_gram_matches_reference_for_stacks_lists_and_a_large_mean():
     np.testing.assert_allclose(ops.centred_gram(clients), reference.centred_gram(clients), rtol=1e-9, atol=1e-6)
     single = torch.from_numpy(grads[0])
     torch.testing.assert_close(ops.centred_gram(single), reference.centred_gram(single), rtol=1e-9, atol=1e-6)
+
+
+def test_compiling_works_when_pyfedkern_is_imported_before_torch():
+    """The operators exist from ``import pyfedkern.ops`` on: a trace never has to register them."""
+    import subprocess
+    import sys
+
+    code = (
+        "from pyfedkern import ops\n"
+        "import torch\n"
+        "f = torch.compile(lambda u, w: ops.weighted_sum(u, w), backend='eager', fullgraph=True)\n"
+        "u, w = torch.ones(2, 3), torch.tensor([1.0, 2.0])\n"
+        "assert f(u, w).tolist() == [3.0, 3.0, 3.0]\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
