@@ -8,8 +8,8 @@ the output shapes and dtypes without running anything, and, for a differentiable
 never links libtorch).
 
 The public op keeps its direct path in eager mode and takes the registered operator only when it must:
-inside ``torch.compile``/``torch.export`` (:func:`traced`), and, for a differentiable op, when a torch input
-requires grad with grad mode on (:func:`wants_grad`). A non-differentiable op refuses such inputs
+inside ``torch.compile``/``torch.export`` (``traced``), and, for a differentiable op, when a torch input
+requires grad with grad mode on (:func:`use_operator`). A non-differentiable op refuses such inputs
 (:func:`refuse_grad`) instead of returning a result detached from the graph.
 """
 
@@ -57,39 +57,50 @@ def declare(
     return record
 
 
-def traced() -> bool:
-    """Whether the caller is being traced by torch.compile (Dynamo) or torch.export."""
-    return torch.compiler.is_compiling()
+traced = torch.compiler.is_compiling  # whether the caller is traced by torch.compile (Dynamo) or torch.export
+_grad_enabled = torch.is_grad_enabled
+_Tensor = torch.Tensor
 
 
 def is_tensor(x: Any) -> bool:
     """Whether x is a torch tensor."""
-    return isinstance(x, torch.Tensor)
+    return isinstance(x, _Tensor)
 
 
-def _tensors(x: Any) -> Any:
-    return x if isinstance(x, (list, tuple)) else (x,)
+def _requires_grad(x: Any) -> bool:
+    """Whether x (a tensor, or a list or tuple of them) holds a torch tensor that requires grad."""
+    if isinstance(x, _Tensor):
+        return x.requires_grad
+    if (type(x) is list or type(x) is tuple) and x and type(x[0]) is not float and isinstance(x[0], _Tensor):
+        for t in x:
+            if isinstance(t, _Tensor) and t.requires_grad:
+                return True
+    return False
 
 
-def wants_grad(*xs: Any) -> bool:
-    """Whether any torch tensor among ``xs`` (or in a list among them) requires grad while grad mode is on."""
-    for x in xs:
-        for t in _tensors(x):
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                return torch.is_grad_enabled()
+def use_operator(*xs: Any) -> bool:
+    """Whether a differentiable op takes its registered operator: when traced, or when one of ``xs`` (or a tensor
+    in a list among them) requires grad while grad mode is on. Eager calls without grad keep the direct path."""
+    if traced():
+        return True
+    if _grad_enabled():
+        for x in xs:
+            if _requires_grad(x):
+                return True
     return False
 
 
 def refuse_grad(op: str, names: tuple[str, ...], *xs: Any) -> None:
     """ValueError naming the argument when a torch input of the non-differentiable op ``op`` requires grad while
     grad mode is on: its result would silently leave the autograd graph."""
+    if not _grad_enabled():
+        return
     for name, x in zip(names, xs, strict=True):
-        for t in _tensors(x):
-            if isinstance(t, torch.Tensor) and t.requires_grad and torch.is_grad_enabled():
-                raise ValueError(
-                    f"{op}: {name} requires grad, but {op} is not differentiable (its result would not carry a "
-                    "gradient); call it under torch.no_grad() or pass .detach()"
-                )
+        if _requires_grad(x):
+            raise ValueError(
+                f"{op}: {name} requires grad, but {op} is not differentiable (its result would not carry a "
+                "gradient); call it under torch.no_grad() or pass .detach()"
+            )
 
 
 def torch_op(name: str) -> Any:

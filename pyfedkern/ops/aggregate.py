@@ -121,7 +121,7 @@ def weighted_sum(updates: Any, weights: Any, out: A | None = None) -> A:
         ``out``, or a new [d] array of the caller's library, device and dtype. Torch: differentiable in the updates
         and in tensor weights (with ``out``, the result is copied into it, as a torch ``out.copy_``).
     """
-    if _declare.traced() or _declare.wants_grad(updates, weights):
+    if _declare.use_operator(updates, weights):
         return _weighted_sum_torch(updates, weights, out)
     return _weighted_sum(updates, weights, out)
 

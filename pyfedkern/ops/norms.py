@@ -248,7 +248,7 @@ def class_feature_norms(features: Any, labels: Any, num_classes: int, logits: An
         norms, sums and means are differentiable (∂‖f‖/∂f = f/‖f‖, taken as 0 for an all-zero row).
     """
     _declare.refuse_grad("class_feature_norms", ("logits",), logits)
-    if _declare.traced() or _declare.wants_grad(features):
+    if _declare.use_operator(features):
         if _declare.is_tensor(labels) and str(labels.dtype).removeprefix("torch.") in _INT_DTYPES:
             labels = labels.long()  # small integer labels are widened (the backward kernel reads int32/int64)
         result = _declare.torch_op("class_feature_norms")(features, labels, num_classes, logits)
@@ -270,7 +270,7 @@ def row_norms(x: Any) -> Any:
 
     Torch: differentiable (∂‖x_r‖/∂x_r = x_r/‖x_r‖, taken as 0 for an all-zero row).
     """
-    if _declare.traced() or _declare.wants_grad(x):
+    if _declare.use_operator(x):
         return _declare.torch_op("row_norms")(x)
     return _row_norms(x)
 

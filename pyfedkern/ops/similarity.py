@@ -176,7 +176,7 @@ def similarity_weights(
         α [K] (float64 for float64 input, float32 otherwise) of the caller's library and device, summing to 1;
         ``(α, s)`` with ``return_scores``.
     """
-    if _declare.traced() or _declare.wants_grad(query, bank):
+    if _declare.use_operator(query, bank):
         offsets, mask = _torch_segments(query, segments, include)
         weights, scores = _declare.torch_op("similarity_weights")(
             query, _stacked(bank), float(scale), metric, offsets, mask, float(eps)
@@ -223,7 +223,7 @@ def similarity_combine(
     Returns:
         ``out`` or a new [d] array of the models' dtype; ``(blend, α)`` with ``return_weights``.
     """
-    if _declare.traced() or _declare.wants_grad(query, bank, models):
+    if _declare.use_operator(query, bank, models):
         offsets, mask = _torch_segments(query, segments, include)
         blend, weights, _ = _declare.torch_op("similarity_combine")(
             query, _stacked(bank), _stacked(models), float(scale), metric, offsets, mask, float(eps)
