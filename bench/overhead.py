@@ -1,8 +1,10 @@
 """Per-call overhead of pyfedkern's ops against the torch one-liner they replace, on tiny inputs (K=2, d=8).
 
 Prints, per op and device: the synchronised call time (call + device synchronise, median of 2000), and the host
-time per call when 1000 calls are queued before one synchronise (what a training loop pays). Usage:
-    python bench/overhead.py [--device cpu|cuda] [--json OUT.json]
+time per call when 1000 calls are queued before one synchronise (what a training loop pays). ``--dispatch``
+instead compares each public op with its direct path (the op without the torch.compile / autograd routing in front
+of it), interleaved in one process, which is what that routing costs an eager call. Usage:
+    python bench/overhead.py [--device cpu|cuda] [--json OUT.json] [--dispatch]
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import numpy as np
 import torch
 
 from pyfedkern import ops
+from pyfedkern.ops import aggregate, fedspeed, norms, pbc
 
 
 def cases(device: str) -> dict[str, tuple]:
@@ -52,6 +55,43 @@ def cases(device: str) -> dict[str, tuple]:
     }
 
 
+def dispatch_cases(device: str) -> dict[str, tuple]:
+    """(public op, its direct path) on the inputs of :func:`cases`."""
+    X, w = torch.randn(2, 8, device=device), [0.5, 0.5]
+    acc, x, g = torch.zeros(8, device=device), torch.randn(8, device=device), torch.randn(8, device=device)
+    store, server, active = torch.randn(4, 8, device=device), torch.zeros(8, device=device), np.array([1, 3])
+    f, y = torch.randn(16, 8, device=device), torch.randint(0, 4, (16,), device=device)
+    return {
+        "weighted_sum": (lambda: ops.weighted_sum(X, w), lambda: aggregate._weighted_sum(X, w, None)),
+        "accumulate_": (lambda: ops.accumulate_(acc, x, 0.5), lambda: aggregate._accumulate(acc, x, 0.5)),
+        "pbc_agg_bcast_": (
+            lambda: ops.pbc_agg_bcast_(store, server, active),
+            lambda: pbc._pbc_agg_bcast(store, server, active),
+        ),
+        "fedspeed_update_": (
+            lambda: ops.fedspeed_update_(x, g, 0.1, weight_decay=1e-4),
+            lambda: fedspeed._fedspeed_update(x, g, 0.1, None, 1.0, None, 0.0, 1e-4, None, None),
+        ),
+        "class_feature_norms": (
+            lambda: ops.class_feature_norms(f, y, 4),
+            lambda: norms._class_feature_norms(f, y, 4, None),
+        ),
+    }
+
+
+def dispatch_report(device: str) -> None:
+    """Median per-call µs of the public op and of its direct path, measured in alternating blocks of 2000 calls."""
+    print(f"| op ({device}) | public µs | direct µs | routing cost µs |")
+    print("|---|---:|---:|---:|")
+    for name, (public, direct) in dispatch_cases(device).items():
+        samples: dict[str, list[float]] = {"public": [], "direct": []}
+        for _ in range(15):
+            for label, fn in (("public", public), ("direct", direct)):
+                samples[label].append(queued(fn, device, n=2000))
+        p, d = statistics.median(samples["public"]), statistics.median(samples["direct"])
+        print(f"| {name} | {p:.2f} | {d:.2f} | {p - d:+.2f} |")
+
+
 def synced(fn, device: str, n: int = 2000) -> float:
     times = []
     for _ in range(n):
@@ -78,8 +118,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json")
+    parser.add_argument("--dispatch", action="store_true", help="public op vs its direct path, per call")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.dispatch:
+        dispatch_report(args.device)
+        return
     rows = []
     header = "pyfedkern synced µs | torch synced µs | ratio | pyfedkern queued µs | torch queued µs"
     print(f"| op ({args.device}) | {header} |")

@@ -327,124 +327,37 @@ struct RoundEndFn {
   static void run(const RoundEndArgs& a) { round_end_cpu<T>(a); }
 };
 
-StridedVec vec(uintptr_t ptr, int64_t stride) {
-  return {reinterpret_cast<void*>(ptr), stride};
+StridedVec vec(uintptr_t ptr, int64_t row_stride, int64_t stride) {
+  return {reinterpret_cast<void*>(ptr), stride, row_stride};
 }
 
 void require(bool ok, const char* what) {
   if (!ok) throw ArgumentError(what);
 }
 
-void check_workspace(int device, uintptr_t workspace, int64_t workspace_len, bool needed) {
-  if (device >= 0 && needed)
+// Each op has one entry point for a [d] vector (vector = true: rows = 1, row strides 0) and for [rows, d] matrices
+// (one client per row). Both forms share the CPU kernels; on CUDA a vector keeps its own single-vector launcher,
+// whose norm uses fedspeed_workspace_size() partial sums.
+void check_workspace(int device, uintptr_t workspace, int64_t workspace_len, bool needed, bool vector, int64_t rows,
+                     int64_t d) {
+  if (device < 0 || !needed) return;
+  if (vector)
     require(workspace != 0 && workspace_len >= kFedSpeedMaxPartials,
             "fedspeed: a CUDA norm needs a workspace of fedspeed_workspace_size() accumulator elements");
-}
-
-void fedspeed_perturb(int device, uintptr_t stream, const std::string& dtype_name, int64_t d, uintptr_t x, int64_t sx,
-                      uintptr_t g, int64_t sg, uintptr_t out, int64_t so, double rho, double eps, bool normalize,
-                      uintptr_t norm_out, uintptr_t workspace, int64_t workspace_len) {
-  const DType dtype = dtype_from_name(dtype_name);
-  require(d >= 1, "fedspeed_perturb: d must be >= 1");
-  require(x != 0 && g != 0 && out != 0, "fedspeed_perturb: null pointer");
-  require(std::isfinite(rho) && std::isfinite(eps) && eps >= 0.0, "fedspeed_perturb: rho and eps must be finite");
-  check_workspace(device, workspace, workspace_len, normalize);
-  PerturbArgs a;
-  a.d = d;
-  a.x = vec(x, sx);
-  a.g = vec(g, sg);
-  a.out = vec(out, so);
-  a.rho = rho;
-  a.eps = eps;
-  a.normalize = normalize;
-  a.norm_out = reinterpret_cast<void*>(norm_out);
-  a.workspace = reinterpret_cast<void*>(workspace);
-  a.workspace_len = workspace_len;
-  if (device < 0) {
-    by_dtype<PerturbFn>(dtype, a);
-  } else {
-    PFK_CUDA_CALL(cuda::fedspeed_perturb(device, stream, dtype, a));
-  }
-}
-
-void fedspeed_update(int device, uintptr_t stream, const std::string& dtype_name, int64_t d, uintptr_t x, int64_t sx,
-                     uintptr_t g1, int64_t s1, uintptr_t g2, int64_t s2, uintptr_t anchor, int64_t sa, double a1,
-                     double a2, double c, double x_coef, double lr, double clip_norm, uintptr_t norm_out,
-                     uintptr_t workspace, int64_t workspace_len) {
-  const DType dtype = dtype_from_name(dtype_name);
-  require(d >= 1, "fedspeed_update: d must be >= 1");
-  require(x != 0 && g2 != 0, "fedspeed_update: null pointer");
-  for (double v : {a1, a2, c, x_coef, lr, clip_norm})
-    require(std::isfinite(v), "fedspeed_update: coefficients must be finite");
-  check_workspace(device, workspace, workspace_len, clip_norm > 0.0);
-  UpdateArgs a;
-  a.d = d;
-  a.x = vec(x, sx);
-  a.g1 = vec(g1, s1);
-  a.g2 = vec(g2, s2);
-  a.anchor = vec(anchor, sa);
-  a.a1 = a1;
-  a.a2 = a2;
-  a.c = c;
-  a.x_coef = x_coef;
-  a.lr = lr;
-  a.clip_norm = clip_norm;
-  a.norm_out = reinterpret_cast<void*>(norm_out);
-  a.workspace = reinterpret_cast<void*>(workspace);
-  a.workspace_len = workspace_len;
-  if (device < 0) {
-    by_dtype<UpdateFn>(dtype, a);
-  } else {
-    PFK_CUDA_CALL(cuda::fedspeed_update(device, stream, dtype, a));
-  }
-}
-
-void fedspeed_round_end(int device, uintptr_t stream, const std::string& dtype_name, int64_t d, uintptr_t h, int64_t sh,
-                        uintptr_t x_local, int64_t sk, uintptr_t x_global, int64_t st, uintptr_t acc, int64_t sa,
-                        uintptr_t h_sum, int64_t ss, double weight, bool include_h) {
-  const DType dtype = dtype_from_name(dtype_name);
-  require(d >= 1, "fedspeed_round_end: d must be >= 1");
-  require(h != 0 && x_local != 0 && x_global != 0, "fedspeed_round_end: null pointer");
-  require(std::isfinite(weight), "fedspeed_round_end: weight must be finite");
-  RoundEndArgs a;
-  a.d = d;
-  a.h = vec(h, sh);
-  a.x_local = vec(x_local, sk);
-  a.x_global = vec(x_global, st);
-  a.acc = vec(acc, sa);
-  a.h_sum = vec(h_sum, ss);
-  a.weight = weight;
-  a.include_h = include_h;
-  if (device < 0) {
-    by_dtype<RoundEndFn>(dtype, a);
-  } else {
-    PFK_CUDA_CALL(cuda::fedspeed_round_end(device, stream, dtype, a));
-  }
-}
-
-StridedVec vec(uintptr_t ptr, int64_t row_stride, int64_t stride) {
-  return {reinterpret_cast<void*>(ptr), stride, row_stride};
-}
-
-void check_row_workspace(int device, uintptr_t workspace, int64_t workspace_len, bool needed, int64_t rows, int64_t d) {
-  if (device >= 0 && needed)
+  else
     require(workspace != 0 && workspace_len >= rows * fedspeed_row_partials(d),
             "fedspeed rows: a CUDA norm needs a workspace of fedspeed_row_workspace_size(d, rows) elements");
 }
 
-void check_rows(int64_t rows, int64_t d, const char* what) {
-  require(rows >= 1 && d >= 1, what);
-}
-
-void fedspeed_perturb_rows(int device, uintptr_t stream, const std::string& dtype_name, int64_t rows, int64_t d,
-                           uintptr_t x, int64_t xr, int64_t xs, uintptr_t g, int64_t gr, int64_t gs, uintptr_t out,
-                           int64_t outr, int64_t outs, double rho, double eps, bool normalize, uintptr_t norm_out,
-                           int64_t norm_stride, uintptr_t workspace, int64_t workspace_len) {
+void fedspeed_perturb(int device, uintptr_t stream, const std::string& dtype_name, bool vector, int64_t rows, int64_t d,
+                      uintptr_t x, int64_t xr, int64_t xs, uintptr_t g, int64_t gr, int64_t gs, uintptr_t out,
+                      int64_t outr, int64_t outs, double rho, double eps, bool normalize, uintptr_t norm_out,
+                      int64_t norm_stride, uintptr_t workspace, int64_t workspace_len) {
   const DType dtype = dtype_from_name(dtype_name);
-  check_rows(rows, d, "fedspeed_perturb_rows: rows and d must be >= 1");
-  require(x != 0 && g != 0 && out != 0, "fedspeed_perturb_rows: null pointer");
-  require(std::isfinite(rho) && std::isfinite(eps) && eps >= 0.0, "fedspeed_perturb_rows: rho and eps must be finite");
-  check_row_workspace(device, workspace, workspace_len, normalize, rows, d);
+  require(rows >= 1 && d >= 1 && (!vector || rows == 1), "fedspeed_perturb: rows and d must be >= 1");
+  require(x != 0 && g != 0 && out != 0, "fedspeed_perturb: null pointer");
+  require(std::isfinite(rho) && std::isfinite(eps) && eps >= 0.0, "fedspeed_perturb: rho and eps must be finite");
+  check_workspace(device, workspace, workspace_len, normalize, vector, rows, d);
   PerturbArgs a;
   a.d = d;
   a.rows = rows;
@@ -460,22 +373,24 @@ void fedspeed_perturb_rows(int device, uintptr_t stream, const std::string& dtyp
   a.workspace_len = workspace_len;
   if (device < 0) {
     by_dtype<PerturbFn>(dtype, a);
+  } else if (vector) {
+    PFK_CUDA_CALL(cuda::fedspeed_perturb(device, stream, dtype, a));
   } else {
     PFK_CUDA_CALL(cuda::fedspeed_perturb_rows(device, stream, dtype, a));
   }
 }
 
-void fedspeed_update_rows(int device, uintptr_t stream, const std::string& dtype_name, int64_t rows, int64_t d,
-                          uintptr_t x, int64_t xr, int64_t xs, uintptr_t g1, int64_t g1r, int64_t g1s, uintptr_t g2,
-                          int64_t g2r, int64_t g2s, uintptr_t anchor, int64_t ar, int64_t as, double a1, double a2,
-                          double c, double x_coef, double lr, double clip_norm, uintptr_t norm_out, int64_t norm_stride,
-                          uintptr_t workspace, int64_t workspace_len) {
+void fedspeed_update(int device, uintptr_t stream, const std::string& dtype_name, bool vector, int64_t rows, int64_t d,
+                     uintptr_t x, int64_t xr, int64_t xs, uintptr_t g1, int64_t g1r, int64_t g1s, uintptr_t g2,
+                     int64_t g2r, int64_t g2s, uintptr_t anchor, int64_t ar, int64_t as, double a1, double a2, double c,
+                     double x_coef, double lr, double clip_norm, uintptr_t norm_out, int64_t norm_stride,
+                     uintptr_t workspace, int64_t workspace_len) {
   const DType dtype = dtype_from_name(dtype_name);
-  check_rows(rows, d, "fedspeed_update_rows: rows and d must be >= 1");
-  require(x != 0 && g2 != 0, "fedspeed_update_rows: null pointer");
+  require(rows >= 1 && d >= 1 && (!vector || rows == 1), "fedspeed_update: rows and d must be >= 1");
+  require(x != 0 && g2 != 0, "fedspeed_update: null pointer");
   for (double v : {a1, a2, c, x_coef, lr, clip_norm})
-    require(std::isfinite(v), "fedspeed_update_rows: coefficients must be finite");
-  check_row_workspace(device, workspace, workspace_len, clip_norm > 0.0, rows, d);
+    require(std::isfinite(v), "fedspeed_update: coefficients must be finite");
+  check_workspace(device, workspace, workspace_len, clip_norm > 0.0, vector, rows, d);
   UpdateArgs a;
   a.d = d;
   a.rows = rows;
@@ -495,19 +410,21 @@ void fedspeed_update_rows(int device, uintptr_t stream, const std::string& dtype
   a.workspace_len = workspace_len;
   if (device < 0) {
     by_dtype<UpdateFn>(dtype, a);
+  } else if (vector) {
+    PFK_CUDA_CALL(cuda::fedspeed_update(device, stream, dtype, a));
   } else {
     PFK_CUDA_CALL(cuda::fedspeed_update_rows(device, stream, dtype, a));
   }
 }
 
-void fedspeed_round_end_rows(int device, uintptr_t stream, const std::string& dtype_name, int64_t rows, int64_t d,
-                             uintptr_t h, int64_t hr, int64_t hs, uintptr_t x_local, int64_t kr, int64_t ks,
-                             uintptr_t x_global, int64_t tr, int64_t ts, uintptr_t acc, int64_t as, uintptr_t h_sum,
-                             int64_t ss, double weight, bool include_h) {
+void fedspeed_round_end(int device, uintptr_t stream, const std::string& dtype_name, bool vector, int64_t rows,
+                        int64_t d, uintptr_t h, int64_t hr, int64_t hs, uintptr_t x_local, int64_t kr, int64_t ks,
+                        uintptr_t x_global, int64_t tr, int64_t ts, uintptr_t acc, int64_t as, uintptr_t h_sum,
+                        int64_t ss, double weight, bool include_h) {
   const DType dtype = dtype_from_name(dtype_name);
-  check_rows(rows, d, "fedspeed_round_end_rows: rows and d must be >= 1");
-  require(h != 0 && x_local != 0 && x_global != 0, "fedspeed_round_end_rows: null pointer");
-  require(std::isfinite(weight), "fedspeed_round_end_rows: weight must be finite");
+  require(rows >= 1 && d >= 1 && (!vector || rows == 1), "fedspeed_round_end: rows and d must be >= 1");
+  require(h != 0 && x_local != 0 && x_global != 0, "fedspeed_round_end: null pointer");
+  require(std::isfinite(weight), "fedspeed_round_end: weight must be finite");
   RoundEndArgs a;
   a.d = d;
   a.rows = rows;
@@ -520,6 +437,8 @@ void fedspeed_round_end_rows(int device, uintptr_t stream, const std::string& dt
   a.include_h = include_h;
   if (device < 0) {
     by_dtype<RoundEndFn>(dtype, a);
+  } else if (vector) {
+    PFK_CUDA_CALL(cuda::fedspeed_round_end(device, stream, dtype, a));
   } else {
     PFK_CUDA_CALL(cuda::fedspeed_round_end_rows(device, stream, dtype, a));
   }
@@ -529,46 +448,33 @@ void fedspeed_round_end_rows(int device, uintptr_t stream, const std::string& dt
 
 void bind_fedspeed(py::module_& m) {
   m.def(
+      "fedspeed_workspace_size", [] { return kFedSpeedMaxPartials; },
+      "Accumulator elements of the workspace a CUDA FedSpeed norm of one [d] vector needs.");
+  m.def(
       "fedspeed_row_workspace_size", [](int64_t d, int64_t rows) { return rows * fedspeed_row_partials(d); },
       py::arg("d"), py::arg("rows"), "Accumulator elements of the workspace a CUDA row-form norm needs.");
-  m.def("fedspeed_perturb_rows", &fedspeed_perturb_rows, py::arg("device"), py::arg("stream"), py::arg("dtype"),
-        py::arg("rows"), py::arg("d"), py::arg("x"), py::arg("x_row_stride"), py::arg("x_stride"), py::arg("g"),
-        py::arg("g_row_stride"), py::arg("g_stride"), py::arg("out"), py::arg("out_row_stride"), py::arg("out_stride"),
-        py::arg("rho"), py::arg("eps"), py::arg("normalize"), py::arg("norm_out"), py::arg("norm_stride"),
-        py::arg("workspace"), py::arg("workspace_len"), py::call_guard<py::gil_scoped_release>(),
-        "fedspeed_perturb of every row, one norm per row.");
-  m.def("fedspeed_update_rows", &fedspeed_update_rows, py::arg("device"), py::arg("stream"), py::arg("dtype"),
+  m.def("fedspeed_perturb", &fedspeed_perturb, py::arg("device"), py::arg("stream"), py::arg("dtype"),
+        py::arg("vector"), py::arg("rows"), py::arg("d"), py::arg("x"), py::arg("x_row_stride"), py::arg("x_stride"),
+        py::arg("g"), py::arg("g_row_stride"), py::arg("g_stride"), py::arg("out"), py::arg("out_row_stride"),
+        py::arg("out_stride"), py::arg("rho"), py::arg("eps"), py::arg("normalize"), py::arg("norm_out"),
+        py::arg("norm_stride"), py::arg("workspace"), py::arg("workspace_len"),
+        py::call_guard<py::gil_scoped_release>(),
+        "Per row: out = x + s g with s = rho / (||g|| + eps) (normalize) or rho; ||g|| to norm_out.");
+  m.def("fedspeed_update", &fedspeed_update, py::arg("device"), py::arg("stream"), py::arg("dtype"), py::arg("vector"),
         py::arg("rows"), py::arg("d"), py::arg("x"), py::arg("x_row_stride"), py::arg("x_stride"), py::arg("g1"),
         py::arg("g1_row_stride"), py::arg("g1_stride"), py::arg("g2"), py::arg("g2_row_stride"), py::arg("g2_stride"),
         py::arg("anchor"), py::arg("anchor_row_stride"), py::arg("anchor_stride"), py::arg("a1"), py::arg("a2"),
         py::arg("c"), py::arg("x_coef"), py::arg("lr"), py::arg("clip_norm"), py::arg("norm_out"),
         py::arg("norm_stride"), py::arg("workspace"), py::arg("workspace_len"),
-        py::call_guard<py::gil_scoped_release>(), "fedspeed_update of every row, one clip norm per row.");
-  m.def("fedspeed_round_end_rows", &fedspeed_round_end_rows, py::arg("device"), py::arg("stream"), py::arg("dtype"),
-        py::arg("rows"), py::arg("d"), py::arg("h"), py::arg("h_row_stride"), py::arg("h_stride"), py::arg("x_local"),
-        py::arg("x_local_row_stride"), py::arg("x_local_stride"), py::arg("x_global"), py::arg("x_global_row_stride"),
-        py::arg("x_global_stride"), py::arg("acc"), py::arg("acc_stride"), py::arg("h_sum"), py::arg("h_sum_stride"),
-        py::arg("weight"), py::arg("include_h"), py::call_guard<py::gil_scoped_release>(),
-        "fedspeed_round_end of every row; acc and h_sum gain every row's term, in row order.");
-  m.def(
-      "fedspeed_workspace_size", [] { return kFedSpeedMaxPartials; },
-      "Accumulator elements of the workspace a CUDA FedSpeed norm needs.");
-  m.def("fedspeed_perturb", &fedspeed_perturb, py::arg("device"), py::arg("stream"), py::arg("dtype"), py::arg("d"),
-        py::arg("x"), py::arg("x_stride"), py::arg("g"), py::arg("g_stride"), py::arg("out"), py::arg("out_stride"),
-        py::arg("rho"), py::arg("eps"), py::arg("normalize"), py::arg("norm_out"), py::arg("workspace"),
-        py::arg("workspace_len"), py::call_guard<py::gil_scoped_release>(),
-        "out = x + s g with s = rho / (||g|| + eps) (normalize) or rho; ||g|| to norm_out.");
-  m.def("fedspeed_update", &fedspeed_update, py::arg("device"), py::arg("stream"), py::arg("dtype"), py::arg("d"),
-        py::arg("x"), py::arg("x_stride"), py::arg("g1"), py::arg("g1_stride"), py::arg("g2"), py::arg("g2_stride"),
-        py::arg("anchor"), py::arg("anchor_stride"), py::arg("a1"), py::arg("a2"), py::arg("c"), py::arg("x_coef"),
-        py::arg("lr"), py::arg("clip_norm"), py::arg("norm_out"), py::arg("workspace"), py::arg("workspace_len"),
         py::call_guard<py::gil_scoped_release>(),
-        "x -= lr (k (a1 g1 + a2 g2 + c anchor) + x_coef x), k = 1 or min(1, clip_norm / (||.|| + 1e-6)).");
-  m.def("fedspeed_round_end", &fedspeed_round_end, py::arg("device"), py::arg("stream"), py::arg("dtype"), py::arg("d"),
-        py::arg("h"), py::arg("h_stride"), py::arg("x_local"), py::arg("x_local_stride"), py::arg("x_global"),
-        py::arg("x_global_stride"), py::arg("acc"), py::arg("acc_stride"), py::arg("h_sum"), py::arg("h_sum_stride"),
-        py::arg("weight"), py::arg("include_h"), py::call_guard<py::gil_scoped_release>(),
-        "h += x_local - x_global; acc += weight (x_local [+ h]); h_sum += x_local - x_global.");
+        "Per row: x -= lr (k (a1 g1 + a2 g2 + c anchor) + x_coef x), k = 1 or min(1, clip_norm / (||.|| + 1e-6)).");
+  m.def("fedspeed_round_end", &fedspeed_round_end, py::arg("device"), py::arg("stream"), py::arg("dtype"),
+        py::arg("vector"), py::arg("rows"), py::arg("d"), py::arg("h"), py::arg("h_row_stride"), py::arg("h_stride"),
+        py::arg("x_local"), py::arg("x_local_row_stride"), py::arg("x_local_stride"), py::arg("x_global"),
+        py::arg("x_global_row_stride"), py::arg("x_global_stride"), py::arg("acc"), py::arg("acc_stride"),
+        py::arg("h_sum"), py::arg("h_sum_stride"), py::arg("weight"), py::arg("include_h"),
+        py::call_guard<py::gil_scoped_release>(),
+        "Per row: h += x_local - x_global; acc += weight (x_local [+ h]); h_sum += x_local - x_global (row order).");
 }
 
 }  // namespace pfk

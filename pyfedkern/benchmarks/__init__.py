@@ -10,6 +10,7 @@ from typing import Any
 #: family name → module under pyfedkern.benchmarks ("flower" has no cases without flwr installed)
 FAMILIES = [
     "aggregate",
+    "compile",
     "engine",
     "engine_models",
     "fedspeed",

@@ -1,8 +1,10 @@
 """pyfedkern's accelerated ops: validation, CPU/CUDA dispatch and output allocation over numpy, torch and cupy.
 
-Every op has a plain reference with the same signature in :mod:`pyfedkern.reference`.
+Every op has a plain reference with the same signature in :mod:`pyfedkern.reference`. Every op is also a PyTorch
+operator, ``torch.ops.pyfedkern.<name>`` (registered on import), which compiled code and autograd use.
 """
 
+from pyfedkern.ops import _declare
 from pyfedkern.ops.aggregate import accumulate_, weighted_sum
 from pyfedkern.ops.fedspeed import fedspeed_round_end_, fedspeed_update_, sam_perturb
 from pyfedkern.ops.herding import GrabBalancer, centred_gram, grab_select, herding_order, herding_select
@@ -40,3 +42,5 @@ __all__ = [
     "weighted_delta_",
     "weighted_sum",
 ]
+
+_declare.register()

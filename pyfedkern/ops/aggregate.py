@@ -2,8 +2,11 @@
 
 Both ops read strided inputs in place (no copies), run on the caller's current CUDA stream for GPU arrays without
 allocating device memory or synchronising, release the GIL, accumulate float16/bfloat16 in float32 and give the
-same bits for any number of CPU threads (each output element sums its rows in row order). They are not
-differentiable: torch tensors are read as data, and an output that requires grad is refused while grad mode is on.
+same bits for any number of CPU threads (each output element sums its rows in row order).
+
+Torch: :func:`weighted_sum` is differentiable in the updates and in tensor weights (``torch.ops.pyfedkern.
+weighted_sum`` with its autograd formula, taken when an input requires grad or inside ``torch.compile``);
+:func:`accumulate_` is not: it refuses inputs that require grad while grad mode is on.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import numpy as np
 from pyfedkern import _arrays
 from pyfedkern._arrays import ArrayRef, RowSet
 from pyfedkern._runtime import native
+from pyfedkern.ops import _declare
 
 A = TypeVar("A")
 
@@ -114,8 +118,16 @@ def weighted_sum(updates: Any, weights: Any, out: A | None = None) -> A:
             (same memory, same stride: ``x ← a·x + Σ b_k u_k`` in place) but must not partially overlap any.
 
     Returns:
-        ``out``, or a new [d] array of the caller's library, device and dtype.
+        ``out``, or a new [d] array of the caller's library, device and dtype. Torch: differentiable in the updates
+        and in tensor weights (with ``out``, the result is copied into it, as a torch ``out.copy_``).
     """
+    if _declare.use_operator(updates, weights):
+        return _weighted_sum_torch(updates, weights, out)
+    return _weighted_sum(updates, weights, out)
+
+
+def _weighted_sum(updates: Any, weights: Any, out: Any) -> Any:
+    """The direct path of :func:`weighted_sum` (any library)."""
     rows = _update_rows(updates)
     first, d = rows.first, rows.d
     w, device_w, keep = _weights(weights, first, rows.count)
@@ -136,6 +148,60 @@ def weighted_sum(updates: Any, weights: Any, out: A | None = None) -> A:
     return out
 
 
+def _weighted_sum_torch(updates: Any, weights: Any, out: Any) -> Any:
+    """:func:`weighted_sum` through ``torch.ops.pyfedkern.weighted_sum`` (a list of updates is stacked)."""
+    import torch
+
+    if not isinstance(updates, torch.Tensor):
+        updates = torch.stack(list(updates))
+    if not isinstance(weights, torch.Tensor):
+        weights = torch.as_tensor(weights, dtype=torch.float64)
+    result = _declare.torch_op("weighted_sum")(updates, weights)
+    return result if out is None else out.copy_(result)
+
+
+def _weighted_sum_fake(updates: Any, weights: Any) -> Any:
+    if updates.dim() != 2:
+        raise ValueError(f"updates must be a 2-D [K, d] tensor, got shape {tuple(updates.shape)}")
+    if weights.shape != (updates.shape[0],):
+        raise ValueError(f"weights must have shape ({updates.shape[0]},), got {tuple(weights.shape)}")
+    return updates.new_empty(updates.shape[1:])
+
+
+def _weighted_sum_setup(ctx: Any, inputs: tuple, output: Any) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _weighted_sum_backward(ctx: Any, grad: Any) -> tuple[Any, Any]:
+    """∂/∂updates[k] = weights[k]·grad; ∂/∂weights[k] = ⟨updates[k], grad⟩ (accumulated in float64 for float64)."""
+    updates, weights = ctx.saved_tensors
+    grad_updates = grad_weights = None
+    if ctx.needs_input_grad[0]:
+        w = weights.to(device=grad.device, dtype=_acc_dtype(grad))
+        grad_updates = (w[:, None] * grad.to(w.dtype)).to(updates.dtype)
+    if ctx.needs_input_grad[1]:
+        acc = _acc_dtype(grad)
+        grad_weights = (updates.to(acc) @ grad.to(acc)).to(device=weights.device, dtype=weights.dtype)
+    return grad_updates, grad_weights
+
+
+def _acc_dtype(t: Any) -> Any:
+    import torch
+
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+@_declare.declare(
+    "weighted_sum",
+    "(Tensor updates, Tensor weights) -> Tensor",
+    fake=_weighted_sum_fake,
+    setup_context=_weighted_sum_setup,
+    backward=_weighted_sum_backward,
+)
+def _weighted_sum_native(updates: Any, weights: Any) -> Any:
+    return _weighted_sum(updates, weights, None)
+
+
 def accumulate_(acc: A, update: Any, weight: Any) -> A:
     """In place ``acc += weight·update`` (aggregate results as they arrive with O(1) models of memory).
 
@@ -149,6 +215,32 @@ def accumulate_(acc: A, update: Any, weight: Any) -> A:
     Returns:
         ``acc``.
     """
+    _declare.refuse_grad("accumulate_", ("update", "weight"), update, weight)
+    if _declare.traced():
+        device_weight = _declare.is_tensor(weight)
+        op = _declare.torch_op("accumulate_")
+        op(acc, update, 0.0 if device_weight else float(weight), weight if device_weight else None)
+        return acc
+    return _accumulate(acc, update, weight)
+
+
+def _accumulate_fake(acc: Any, update: Any, weight: float, weight_tensor: Any) -> None:
+    if acc.dim() != 1 or update.shape != acc.shape:
+        raise ValueError(f"acc and update must be [d] vectors of one length, got {acc.shape} and {update.shape}")
+
+
+@_declare.declare(
+    "accumulate_",
+    "(Tensor(a!) acc, Tensor update, float weight, Tensor? weight_tensor) -> ()",
+    fake=_accumulate_fake,
+    mutates=("acc",),
+)
+def _accumulate_native(acc: Any, update: Any, weight: float, weight_tensor: Any) -> None:
+    _accumulate(acc, update, weight if weight_tensor is None else weight_tensor)
+
+
+def _accumulate(acc: Any, update: Any, weight: Any) -> Any:
+    """The direct path of :func:`accumulate_` (any library)."""
     acc_ref = _arrays.describe(acc, "acc")
     if len(acc_ref.shape) != 1:
         raise ValueError(f"acc must be a 1-D vector, got shape {acc_ref.shape}")

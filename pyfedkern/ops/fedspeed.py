@@ -10,8 +10,9 @@ storage with float32 arithmetic), read strided views in place, release the GIL a
 number of CPU threads (norms: double-precision partial sums over fixed chunks, added in order). On the GPU they
 run on the caller's current stream and the norms stay on the device (``norm_out``): no host synchronisation.
 Norm outputs are one-element arrays of the accumulation dtype (float64 for float64 inputs, else float32).
-Torch tensors are read and written as data: an output that requires grad is refused while grad mode is on, and
-written tensors get their autograd version bumped (as torch's own in-place ops).
+Torch tensors are read and written as data: the ops are not differentiable, an input or output that requires grad
+is refused while grad mode is on, and written tensors get their autograd version bumped (as torch's own in-place
+ops). Inside ``torch.compile``/``torch.export`` they run as ``torch.ops.pyfedkern.<name>`` (declared below).
 
 Row forms (batched FL clients): pass [k, d] matrices instead of [d] vectors and each row is one client's vector,
 handled exactly as the 1-D op would handle it (bit for bit on the CPU): :func:`sam_perturb` and
@@ -27,6 +28,7 @@ from typing import Any, TypeVar
 from pyfedkern import _arrays
 from pyfedkern._arrays import ArrayRef
 from pyfedkern._runtime import native
+from pyfedkern.ops import _declare
 
 A = TypeVar("A")
 
@@ -72,32 +74,62 @@ def _acc_dtype(ref: ArrayRef) -> str:
     return "float64" if ref.dtype == "float64" else "float32"
 
 
-def _norm_target(norm_out: Any, like: ArrayRef, name: str = "norm_out") -> ArrayRef | None:
+def _norm_target(norm_out: Any, like: ArrayRef) -> ArrayRef | None:
+    """norm_out checked against x (``like``): one element for a [d] vector, [k] for [k, d] rows (accumulation dtype,
+    x's library and device), or None."""
     if norm_out is None:
         return None
-    ref = _arrays.describe(norm_out, name)
+    ref = _arrays.describe(norm_out, "norm_out")
     if ref.lib != like.lib or ref.device != like.device:
-        raise ValueError(f"{name} is a {ref.where} array but x is a {like.where} array; mixing is not allowed")
+        raise ValueError(f"norm_out is a {ref.where} array but x is a {like.where} array; mixing is not allowed")
     want = _acc_dtype(like)
     if ref.dtype != want:
-        raise TypeError(f"{name} has dtype {ref.dtype}, expected {want} (the accumulation dtype of {like.dtype})")
-    if ref.size != 1:
-        raise ValueError(f"{name} must hold exactly one element, got shape {ref.shape}")
-    _arrays.check_output(ref, name)
+        raise TypeError(f"norm_out has dtype {ref.dtype}, expected {want} (the accumulation dtype of {like.dtype})")
+    if len(like.shape) == 1 and ref.size != 1:
+        raise ValueError(f"norm_out must hold exactly one element, got shape {ref.shape}")
+    if len(like.shape) == 2 and (len(ref.shape) != 1 or ref.shape[0] != like.shape[0]):
+        raise ValueError(f"norm_out must be a [{like.shape[0]}] vector (one norm per row), got shape {ref.shape}")
+    _arrays.check_output(ref, "norm_out")
     return ref
 
 
-def _workspace(like: ArrayRef, norm: ArrayRef | None, needed: bool) -> tuple[Any, int, int, int]:
-    """(keep-alive object, workspace ptr, workspace length, norm ptr) for a call on like's device."""
-    norm_ptr = norm.ptr if norm is not None else 0
+def _workspace(like: ArrayRef, norm: ArrayRef | None, needed: bool) -> tuple[Any, int, int, int, int]:
+    """(keep-alive object, workspace ptr, workspace length, norm ptr, norm stride) for a call on like's device."""
+    vector = len(like.shape) == 1
+    norm_ptr, norm_stride = (0, 1) if norm is None else (norm.ptr, 1 if vector else norm.strides[0])
     if like.device < 0 or not needed:
-        return None, 0, 0, norm_ptr
-    size = int(native().fedspeed_workspace_size())
-    ws = _arrays.empty_like_lib(like, (size + 1,), "float64")  # partial sums of squares in double
+        return None, 0, 0, norm_ptr, norm_stride
+    rows = 1 if vector else like.shape[0]
+    lib = native()
+    size = int(lib.fedspeed_workspace_size() if vector else lib.fedspeed_row_workspace_size(like.shape[1], rows))
+    ws = _arrays.empty_like_lib(like, (size + rows,), "float64")  # partial sums of squares in double
     ws_ref = _arrays.describe(ws, "workspace")
-    if norm is None:  # the norm still has to live on the device: the slot after the partial sums
-        norm_ptr = ws_ref.ptr + size * ws_ref.itemsize
-    return ws, ws_ref.ptr, size, norm_ptr
+    if norm is None:  # the norms still have to live on the device: the slots after the partial sums
+        norm_ptr, norm_stride = ws_ref.ptr + size * ws_ref.itemsize, 1
+    return ws, ws_ref.ptr, size, norm_ptr, norm_stride
+
+
+def _vector_arg(ref: ArrayRef | None) -> tuple[int, int]:
+    """(pointer, stride) of a [d] vector, or (0, 1) when it is absent."""
+    return (0, 1) if ref is None else (ref.ptr, ref.strides[0])
+
+
+def _forms(x: Any, name: str) -> tuple[Any, Any]:
+    """The operand checks of x's form: (_vector, _like) for a [d] vector, (_matrix, _matrix_like) for [k, d] rows
+    (``name``: the argument's name in errors)."""
+    return (_matrix, _matrix_like) if _is_rows(x, name) else (_vector, _like)
+
+
+def _shape(ref: ArrayRef) -> tuple[bool, int, int]:
+    """(vector, rows, d) of a [d] vector or [rows, d] matrix, for the native ops."""
+    return (True, 1, ref.shape[0]) if len(ref.shape) == 1 else (False, *ref.shape)
+
+
+def _strided(ref: ArrayRef | None) -> tuple[int, int, int]:
+    """(pointer, row stride, stride) of a [d] vector (row stride 0), a [k, d] matrix, or an absent operand."""
+    if ref is None:
+        return 0, 0, 1
+    return (ref.ptr, 0, ref.strides[0]) if len(ref.shape) == 1 else (ref.ptr, *ref.strides)
 
 
 def sam_perturb(
@@ -129,26 +161,30 @@ def sam_perturb(
     Returns:
         ``out``, or a new [d] array of x's library, device and dtype.
     """
-    if _is_rows(x, "x"):
-        return _perturb_rows(x, grad, rho, eps=eps, normalize=normalize, out=out, norm_out=norm_out)
-    xr, gr, r, e, out, outr = _perturb_operands(_vector, _like, x, grad, rho, eps, normalize, out, norm_out)
+    _declare.refuse_grad("sam_perturb", ("x", "grad"), x, grad)
+    if _declare.traced():
+        return _sam_perturb_torch(x, grad, rho, eps, normalize, out, norm_out)
+    return _sam_perturb(x, grad, rho, eps=eps, normalize=normalize, out=out, norm_out=norm_out)
+
+
+def _sam_perturb(x: Any, grad: Any, rho: Any, *, eps: Any, normalize: bool, out: Any, norm_out: Any) -> Any:
+    """The direct path of :func:`sam_perturb` (any library, [d] or [k, d])."""
+    xr, gr, r, e, out, outr = _perturb_operands(*_forms(x, "x"), x, grad, rho, eps, normalize, out, norm_out)
     norm = _norm_target(norm_out, xr)
-    keep, ws_ptr, ws_len, norm_ptr = _workspace(xr, norm, normalize)
+    keep, ws_ptr, ws_len, norm_ptr, norm_stride = _workspace(xr, norm, normalize)
     native().fedspeed_perturb(
         xr.device,
         _arrays.stream_handle(xr),
         xr.dtype,
-        xr.shape[0],
-        xr.ptr,
-        xr.strides[0],
-        gr.ptr,
-        gr.strides[0],
-        outr.ptr,
-        outr.strides[0],
+        *_shape(xr),
+        *_strided(xr),
+        *_strided(gr),
+        *_strided(outr),
         r,
         e,
         normalize,
         norm_ptr,
+        norm_stride,
         ws_ptr,
         ws_len,
     )
@@ -240,37 +276,42 @@ def fedspeed_update_(
 
     The inputs must not overlap x. Returns ``x``.
     """
-    if _is_rows(x, "x"):
-        return _update_rows(
-            x,
-            g2,
-            lr,
-            g1=g1,
-            alpha=alpha,
-            anchor=anchor,
-            prox_coef=prox_coef,
-            weight_decay=weight_decay,
-            clip_norm=clip_norm,
-            norm_out=norm_out,
+    _declare.refuse_grad("fedspeed_update_", ("g2", "g1", "anchor"), g2, g1, anchor)
+    if _declare.traced():
+        _declare.torch_op("fedspeed_update_")(
+            x, g2, float(lr), g1, float(alpha), anchor, float(prox_coef), float(weight_decay), clip_norm, norm_out
         )
+        return x
+    return _fedspeed_update(x, g2, lr, g1, alpha, anchor, prox_coef, weight_decay, clip_norm, norm_out)
+
+
+def _fedspeed_update(
+    x: Any,
+    g2: Any,
+    lr: Any,
+    g1: Any,
+    alpha: Any,
+    anchor: Any,
+    prox_coef: Any,
+    weight_decay: Any,
+    clip_norm: Any,
+    norm_out: Any,
+) -> Any:
+    """The direct path of :func:`fedspeed_update_` (any library, [d] or [k, d])."""
     xr, g1r, g2r, anchor_r, eta, a, c, wd, clip = _update_operands(
-        _vector, _like, x, g2, lr, g1, alpha, anchor, prox_coef, weight_decay, clip_norm, norm_out
+        *_forms(x, "x"), x, g2, lr, g1, alpha, anchor, prox_coef, weight_decay, clip_norm, norm_out
     )
     norm = _norm_target(norm_out, xr)
-    keep, ws_ptr, ws_len, norm_ptr = _workspace(xr, norm, clip > 0.0)
+    keep, ws_ptr, ws_len, norm_ptr, norm_stride = _workspace(xr, norm, clip > 0.0)
     native().fedspeed_update(
         xr.device,
         _arrays.stream_handle(xr),
         xr.dtype,
-        xr.shape[0],
-        xr.ptr,
-        xr.strides[0],
-        g1r.ptr if g1r else 0,
-        g1r.strides[0] if g1r else 1,
-        g2r.ptr,
-        g2r.strides[0],
-        anchor_r.ptr if anchor_r else 0,
-        anchor_r.strides[0] if anchor_r else 1,
+        *_shape(xr),
+        *_strided(xr),
+        *_strided(g1r),
+        *_strided(g2r),
+        *_strided(anchor_r),
         1.0 - a,
         a,
         c,
@@ -278,6 +319,7 @@ def fedspeed_update_(
         eta,
         clip,
         norm_ptr,
+        norm_stride,
         ws_ptr,
         ws_len,
     )
@@ -327,29 +369,37 @@ def fedspeed_round_end_(
 
     Outputs must not overlap each other or the inputs. Returns ``h``.
     """
-    if _is_rows(h, "h"):
-        return _round_end_rows(h, x_local, x_global, acc=acc, acc_weight=acc_weight, include_h=include_h, h_sum=h_sum)
-    hr = _vector(h, "h")
+    _declare.refuse_grad("fedspeed_round_end_", ("x_local", "x_global"), x_local, x_global)
+    if _declare.traced():
+        _declare.torch_op("fedspeed_round_end_")(h, x_local, x_global, acc, float(acc_weight), include_h, h_sum)
+        return h
+    return _round_end(h, x_local, x_global, acc, acc_weight, include_h, h_sum)
+
+
+def _round_end(h: Any, x_local: Any, x_global: Any, acc: Any, acc_weight: Any, include_h: Any, h_sum: Any) -> Any:
+    """The direct path of :func:`fedspeed_round_end_` (any library, [d] or [k, d])."""
+    take, like = _forms(h, "h")
+    hr = take(h, "h")
     _arrays.check_output(hr, "h")
-    xl = _like(x_local, "x_local", hr, "h")
-    xg = _like(x_global, "x_global", hr, "h")
-    w, outs = _round_end_outputs(hr, hr, "h", xl, xg, acc, acc_weight, include_h, h_sum)
+    xl = like(x_local, "x_local", hr, "h")
+    row = hr.row(0) if len(hr.shape) == 2 else hr  # acc and h_sum are [d] vectors like one row of h
+    row_name = "a row of h" if len(hr.shape) == 2 else "h"
+    if len(hr.shape) == 2 and len(_arrays.describe(x_global, "x_global").shape) == 1:  # one x^t for every row
+        xg = _like(x_global, "x_global", row, row_name)
+    else:
+        xg = like(x_global, "x_global", hr, "h")
+    w, outs = _round_end_outputs(hr, row, row_name, xl, xg, acc, acc_weight, include_h, h_sum)
     accr, hsr = outs.get("acc"), outs.get("h_sum")
     native().fedspeed_round_end(
         hr.device,
         _arrays.stream_handle(hr),
         hr.dtype,
-        hr.shape[0],
-        hr.ptr,
-        hr.strides[0],
-        xl.ptr,
-        xl.strides[0],
-        xg.ptr,
-        xg.strides[0],
-        accr.ptr if accr else 0,
-        accr.strides[0] if accr else 1,
-        hsr.ptr if hsr else 0,
-        hsr.strides[0] if hsr else 1,
+        *_shape(hr),
+        *_strided(hr),
+        *_strided(xl),
+        *_strided(xg),
+        *_vector_arg(accr),
+        *_vector_arg(hsr),
         w,
         include_h,
     )
@@ -357,7 +407,76 @@ def fedspeed_round_end_(
     return h
 
 
-# Row forms ([k, d]: one client per row) ------------------------------------------------------------------------
+# torch.library declarations -----------------------------------------------------------------------------------
+
+
+def _sam_perturb_torch(x: Any, grad: Any, rho: Any, eps: Any, normalize: bool, out: Any, norm_out: Any) -> Any:
+    """:func:`sam_perturb` through ``torch.ops.pyfedkern.sam_perturb`` (``out`` is a mutated argument; in place on
+    x itself it goes through a new tensor, as the operator's inputs may not alias its outputs)."""
+    target = x.new_empty(x.shape) if out is None or out is x else out
+    _declare.torch_op("sam_perturb")(x, grad, float(rho), float(eps), normalize, target, norm_out)
+    if out is x:
+        return x.copy_(target)
+    return target
+
+
+def _check_fake_shapes(**tensors: Any) -> None:
+    """ValueError unless the given tensors (None: absent) all have the shape of the first, [d] or [k, d]."""
+    shapes = {name: tuple(t.shape) for name, t in tensors.items() if t is not None}
+    first_name, first = next(iter(shapes.items()))
+    if len(first) not in (1, 2):
+        raise ValueError(f"{first_name} must be a [d] vector or a [k, d] matrix, got shape {first}")
+    for name, shape in shapes.items():
+        if shape != first:
+            raise ValueError(f"{name} has shape {shape}, expected {first} (the shape of {first_name})")
+
+
+@_declare.declare(
+    "sam_perturb",
+    "(Tensor x, Tensor grad, float rho, float eps, bool normalize, Tensor(a!) out, Tensor(b!)? norm_out) -> ()",
+    fake=lambda x, grad, rho, eps, normalize, out, norm_out: _check_fake_shapes(x=x, grad=grad, out=out),
+    mutates=("out", "norm_out"),
+)
+def _sam_perturb_native(x: Any, grad: Any, rho: float, eps: float, normalize: bool, out: Any, norm_out: Any) -> None:
+    _sam_perturb(x, grad, rho, eps=eps, normalize=normalize, out=out, norm_out=norm_out)
+
+
+@_declare.declare(
+    "fedspeed_update_",
+    "(Tensor(a!) x, Tensor g2, float lr, Tensor? g1, float alpha, Tensor? anchor, float prox_coef, "
+    "float weight_decay, float? clip_norm, Tensor(b!)? norm_out) -> ()",
+    fake=lambda x, g2, lr, g1, alpha, anchor, *_: _check_fake_shapes(x=x, g2=g2, g1=g1, anchor=anchor),
+    mutates=("x", "norm_out"),
+)
+def _fedspeed_update_native(
+    x: Any,
+    g2: Any,
+    lr: float,
+    g1: Any,
+    alpha: float,
+    anchor: Any,
+    prox_coef: float,
+    weight_decay: float,
+    clip_norm: float | None,
+    norm_out: Any,
+) -> None:
+    _fedspeed_update(x, g2, lr, g1, alpha, anchor, prox_coef, weight_decay, clip_norm, norm_out)
+
+
+@_declare.declare(
+    "fedspeed_round_end_",
+    "(Tensor(a!) h, Tensor x_local, Tensor x_global, Tensor(b!)? acc, float acc_weight, bool include_h, "
+    "Tensor(c!)? h_sum) -> ()",
+    fake=lambda h, x_local, *_: _check_fake_shapes(h=h, x_local=x_local),
+    mutates=("h", "acc", "h_sum"),
+)
+def _round_end_native(
+    h: Any, x_local: Any, x_global: Any, acc: Any, acc_weight: float, include_h: bool, h_sum: Any
+) -> None:
+    _round_end(h, x_local, x_global, acc, acc_weight, include_h, h_sum)
+
+
+# Operands of the row forms ([k, d]: one client per row) -------------------------------------------------------
 
 
 def _is_rows(x: Any, name: str) -> bool:
@@ -380,158 +499,3 @@ def _matrix_like(x: Any, name: str, like: ArrayRef, like_name: str) -> ArrayRef:
     if ref.shape != like.shape:
         raise ValueError(f"{name} has shape {ref.shape}, expected {like.shape} (the shape of {like_name})")
     return ref
-
-
-def _row_norms(norm_out: Any, like: ArrayRef) -> ArrayRef | None:
-    """norm_out of a row form: [k] (accumulation dtype, like's library and device), or None."""
-    if norm_out is None:
-        return None
-    ref = _arrays.describe(norm_out, "norm_out")
-    if ref.lib != like.lib or ref.device != like.device:
-        raise ValueError(f"norm_out is a {ref.where} array but x is a {like.where} array; mixing is not allowed")
-    want = _acc_dtype(like)
-    if ref.dtype != want:
-        raise TypeError(f"norm_out has dtype {ref.dtype}, expected {want} (the accumulation dtype of {like.dtype})")
-    if len(ref.shape) != 1 or ref.shape[0] != like.shape[0]:
-        raise ValueError(f"norm_out must be a [{like.shape[0]}] vector (one norm per row), got shape {ref.shape}")
-    _arrays.check_output(ref, "norm_out")
-    return ref
-
-
-def _row_workspace(like: ArrayRef, norm: ArrayRef | None, needed: bool) -> tuple[Any, int, int, int, int]:
-    """(keep-alive object, workspace ptr, length, norm ptr, norm stride) for a row-form call on like's device."""
-    norm_ptr, norm_stride = (norm.ptr, norm.strides[0]) if norm is not None else (0, 1)
-    if like.device < 0 or not needed:
-        return None, 0, 0, norm_ptr, norm_stride
-    rows = like.shape[0]
-    size = int(native().fedspeed_row_workspace_size(like.shape[1], rows))
-    ws = _arrays.empty_like_lib(like, (size + rows,), "float64")  # partial sums of squares in double
-    ws_ref = _arrays.describe(ws, "workspace")
-    if norm is None:  # the norms still have to live on the device: the rows slots after the partial sums
-        norm_ptr, norm_stride = ws_ref.ptr + size * ws_ref.itemsize, 1
-    return ws, ws_ref.ptr, size, norm_ptr, norm_stride
-
-
-def _perturb_rows(x: Any, grad: Any, rho: float, *, eps: float, normalize: bool, out: Any, norm_out: Any) -> Any:
-    xr, gr, r, e, out, outr = _perturb_operands(_matrix, _matrix_like, x, grad, rho, eps, normalize, out, norm_out)
-    norm = _row_norms(norm_out, xr)
-    keep, ws_ptr, ws_len, norm_ptr, norm_stride = _row_workspace(xr, norm, normalize)
-    native().fedspeed_perturb_rows(
-        xr.device,
-        _arrays.stream_handle(xr),
-        xr.dtype,
-        xr.shape[0],
-        xr.shape[1],
-        xr.ptr,
-        xr.strides[0],
-        xr.strides[1],
-        gr.ptr,
-        gr.strides[0],
-        gr.strides[1],
-        outr.ptr,
-        outr.strides[0],
-        outr.strides[1],
-        r,
-        e,
-        normalize,
-        norm_ptr,
-        norm_stride,
-        ws_ptr,
-        ws_len,
-    )
-    del keep
-    _arrays.mark_written(outr, *([norm] if norm is not None else []))
-    return out
-
-
-def _update_rows(
-    x: A,
-    g2: Any,
-    lr: float,
-    *,
-    g1: Any,
-    alpha: float,
-    anchor: Any,
-    prox_coef: float,
-    weight_decay: float,
-    clip_norm: float | None,
-    norm_out: Any,
-) -> A:
-    xr, g1r, g2r, anchor_r, eta, a, c, wd, clip = _update_operands(
-        _matrix, _matrix_like, x, g2, lr, g1, alpha, anchor, prox_coef, weight_decay, clip_norm, norm_out
-    )
-    norm = _row_norms(norm_out, xr)
-    keep, ws_ptr, ws_len, norm_ptr, norm_stride = _row_workspace(xr, norm, clip > 0.0)
-    native().fedspeed_update_rows(
-        xr.device,
-        _arrays.stream_handle(xr),
-        xr.dtype,
-        xr.shape[0],
-        xr.shape[1],
-        xr.ptr,
-        xr.strides[0],
-        xr.strides[1],
-        g1r.ptr if g1r else 0,
-        g1r.strides[0] if g1r else 0,
-        g1r.strides[1] if g1r else 1,
-        g2r.ptr,
-        g2r.strides[0],
-        g2r.strides[1],
-        anchor_r.ptr if anchor_r else 0,
-        anchor_r.strides[0] if anchor_r else 0,
-        anchor_r.strides[1] if anchor_r else 1,
-        1.0 - a,
-        a,
-        c,
-        c + wd,
-        eta,
-        clip,
-        norm_ptr,
-        norm_stride,
-        ws_ptr,
-        ws_len,
-    )
-    del keep
-    _arrays.mark_written(xr, *([norm] if norm is not None else []))
-    return x
-
-
-def _round_end_rows(
-    h: A, x_local: Any, x_global: Any, *, acc: Any, acc_weight: float, include_h: bool, h_sum: Any
-) -> A:
-    hr = _matrix(h, "h")
-    _arrays.check_output(hr, "h")
-    xl = _matrix_like(x_local, "x_local", hr, "h")
-    xg = _arrays.describe(x_global, "x_global")
-    if len(xg.shape) == 1:  # one x^t for every row
-        xg = _like(x_global, "x_global", hr.row(0), "a row of h")
-        xg_row_stride, xg_stride = 0, xg.strides[0]
-    else:
-        xg = _matrix_like(x_global, "x_global", hr, "h")
-        xg_row_stride, xg_stride = xg.strides
-    w, outs = _round_end_outputs(hr, hr.row(0), "a row of h", xl, xg, acc, acc_weight, include_h, h_sum)
-    accr, hsr = outs.get("acc"), outs.get("h_sum")
-    native().fedspeed_round_end_rows(
-        hr.device,
-        _arrays.stream_handle(hr),
-        hr.dtype,
-        hr.shape[0],
-        hr.shape[1],
-        hr.ptr,
-        hr.strides[0],
-        hr.strides[1],
-        xl.ptr,
-        xl.strides[0],
-        xl.strides[1],
-        xg.ptr,
-        xg_row_stride,
-        xg_stride,
-        accr.ptr if accr else 0,
-        accr.strides[0] if accr else 1,
-        hsr.ptr if hsr else 0,
-        hsr.strides[0] if hsr else 1,
-        w,
-        include_h,
-    )
-    _arrays.mark_written(*outs.values())
-    return h

@@ -42,6 +42,7 @@ import numpy as np
 from pyfedkern import _arrays
 from pyfedkern._arrays import ArrayRef
 from pyfedkern._runtime import native
+from pyfedkern.ops import _declare
 
 #: Shifted Gram chunking (elements = rows × columns). CPU: one chunk product is [τ, c]·[c, τ] with τ·c ≈ 2^18
 #: (1 MiB of float32, within L2), and one batched GEMM call takes ≈ 2^20 elements of chunks (4 per call for one
@@ -262,8 +263,15 @@ def _gram_batch(lib: str, y: Any) -> Any:
 def centred_gram(grads: Any) -> Any:
     """Gram matrix of the centred gradients, float64 [τ, τ] (or [N, τ_max, τ_max], zero-padded, for N clients).
 
-    Computed with the caller's library matmul as described in the module docstring.
+    Computed with the caller's library matmul as described in the module docstring. Not differentiable.
     """
+    _declare.refuse_grad("centred_gram", ("grads",), grads)
+    if _declare.traced():
+        return _per_client(grads, lambda g: _declare.torch_op("centred_gram")(g))
+    return _centred_gram_direct(grads)
+
+
+def _centred_gram_direct(grads: Any) -> Any:
     cl = _clients(grads)
     gram = _centred_gram(cl)
     return gram[0] if cl.kind == "single" else gram
@@ -403,8 +411,17 @@ def herding_order(grads: Any, k: Any) -> Any:
 
     Returns:
         int64 indices in the caller's library and device: [k] for one matrix, [N, k] for a stack with one k, a list
-        of N 1-D arrays for a list input or per-client k.
+        of N 1-D arrays for a list input or per-client k. A selection: not differentiable.
     """
+    _declare.refuse_grad("herding_order", ("grads",), grads)
+    if _declare.traced():
+        if isinstance(k, Sequence) or _declare.is_tensor(k):
+            return [_declare.torch_op("herding_order")(g, int(kn)) for g, kn in zip(grads, k, strict=True)]
+        return _per_client(grads, lambda g: _declare.torch_op("herding_order")(g, int(k)))
+    return _herding_order(grads, k)
+
+
+def _herding_order(grads: Any, k: Any) -> Any:
     cl = _clients(grads)
     _arrays.refuse_capture(cl.first, "herding", "checking that the gradients' Gram matrix is finite")
     ks = _check_k(k, cl.taus)
@@ -427,7 +444,23 @@ def herding_select(grads: Any, alpha: Any, *, return_gap: bool = False) -> tuple
     Returns:
         ``(indices, sums)`` or ``(indices, sums, gap)``: indices as in :func:`herding_order` (selection order),
         sums the [d] (one matrix) or [N, d] sums Σ_{selected} y in the caller's library, device and dtype.
+        A selection: not differentiable. In compiled code (``torch.compile``) the gap is a float64 CPU tensor.
     """
+    _declare.refuse_grad("herding_select", ("grads",), grads)
+    if _declare.traced():
+        if not _declare.is_tensor(grads):  # a list of clients of different τ: one operator call each
+            results = [_declare.torch_op("herding_select")(g, float(alpha)) for g in grads]
+            indices, sums, gaps = ([r[i] for r in results] for i in range(3))
+            import torch
+
+            result = (indices, torch.stack(sums), torch.cat(gaps))
+        else:
+            result = _declare.torch_op("herding_select")(grads, float(alpha))
+        return result if return_gap else result[:2]
+    return _herding_select(grads, alpha, return_gap)
+
+
+def _herding_select(grads: Any, alpha: Any, return_gap: bool) -> tuple[Any, ...]:
     cl = _clients(grads)
     _arrays.refuse_capture(cl.first, "herding", "checking that the gradients' Gram matrix is finite")
     a = check_alpha(alpha)
@@ -565,8 +598,16 @@ def grab_select(grads: Any, *, running_mean: bool = False) -> tuple[Any, Any]:
 
     Returns:
         ``(indices, sums)``: int64 ascending indices of the selected rows and Σ_{selected} y [d], in the caller's
-        library, device and dtype (accumulated in float32, float64 for float64 gradients).
+        library, device and dtype (accumulated in float32, float64 for float64 gradients). A selection: not
+        differentiable.
     """
+    _declare.refuse_grad("grab_select", ("grads",), grads)
+    if _declare.traced():
+        return _declare.torch_op("grab_select")(grads, running_mean)
+    return _grab_select(grads, running_mean)
+
+
+def _grab_select(grads: Any, running_mean: bool) -> tuple[Any, Any]:
     ref = _arrays.describe(grads, "grads")
     _arrays.check_float_dtype(ref, "grads")
     if len(ref.shape) != 2 or ref.shape[0] < 1 or ref.shape[1] < 1:
@@ -577,3 +618,74 @@ def grab_select(grads: Any, *, running_mean: bool = False) -> tuple[Any, Any]:
     if ref.dtype not in ("float32", "float64"):
         sums = sums.to(grads.dtype) if ref.lib == "torch" else sums.astype(grads.dtype)
     return balancer.selected(), sums
+
+
+# torch.library declarations -----------------------------------------------------------------------------------
+
+
+def _per_client(grads: Any, op: Any) -> Any:
+    """op(grads) for a tensor, one op call per client for a list of [τ_i, d] matrices."""
+    return op(grads) if _declare.is_tensor(grads) else [op(g) for g in grads]
+
+
+def _fake_grads(grads: Any) -> tuple[int, ...]:
+    """The leading dimensions ([] or [N]) and τ of a [τ, d] or [N, τ, d] tensor."""
+    if grads.dim() not in (2, 3):
+        raise ValueError(f"grads must be a [τ, d] matrix or a [N, τ, d] stack, got shape {tuple(grads.shape)}")
+    return tuple(grads.shape[:-2]), grads.shape[-2]
+
+
+def _gram_fake(grads: Any) -> Any:
+    import torch
+
+    lead, tau = _fake_grads(grads)
+    return grads.new_empty((*lead, tau, tau), dtype=torch.float64)
+
+
+def _order_fake(grads: Any, k: int) -> Any:
+    import torch
+
+    lead, _ = _fake_grads(grads)
+    return grads.new_empty((*lead, k), dtype=torch.int64)
+
+
+def _select_fake(grads: Any, alpha: float) -> tuple[Any, Any, Any]:
+    import torch
+
+    lead, tau = _fake_grads(grads)
+    k = selection_size(tau, alpha) if isinstance(tau, int) else torch.library.get_ctx().new_dynamic_size()
+    gap = torch.empty(lead if lead else (1,), dtype=torch.float64)
+    return grads.new_empty((*lead, k), dtype=torch.int64), grads.new_empty((*lead, grads.shape[-1])), gap
+
+
+def _grab_fake(grads: Any, running_mean: bool) -> tuple[Any, Any]:
+    import torch
+
+    if grads.dim() != 2:
+        raise ValueError(f"grads must be a [τ, d] matrix, got shape {tuple(grads.shape)}")
+    count = torch.library.get_ctx().new_dynamic_size()
+    return grads.new_empty((count,), dtype=torch.int64), grads.new_empty(grads.shape[1:])
+
+
+@_declare.declare("centred_gram", "(Tensor grads) -> Tensor", fake=_gram_fake)
+def _centred_gram_native(grads: Any) -> Any:
+    return _centred_gram_direct(grads)
+
+
+@_declare.declare("herding_order", "(Tensor grads, int k) -> Tensor", fake=_order_fake)
+def _herding_order_native(grads: Any, k: int) -> Any:
+    return _herding_order(grads, k)
+
+
+@_declare.declare("herding_select", "(Tensor grads, float alpha) -> (Tensor, Tensor, Tensor)", fake=_select_fake)
+def _herding_select_native(grads: Any, alpha: float) -> tuple[Any, Any, Any]:
+    """(indices, sums, gap as a float64 CPU tensor of one value per client)."""
+    import torch
+
+    indices, sums, gap = _herding_select(grads, alpha, True)
+    return indices, sums, torch.from_numpy(np.atleast_1d(gap))
+
+
+@_declare.declare("grab_select", "(Tensor grads, bool running_mean) -> (Tensor, Tensor)", fake=_grab_fake)
+def _grab_select_native(grads: Any, running_mean: bool) -> tuple[Any, Any]:
+    return _grab_select(grads, running_mean)

@@ -3,7 +3,9 @@
 ``class_feature_norms`` reads a [B, D] feature matrix once and returns every row's L2 norm, the per-class sum and
 mean of the norms (a segmented reduction by label, summed in a fixed order: the same bits for any number of CPU
 threads) and the class counts; given logits it also counts the correct top-1 predictions. For torch tensors that
-require grad it is differentiable with respect to the features through a native backward kernel.
+require grad it is differentiable with respect to the features through a native backward kernel (the registered
+operators ``torch.ops.pyfedkern.class_feature_norms`` and ``class_feature_norms_backward``); ``row_norms`` is
+differentiable too.
 
 ``per_sample_grad_norms`` gives the [B] norms of one Linear/Conv2d layer's per-sample gradients from the layer's
 input activations and output gradients, without building the [B, P] per-sample gradients (see
@@ -19,6 +21,7 @@ import numpy as np
 from pyfedkern import _arrays
 from pyfedkern._arrays import ArrayRef
 from pyfedkern._runtime import native
+from pyfedkern.ops import _declare
 
 LABEL_DTYPES = ("int32", "int64")
 _INT_DTYPES = ("int8", "int16", "uint8", "uint16", "uint32", "uint64")
@@ -159,42 +162,70 @@ def _backward(feats: ArrayRef, labels: ArrayRef, num_classes: int, grad_norms: A
     return grad
 
 
-def _autograd_function():
+def _class_norms_fake(features: Any, labels: Any, num_classes: int, logits: Any) -> tuple:
+    if features.dim() != 2:
+        raise ValueError(f"features must be a 2-D [B, D] tensor, got shape {tuple(features.shape)}")
+    C = _check_num_classes(num_classes)
+    per_class = features.new_empty((C,))
+    counts = labels.new_empty((C,)).long()
+    return features.new_empty(features.shape[:1]), per_class, per_class.clone(), counts, counts.new_empty(())
+
+
+def _class_norms_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
+    features, labels, num_classes, _ = inputs
+    ctx.save_for_backward(features, labels, output[3])
+    ctx.num_classes = num_classes
+    ctx.mark_non_differentiable(output[3], output[4])
+
+
+def _class_norms_backward(ctx: Any, g_norms: Any, g_sum: Any, g_mean: Any, *_: Any) -> tuple:
+    """∂/∂f_r = (g_norms[r] + g_sum[y_r] + g_mean[y_r]/n_{y_r})·f_r/‖f_r‖ (0 for an all-zero row)."""
+    features, labels, counts = ctx.saved_tensors
+    acc = _torch_acc(features)
+    grad_norms = None if g_norms is None else g_norms.to(acc).contiguous()
+    class_coef = None
+    if g_sum is not None or g_mean is not None:
+        class_coef = features.new_zeros((ctx.num_classes,), dtype=acc)
+        if g_sum is not None:
+            class_coef = class_coef + g_sum.to(acc)
+        if g_mean is not None:
+            class_coef = class_coef + g_mean.to(acc) / counts.clamp(min=1).to(acc)
+    if grad_norms is None and class_coef is None:
+        return None, None, None, None
+    backward = _declare.torch_op("class_feature_norms_backward")
+    return backward(features, labels, ctx.num_classes, grad_norms, class_coef), None, None, None
+
+
+def _torch_acc(t: Any) -> Any:
     import torch
 
-    class _ClassFeatureNorms(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, features, labels, num_classes, logits, feats, lab, lg):
-            """(features, labels, logits) are described (and checked) by the caller as (feats, lab, lg)."""
-            result = _forward(feats, lab, num_classes, lg)
-            ctx.save_for_backward(features, labels, result.counts)
-            ctx.num_classes = num_classes
-            ctx.mark_non_differentiable(*(t for t in (result.counts, result.correct) if t is not None))
-            return tuple(result)
-
-        @staticmethod
-        @torch.autograd.function.once_differentiable
-        def backward(ctx, g_norms, g_sum, g_mean, _g_counts, _g_correct):
-            features, labels, counts = ctx.saved_tensors
-            acc = getattr(torch, _acc_dtype(str(features.dtype).removeprefix("torch.")))
-            grad_norms = None if g_norms is None else g_norms.to(acc).contiguous()
-            class_coef = None
-            if g_sum is not None or g_mean is not None:
-                class_coef = torch.zeros(ctx.num_classes, dtype=acc, device=features.device)
-                if g_sum is not None:
-                    class_coef += g_sum.to(acc)
-                if g_mean is not None:
-                    class_coef += g_mean.to(acc) / counts.clamp(min=1).to(acc)
-            if grad_norms is None and class_coef is None:
-                return (None,) * 7
-            feats = _arrays.describe(features, "features")
-            lab = _arrays.describe(labels, "labels")
-            return (_backward(feats, lab, ctx.num_classes, grad_norms, class_coef),) + (None,) * 6
-
-    return _ClassFeatureNorms
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-_FUNCTION: Any = None
+@_declare.declare(
+    "class_feature_norms",
+    "(Tensor features, Tensor labels, int num_classes, Tensor? logits) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    fake=_class_norms_fake,
+    setup_context=_class_norms_setup,
+    backward=_class_norms_backward,
+)
+def _class_norms_native(features: Any, labels: Any, num_classes: int, logits: Any) -> tuple:
+    """The operator's outputs: ``correct`` is always a 0-d tensor (0 without logits; the public op gives None)."""
+    result = _class_feature_norms(features, labels, num_classes, logits)
+    correct = result.correct if result.correct is not None else result.counts.new_zeros(())
+    return result.norms, result.class_sum, result.class_mean, result.counts, correct
+
+
+@_declare.declare(
+    "class_feature_norms_backward",
+    "(Tensor features, Tensor labels, int num_classes, Tensor? grad_norms, Tensor? class_coef) -> Tensor",
+    fake=lambda features, *_: features.new_empty(features.shape),
+)
+def _class_norms_backward_native(features: Any, labels: Any, num_classes: int, grad_norms: Any, class_coef: Any) -> Any:
+    """∂/∂features of Σ grad_norms·norms + Σ_r class_coef[labels[r]]·norms[r] (grad_norms, class_coef in the
+    accumulation dtype, contiguous, on the features' device)."""
+    feats = _check_features(features)
+    return _backward(feats, _arrays.describe(labels, "labels"), num_classes, grad_norms, class_coef)
 
 
 def class_feature_norms(features: Any, labels: Any, num_classes: int, logits: Any = None) -> FeatureNorms:
@@ -216,23 +247,54 @@ def class_feature_norms(features: Any, labels: Any, num_classes: int, logits: An
         None). A class with no rows has count 0, sum 0.0 and mean 0.0. For torch features that require grad the
         norms, sums and means are differentiable (∂‖f‖/∂f = f/‖f‖, taken as 0 for an all-zero row).
     """
-    global _FUNCTION
+    _declare.refuse_grad("class_feature_norms", ("logits",), logits)
+    if _declare.use_operator(features):
+        if _declare.is_tensor(labels) and str(labels.dtype).removeprefix("torch.") in _INT_DTYPES:
+            labels = labels.long()  # small integer labels are widened (the backward kernel reads int32/int64)
+        result = _declare.torch_op("class_feature_norms")(features, labels, num_classes, logits)
+        return FeatureNorms(*result[:4], result[4] if logits is not None else None)
+    return _class_feature_norms(features, labels, num_classes, logits)
+
+
+def _class_feature_norms(features: Any, labels: Any, num_classes: int, logits: Any) -> FeatureNorms:
+    """The direct path of :func:`class_feature_norms` (any library)."""
     feats = _check_features(features)
     C = _check_num_classes(num_classes)
     labels, lab = _prepare_labels(labels, feats, C)
     lg = None if logits is None else _check_logits(logits, feats, C)
-    if feats.lib == "torch" and features.requires_grad:
-        import torch
-
-        if torch.is_grad_enabled():
-            if _FUNCTION is None:
-                _FUNCTION = _autograd_function()
-            return FeatureNorms(*_FUNCTION.apply(features, labels, C, logits, feats, lab, lg))
-    return _forward(feats, lab, C, lg)  # the outputs are new tensors outside any autograd graph
+    return _forward(feats, lab, C, lg)
 
 
 def row_norms(x: Any) -> Any:
-    """[B] L2 norms of the rows of a [B, D] float array (not differentiable), in the caller's library/dtype."""
+    """[B] L2 norms of the rows of a [B, D] float array, in the caller's library, device and dtype.
+
+    Torch: differentiable (∂‖x_r‖/∂x_r = x_r/‖x_r‖, taken as 0 for an all-zero row).
+    """
+    if _declare.use_operator(x):
+        return _declare.torch_op("row_norms")(x)
+    return _row_norms(x)
+
+
+def _row_norms_setup(ctx: Any, inputs: tuple, output: Any) -> None:
+    ctx.save_for_backward(inputs[0], output)
+
+
+def _row_norms_backward(ctx: Any, grad: Any) -> Any:
+    x, norms = ctx.saved_tensors
+    acc = _torch_acc(x)
+    n = norms.to(acc)
+    scale = (grad.to(acc) / n.masked_fill(n == 0, 1)).masked_fill(n == 0, 0)
+    return (x.to(acc) * scale[:, None]).to(x.dtype)
+
+
+@_declare.declare(
+    "row_norms",
+    "(Tensor x) -> Tensor",
+    fake=lambda x: x.new_empty(x.shape[:1]) if x.dim() == 2 else _check_features(x, "x"),
+    setup_context=_row_norms_setup,
+    backward=_row_norms_backward,
+)
+def _row_norms(x: Any) -> Any:
     return _forward(_check_features(x, "x"), None, 0, None).norms
 
 
@@ -262,6 +324,10 @@ def per_sample_grad_norms(layer: Any, activations: Any, grad_outputs: Any, *, sq
     Conv2d's Gram form unfolds its input one chunk at a time; its per-sample weight gradients are one grouped
     weight-gradient convolution per chunk (one group per sample, no unfolded input). Never builds the [B, P]
     per-sample gradients of the model.
+
+    Built from torch operations and :func:`row_norms` (not an operator of its own: it takes a module), it is
+    traced by ``torch.compile`` as it stands and is differentiable with respect to ``activations`` and
+    ``grad_outputs`` (e.g. for a penalty on gradient norms) wherever the norms are non-zero.
     """
     import torch
     from torch import nn
@@ -278,16 +344,14 @@ def per_sample_grad_norms(layer: Any, activations: Any, grad_outputs: Any, *, sq
             f"activations and grad_outputs must have the same batch size, got {activations.shape[0]} and "
             f"{grad_outputs.shape[0]}"
         )
-    with torch.no_grad():
-        a, g = activations.detach(), grad_outputs.detach()
-        if isinstance(layer, nn.Linear):
-            sq = _linear_sq_norms(layer, a, g)
-        elif isinstance(layer, nn.Conv2d):
-            sq = _conv2d_sq_norms(layer, a, g)
-        else:
-            raise TypeError(
-                f"per_sample_grad_norms supports nn.Linear and nn.Conv2d layers, got {type(layer).__qualname__}"
-            )
+    if isinstance(layer, nn.Linear):
+        sq = _linear_sq_norms(layer, activations, grad_outputs)
+    elif isinstance(layer, nn.Conv2d):
+        sq = _conv2d_sq_norms(layer, activations, grad_outputs)
+    else:
+        raise TypeError(
+            f"per_sample_grad_norms supports nn.Linear and nn.Conv2d layers, got {type(layer).__qualname__}"
+        )
     return sq if squared else sq.sqrt()
 
 

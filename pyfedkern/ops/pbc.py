@@ -10,6 +10,8 @@
 All ops work in place on numpy / torch (CPU, CUDA) / cupy arrays of float32, float64, float16 or bfloat16 (16-bit
 storage accumulates in float32), read strided views in place, run on the caller's current CUDA stream, release the
 GIL, and give the same bits for any number of CPU threads (each element sums its rows in the order given).
+They are not differentiable: torch inputs and outputs that require grad are refused while grad mode is on. Inside
+``torch.compile``/``torch.export`` they run as ``torch.ops.pyfedkern.<name>`` (declared below).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import numpy as np
 from pyfedkern import _arrays
 from pyfedkern._arrays import ArrayRef
 from pyfedkern._runtime import native
+from pyfedkern.ops import _declare
 
 A = TypeVar("A")
 
@@ -137,6 +140,14 @@ def pbc_agg_bcast_(store: Any, server: A, active: Any) -> A:
     Returns:
         ``server``.
     """
+    if _declare.traced():
+        _declare.torch_op("pbc_agg_bcast_")(store, server, _index_tensor(active))
+        return server
+    return _pbc_agg_bcast(store, server, active)
+
+
+def _pbc_agg_bcast(store: Any, server: Any, active: Any) -> Any:
+    """The direct path of :func:`pbc_agg_bcast_` (any library)."""
     s = _store(store, "store", writeable=True)
     m, d = s.shape
     srv = _vector(server, "server", like=s, writeable=True)
@@ -187,6 +198,16 @@ def weighted_delta_(x: A, models: Any, weights: Any, scale: float = 1.0, rows: A
     Returns:
         ``x``.
     """
+    _declare.refuse_grad("weighted_delta_", ("models", "weights"), models, weights)
+    if _declare.traced():
+        selected = None if rows is None else _index_tensor(rows)
+        _declare.torch_op("weighted_delta_")(x, _stacked(models), _float_tensor(weights), float(scale), selected)
+        return x
+    return _weighted_delta(x, models, weights, scale, rows)
+
+
+def _weighted_delta(x: Any, models: Any, weights: Any, scale: Any, rows: Any) -> Any:
+    """The direct path of :func:`weighted_delta_` (any library)."""
     xr = _vector(x, "x", writeable=True)
     ptrs, strides, refs = _update_rows(models, "models", xr, rows)
     for k, r in enumerate(refs):
@@ -229,6 +250,18 @@ def mifa_update_(
     Returns:
         ``x``.
     """
+    _declare.refuse_grad("mifa_update_", ("updates",), updates)
+    if _declare.traced():
+        op = _declare.torch_op("mifa_update_")
+        op(x, memory, total, _stacked(updates), _index_tensor(rows), float(server_lr), updates_are, resum)
+        return x
+    return _mifa_update(x, memory, total, updates, rows, server_lr, updates_are, resum)
+
+
+def _mifa_update(
+    x: Any, memory: Any, total: Any, updates: Any, rows: Any, server_lr: Any, updates_are: str, resum: bool
+) -> Any:
+    """The direct path of :func:`mifa_update_` (any library)."""
     if updates_are not in ("models", "deltas"):
         raise ValueError(f"updates_are must be 'models' or 'deltas', got {updates_are!r}")
     xr = _vector(x, "x", writeable=True)
@@ -279,3 +312,72 @@ def mifa_update_(
     )
     _arrays.mark_written(xr, mem, tot)
     return x
+
+
+# torch.library declarations -----------------------------------------------------------------------------------
+
+
+def _index_tensor(indices: Any) -> Any:
+    """Row indices or a boolean mask as a tensor (a list or numpy array becomes a CPU tensor)."""
+    if _declare.is_tensor(indices):
+        return indices
+    import torch
+
+    return torch.as_tensor(indices)
+
+
+def _float_tensor(values: Any) -> Any:
+    if _declare.is_tensor(values):
+        return values
+    import torch
+
+    return torch.as_tensor(values, dtype=torch.float64)
+
+
+def _stacked(rows: Any) -> Any:
+    """A [K, d] tensor of a tensor or of a list of K [d] tensors."""
+    if _declare.is_tensor(rows):
+        return rows
+    import torch
+
+    return torch.stack(list(rows))
+
+
+def _fake_store(store: Any, vector: Any, store_name: str, vector_name: str) -> None:
+    if store.dim() != 2 or vector.dim() != 1 or store.shape[1] != vector.shape[0]:
+        raise ValueError(
+            f"{store_name} must be [m, d] and {vector_name} [d], got {tuple(store.shape)} and {tuple(vector.shape)}"
+        )
+
+
+@_declare.declare(
+    "pbc_agg_bcast_",
+    "(Tensor(a!) store, Tensor(b!) server, Tensor active) -> ()",
+    fake=lambda store, server, active: _fake_store(store, server, "store", "server"),
+    mutates=("store", "server"),
+)
+def _pbc_agg_bcast_native(store: Any, server: Any, active: Any) -> None:
+    _pbc_agg_bcast(store, server, active)
+
+
+@_declare.declare(
+    "weighted_delta_",
+    "(Tensor(a!) x, Tensor models, Tensor weights, float scale, Tensor? rows) -> ()",
+    fake=lambda x, models, *_: _fake_store(models, x, "models", "x"),
+    mutates=("x",),
+)
+def _weighted_delta_native(x: Any, models: Any, weights: Any, scale: float, rows: Any) -> None:
+    _weighted_delta(x, models, weights, scale, rows)
+
+
+@_declare.declare(
+    "mifa_update_",
+    "(Tensor(a!) x, Tensor(b!) memory, Tensor(c!) total, Tensor updates, Tensor rows, float server_lr, "
+    "str updates_are, bool resum) -> ()",
+    fake=lambda x, memory, total, updates, *_: _fake_store(memory, x, "memory", "x"),
+    mutates=("x", "memory", "total"),
+)
+def _mifa_update_native(
+    x: Any, memory: Any, total: Any, updates: Any, rows: Any, server_lr: float, updates_are: str, resum: bool
+) -> None:
+    _mifa_update(x, memory, total, updates, rows, server_lr, updates_are, resum)

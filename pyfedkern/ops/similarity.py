@@ -15,7 +15,12 @@ A segment whose norm is ≤ ``eps`` is the zero vector after normalisation (dist
 0 to another zero segment, cosine 0): no NaN. ``scale = 0`` gives the uniform mean; a huge scale gives one-hot
 on the best row (ties share equally). The ops read strided inputs in place, run on the caller's current CUDA
 stream, release the GIL and give the same bits for any number of CPU threads. float16/bfloat16 storage is
-accumulated in float32 and double. They are not differentiable.
+accumulated in float32 and double.
+
+Torch: both ops are differentiable in the query, the bank and (for the blend) the models, through the registered
+operators ``torch.ops.pyfedkern.similarity_weights`` / ``similarity_combine`` and their autograd formulas (taken
+when an input requires grad or inside ``torch.compile``). The scores are not differentiable where a distance is 0
+or a segment norm is at most ``eps``; the gradient there is taken as 0.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import numpy as np
 from pyfedkern import _arrays
 from pyfedkern._arrays import ArrayRef
 from pyfedkern._runtime import native
+from pyfedkern.ops import _declare
 
 METRICS = {"l2": 0, "layer_l2": 1, "layer_cos": 2}
 
@@ -170,9 +176,21 @@ def similarity_weights(
         α [K] (float64 for float64 input, float32 otherwise) of the caller's library and device, summing to 1;
         ``(α, s)`` with ``return_scores``.
     """
+    if _declare.use_operator(query, bank):
+        offsets, mask = _torch_segments(query, segments, include)
+        weights, scores = _declare.torch_op("similarity_weights")(
+            query, _stacked(bank), float(scale), metric, offsets, mask, float(eps)
+        )
+    else:
+        weights, scores = _similarity_weights(query, bank, scale, metric, segments, include, eps)
+    return (weights, scores) if return_scores else weights
+
+
+def _similarity_weights(query: Any, bank: Any, scale: Any, metric: str, segments: Any, include: Any, eps: Any):
+    """The direct path of :func:`similarity_weights` (any library): (weights, scores)."""
     q, _, args, weights, scores = _prepare(query, bank, scale, metric, segments, include, eps)
     _arrays.call_native(native().similarity_weights, q, *args)
-    return (weights, scores) if return_scores else weights
+    return weights, scores
 
 
 def similarity_combine(
@@ -205,7 +223,23 @@ def similarity_combine(
     Returns:
         ``out`` or a new [d] array of the models' dtype; ``(blend, α)`` with ``return_weights``.
     """
-    q, rows, args, weights, _ = _prepare(query, bank, scale, metric, segments, include, eps)
+    if _declare.use_operator(query, bank, models):
+        offsets, mask = _torch_segments(query, segments, include)
+        blend, weights, _ = _declare.torch_op("similarity_combine")(
+            query, _stacked(bank), _stacked(models), float(scale), metric, offsets, mask, float(eps)
+        )
+        if out is not None:
+            blend = out.copy_(blend)
+    else:
+        blend, weights, _ = _similarity_combine(query, bank, models, scale, metric, segments, include, eps, out)
+    return (blend, weights) if return_weights else blend
+
+
+def _similarity_combine(
+    query: Any, bank: Any, models: Any, scale: Any, metric: str, segments: Any, include: Any, eps: Any, out: Any
+) -> tuple[Any, Any, Any]:
+    """The direct path of :func:`similarity_combine` (any library): (blend, weights, scores)."""
+    q, rows, args, weights, scores = _prepare(query, bank, scale, metric, segments, include, eps)
     mrows = _rows(models, "models")
     if mrows[0].lib != q.lib or mrows[0].device != q.device:
         raise ValueError(f"models is a {mrows[0].where} array but query is a {q.where} array; mixing is not allowed")
@@ -238,4 +272,169 @@ def similarity_combine(
         [r.strides[0] for r in mrows],
     )
     _arrays.mark_written(out_ref)
-    return (out, weights) if return_weights else out
+    return out, weights, scores
+
+
+# torch.library declarations -----------------------------------------------------------------------------------
+
+
+def _stacked(rows: Any) -> Any:
+    """A [K, n] tensor of a tensor or of a list of K [n] tensors."""
+    if _declare.is_tensor(rows):
+        return rows
+    import torch
+
+    return torch.stack(list(rows))
+
+
+def _torch_segments(query: Any, segments: Any, include: Any) -> tuple[list[int], list[bool]]:
+    """(offsets, include flags) as Python lists for the operators (checked by the direct path when they run)."""
+    if hasattr(segments, "segments") and hasattr(segments, "include_mask"):  # a pyfedkern.flat.FlatLayout
+        if include is None:
+            include = segments.include_mask()
+        segments = segments.segments()
+    offsets = [0, query.shape[0]] if segments is None else [int(o) for o in segments]
+    mask = [True] * (len(offsets) - 1) if include is None else [bool(f) for f in include]
+    return offsets, mask
+
+
+def _weights_fake(query: Any, bank: Any, scale: float, metric: str, segments: Any, include: Any, eps: float):
+    if query.dim() != 1 or bank.dim() != 2 or bank.shape[1] != query.shape[0]:
+        raise ValueError(f"query must be [d] and bank [K, d], got {tuple(query.shape)} and {tuple(bank.shape)}")
+    import torch
+
+    acc = torch.float64 if query.dtype == torch.float64 else torch.float32
+    return query.new_empty(bank.shape[:1], dtype=acc), query.new_empty(bank.shape[:1], dtype=acc)
+
+
+def _combine_fake(query: Any, bank: Any, models: Any, *rest: Any):
+    weights, scores = _weights_fake(query, bank, *rest)
+    if models.dim() != 2 or models.shape[0] != bank.shape[0]:
+        raise ValueError(f"models must be [K, d] with K = {bank.shape[0]} rows, got {tuple(models.shape)}")
+    return models.new_empty(models.shape[1:]), weights, scores
+
+
+def _weights_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
+    query, bank, scale, metric, segments, include, eps = inputs
+    ctx.save_for_backward(query, bank, output[0])
+    ctx.options = (scale, metric, segments, include, eps)
+
+
+def _weights_backward(ctx: Any, grad_weights: Any, grad_scores: Any) -> tuple:
+    query, bank, weights = ctx.saved_tensors
+    dq, db = _score_grads(query, bank, weights, grad_weights, grad_scores, *ctx.options)
+    return dq, db, None, None, None, None, None
+
+
+def _combine_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
+    query, bank, models, scale, metric, segments, include, eps = inputs
+    ctx.save_for_backward(query, bank, models, output[1])
+    ctx.options = (scale, metric, segments, include, eps)
+
+
+def _combine_backward(ctx: Any, grad_blend: Any, grad_weights: Any, grad_scores: Any) -> tuple:
+    """blend = Σ_k α_k·models_k: ∂/∂models_k = α_k·grad, and ⟨models_k, grad⟩ joins the weights' gradient."""
+    query, bank, models, weights = ctx.saved_tensors
+    acc = weights.dtype
+    g = grad_blend.to(acc)
+    grad_models = (weights[:, None] * g).to(models.dtype) if ctx.needs_input_grad[2] else None
+    through_weights = models.to(acc) @ g
+    if grad_weights is not None:
+        through_weights = through_weights + grad_weights
+    dq, db = _score_grads(query, bank, weights, through_weights, grad_scores, *ctx.options)
+    return dq, db, grad_models, None, None, None, None, None
+
+
+def _score_grads(
+    query: Any, bank: Any, weights: Any, grad_weights: Any, grad_scores: Any, scale: float, metric: str, *seg: Any
+) -> tuple[Any, Any]:
+    """(∂/∂query, ∂/∂bank) given the gradients of the weights α = softmax(σ·s) and of the scores s."""
+    acc = weights.dtype
+    gs = weights.new_zeros(weights.shape) if grad_scores is None else grad_scores.to(acc)
+    if grad_weights is not None:
+        ga = grad_weights.to(acc)
+        sigma = scale if metric == "layer_cos" else -scale
+        gs = gs + sigma * weights * (ga - (weights * ga).sum())
+    dq, db = _score_input_grads(query.to(acc), bank.to(acc), gs, metric, *seg)
+    return dq.to(query.dtype), db.to(bank.dtype)
+
+
+def _score_input_grads(q: Any, b: Any, gs: Any, metric: str, offsets: list, include: list, eps: float):
+    """(∂/∂q, ∂/∂b) of Σ_k gs_k·s_k for the metric's scores s (0 on excluded entries and where s is not
+    differentiable: a zero distance, or a segment whose norm is at most eps)."""
+    import torch
+
+    dq, db = torch.zeros_like(q), torch.zeros_like(b)
+    parts = [slice(lo, hi) for lo, hi, on in zip(offsets[:-1], offsets[1:], include, strict=True) if on]
+    if metric == "l2":
+        diff = torch.cat([q[p] - b[:, p] for p in parts], dim=1)
+        dist = diff.norm(dim=1)
+        coef = torch.where(dist > 0, gs / dist.masked_fill(dist == 0, 1), 0)
+        step = coef[:, None] * diff
+        start = 0
+        for p in parts:
+            width = p.stop - p.start
+            dq[p] += step[:, start : start + width].sum(0)
+            db[:, p] -= step[:, start : start + width]
+            start += width
+        return dq, db
+    L = len(parts)
+    for p in parts:
+        u, nq = _unit(q[p], eps)
+        v, nb = _unit(b[:, p], eps)
+        if metric == "layer_l2":
+            diff = u - v
+            dist = diff.norm(dim=1)
+            r = torch.where(dist > 0, gs / (L * dist.masked_fill(dist == 0, 1)), 0)[:, None] * diff
+            du, dv = r.sum(0), -r
+        else:  # layer_cos
+            du, dv = (gs[:, None] * v).sum(0) / L, gs[:, None] * u / L
+        dq[p] += _through_unit(u, nq, du, eps)
+        db[:, p] += _through_unit(v, nb, dv, eps)
+    return dq, db
+
+
+def _unit(x: Any, eps: float) -> tuple[Any, Any]:
+    """(x/‖x‖ along the last dimension, 0 where ‖x‖ ≤ eps; the norms ‖x‖ with a trailing dimension)."""
+    n = x.norm(dim=-1, keepdim=True)
+    return _where(n > eps, x / n.masked_fill(n <= eps, 1), 0), n
+
+
+def _through_unit(u: Any, n: Any, du: Any, eps: float) -> Any:
+    """The gradient reaching x through u = x/‖x‖: (du − u·⟨u, du⟩)/‖x‖ (0 where ‖x‖ ≤ eps)."""
+    proj = du - u * (u * du).sum(-1, keepdim=True)
+    return _where(n > eps, proj / n.masked_fill(n <= eps, 1), 0)
+
+
+def _where(cond: Any, a: Any, b: float) -> Any:
+    import torch
+
+    return torch.where(cond, a, b)
+
+
+@_declare.declare(
+    "similarity_weights",
+    "(Tensor query, Tensor bank, float scale, str metric, SymInt[] segments, bool[] include, float eps) "
+    "-> (Tensor, Tensor)",
+    fake=_weights_fake,
+    setup_context=_weights_setup,
+    backward=_weights_backward,
+)
+def _similarity_weights_native(
+    query: Any, bank: Any, scale: float, metric: str, segments: list, include: list, eps: float
+) -> tuple[Any, Any]:
+    return _similarity_weights(query, bank, scale, metric, segments, include, eps)
+
+
+@_declare.declare(
+    "similarity_combine",
+    "(Tensor query, Tensor bank, Tensor models, float scale, str metric, SymInt[] segments, bool[] include, "
+    "float eps) -> (Tensor, Tensor, Tensor)",
+    fake=_combine_fake,
+    setup_context=_combine_setup,
+    backward=_combine_backward,
+)
+def _similarity_combine_native(
+    query: Any, bank: Any, models: Any, scale: float, metric: str, segments: list, include: list, eps: float
+) -> tuple[Any, Any, Any]:
+    return _similarity_combine(query, bank, models, scale, metric, segments, include, eps, None)

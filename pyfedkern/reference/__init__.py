@@ -3,14 +3,15 @@ used by the tests and benchmarks. They favour clarity (and float64 arithmetic) o
 
 from pyfedkern.reference.aggregate import accumulate_, weighted_sum
 from pyfedkern.reference.fedspeed import fedspeed_round_end_, fedspeed_update_, sam_perturb
-from pyfedkern.reference.herding import grab_select, herding_order, herding_select
-from pyfedkern.reference.norms import class_feature_norms, grad_norms, per_sample_grad_norms
+from pyfedkern.reference.herding import centred_gram, grab_select, herding_order, herding_select
+from pyfedkern.reference.norms import class_feature_norms, grad_norms, per_sample_grad_norms, row_norms
 from pyfedkern.reference.pbc import mifa_update_, pbc_agg_bcast_, weighted_delta_
 from pyfedkern.reference.sampling import seeded_permutations
 from pyfedkern.reference.similarity import similarity_combine, similarity_weights
 
 __all__ = [
     "accumulate_",
+    "centred_gram",
     "class_feature_norms",
     "fedspeed_round_end_",
     "fedspeed_update_",
@@ -21,6 +22,7 @@ __all__ = [
     "mifa_update_",
     "pbc_agg_bcast_",
     "per_sample_grad_norms",
+    "row_norms",
     "sam_perturb",
     "seeded_permutations",
     "similarity_combine",

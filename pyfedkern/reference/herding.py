@@ -50,6 +50,19 @@ def _clients(grads: Any) -> tuple[list[Any], bool]:
     return [grads], False
 
 
+def centred_gram(grads: Any) -> Any:
+    """float64 Gram matrices Z Zᵀ of the rows centred on their mean ([τ, τ], or [N, τ_max, τ_max] zero padded)."""
+    clients, listed = _clients(grads)
+    ys = [_numpy64(y) for y in clients]
+    big = max(y.shape[0] for y in ys)
+    gram = np.zeros((len(ys), big, big))
+    for n, y in enumerate(ys):
+        z = y - y.mean(0)
+        gram[n, : y.shape[0], : y.shape[0]] = z @ z.T
+    single = not listed and len(grads.shape) == 2
+    return _like(gram[0] if single else gram, clients[0])
+
+
 def herding_order_one(y: np.ndarray, k: int) -> tuple[list[int], np.ndarray]:
     """Algorithm 2 on one float64 [τ, d] matrix: (the k picks, the final centred sum s)."""
     z = y - y.mean(axis=0)

@@ -41,6 +41,15 @@ def class_feature_norms(features: Any, labels: Any, num_classes: int, logits: An
     return FeatureNorms(norms.to(dt), sums.to(dt), means.to(dt), counts, correct)
 
 
+def row_norms(x: Any) -> Any:
+    """[B] L2 norms of the rows of a [B, D] array, in float64, returned in x's dtype (torch: keeps the graph)."""
+    if isinstance(x, np.ndarray):
+        return np.sqrt((x.astype(np.float64) ** 2).sum(1)).astype(x.dtype)
+    import torch
+
+    return torch.sqrt((x.to(torch.float64) ** 2).sum(1)).to(x.dtype)
+
+
 def per_sample_grad_norms(layer: Any, activations: Any, grad_outputs: Any, *, squared: bool = False) -> Any:
     """Per-sample gradient norms of one Linear/Conv2d layer from explicitly materialised per-sample gradients."""
     import torch

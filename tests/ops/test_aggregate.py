@@ -217,11 +217,15 @@ def test_sixty_four_bit_indexing_contiguous():
     assert out[2**31 - 2 : 2**31 + 2].tolist() == [0.25, 0.5, 0.75, 1.0]
 
 
-def test_torch_parameters_are_read_as_data():
+def test_torch_parameters_get_their_gradients_through_weighted_sum():
     p = torch.nn.Parameter(torch.ones(5))
     q = torch.nn.Parameter(torch.full((5,), 2.0))
     out = ops.weighted_sum([p, q], [0.25, 0.5])
-    assert not out.requires_grad and out.tolist() == [1.25] * 5
+    assert out.requires_grad and out.tolist() == [1.25] * 5
+    out.sum().backward()
+    assert p.grad.tolist() == [0.25] * 5 and q.grad.tolist() == [0.5] * 5
+    with torch.no_grad():
+        assert not ops.weighted_sum([p, q], [0.25, 0.5]).requires_grad
 
 
 @settings(max_examples=60, deadline=None)

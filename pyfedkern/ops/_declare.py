@@ -1,0 +1,123 @@
+"""Each op's declaration for PyTorch: schema, fake function, native entry point and autograd, in one place.
+
+An op module declares its op once with :func:`declare`: the torch schema, the function that runs it on real
+tensors (the op's own checked direct path, which numpy and cupy callers use too), the fake function that gives
+the output shapes and dtypes without running anything, and, for a differentiable op, its autograd formula.
+:func:`register` (called once by ``pyfedkern.ops`` at import, after every op module has declared its ops) builds
+``torch.ops.pyfedkern.<name>`` from every declaration with ``torch.library`` (Python registration: the extension
+never links libtorch).
+
+The public op keeps its direct path in eager mode and takes the registered operator only when it must:
+inside ``torch.compile``/``torch.export`` (``traced``), and, for a differentiable op, when a torch input
+requires grad with grad mode on (:func:`use_operator`). A non-differentiable op refuses such inputs
+(:func:`refuse_grad`) instead of returning a result detached from the graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class OpDecl:
+    """One op: ``torch.ops.pyfedkern.<name>`` with ``schema``, run by ``native`` (the checked direct path) on CPU
+    and CUDA tensors, traced with ``fake``; differentiable through ``backward`` when given."""
+
+    name: str
+    schema: str
+    native: Callable[..., Any]
+    fake: Callable[..., Any]
+    mutates: tuple[str, ...] = ()
+    setup_context: Callable[..., Any] | None = None
+    backward: Callable[..., Any] | None = None
+
+
+DECLARED: dict[str, OpDecl] = {}
+
+
+def declare(
+    name: str,
+    schema: str,
+    *,
+    fake: Callable[..., Any],
+    mutates: tuple[str, ...] = (),
+    setup_context: Callable[..., Any] | None = None,
+    backward: Callable[..., Any] | None = None,
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorator of an op's native entry point (arguments as in ``schema``): records the op's declaration."""
+
+    def record(native: Callable[..., Any]) -> Callable[..., Any]:
+        DECLARED[name] = OpDecl(name, schema, native, fake, mutates, setup_context, backward)
+        return native
+
+    return record
+
+
+traced = torch.compiler.is_compiling  # whether the caller is traced by torch.compile (Dynamo) or torch.export
+_grad_enabled = torch.is_grad_enabled
+_Tensor = torch.Tensor
+
+
+def is_tensor(x: Any) -> bool:
+    """Whether x is a torch tensor."""
+    return isinstance(x, _Tensor)
+
+
+def _requires_grad(x: Any) -> bool:
+    """Whether x (a tensor, or a list or tuple of them) holds a torch tensor that requires grad."""
+    if isinstance(x, _Tensor):
+        return x.requires_grad
+    if (type(x) is list or type(x) is tuple) and x and type(x[0]) is not float and isinstance(x[0], _Tensor):
+        for t in x:
+            if isinstance(t, _Tensor) and t.requires_grad:
+                return True
+    return False
+
+
+def use_operator(*xs: Any) -> bool:
+    """Whether a differentiable op takes its registered operator: when traced, or when one of ``xs`` (or a tensor
+    in a list among them) requires grad while grad mode is on. Eager calls without grad keep the direct path."""
+    if traced():
+        return True
+    if _grad_enabled():
+        for x in xs:
+            if _requires_grad(x):
+                return True
+    return False
+
+
+def refuse_grad(op: str, names: tuple[str, ...], *xs: Any) -> None:
+    """ValueError naming the argument when a torch input of the non-differentiable op ``op`` requires grad while
+    grad mode is on: its result would silently leave the autograd graph."""
+    if not _grad_enabled():
+        return
+    for name, x in zip(names, xs, strict=True):
+        if _requires_grad(x):
+            raise ValueError(
+                f"{op}: {name} requires grad, but {op} is not differentiable (its result would not carry a "
+                "gradient); call it under torch.no_grad() or pass .detach()"
+            )
+
+
+def torch_op(name: str) -> Any:
+    """``torch.ops.pyfedkern.<name>``."""
+    return getattr(torch.ops.pyfedkern, name)
+
+
+def register() -> None:
+    """Register every declared op as ``torch.ops.pyfedkern.<name>`` (pyfedkern.ops does it once, at import)."""
+    for decl in DECLARED.values():
+        op = torch.library.custom_op(
+            f"pyfedkern::{decl.name}",
+            decl.native,
+            mutates_args=decl.mutates,
+            device_types=("cpu", "cuda"),
+            schema=decl.schema,
+        )
+        op.register_fake(decl.fake)
+        if decl.backward is not None:
+            op.register_autograd(decl.backward, setup_context=decl.setup_context)

@@ -1,0 +1,403 @@
+"""pyfedkern's ops as PyTorch operators: torch.library.opcheck per op, torch.compile (fullgraph, dynamic shapes, no
+recompile on a second shape, zero graph breaks) equal to eager, gradcheck of the differentiable ops, refusal of
+inputs that require grad by the others, and compiled FedSpeed / SAM steps equal to the eager steps.
+
+Compiled functions use the ``aot_eager`` backend (Dynamo + AOTAutograd + functionalization, the part that must
+understand the operators) to keep the CPU cost low; the FedSpeed and SAM steps also run under inductor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from pyfedkern import ops
+from pyfedkern.algorithms.fedspeed import FedSpeedOptimizer
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+SHAPES = ((3, 5), (4, 7))  # (K, d) of the first call and of the second, which must not recompile
+
+
+@dataclass(frozen=True)
+class Case:
+    """One op: ``make(K, d, gen, device)`` builds tensors (mutated ones included); ``fn`` calls the public op and
+    returns what to compare (the mutated tensors for in-place ops); ``op_args`` maps the tensors to the
+    arguments of ``torch.ops.pyfedkern.<name>``."""
+
+    make: Callable[..., tuple]
+    fn: Callable[..., object]
+    op_args: Callable[..., tuple]
+
+
+def _r(gen: torch.Generator, device: str, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen, dtype=torch.float64).to(device)
+
+
+def _idx(device: str, *values: int) -> torch.Tensor:
+    return torch.tensor(values, device=device)
+
+
+CASES: dict[str, Case] = {
+    "weighted_sum": Case(
+        lambda K, d, g, dev: (_r(g, dev, K, d), _r(g, dev, K)),
+        lambda u, w: ops.weighted_sum(u, w),
+        lambda u, w: (u, w),
+    ),
+    "accumulate_": Case(
+        lambda K, d, g, dev: (_r(g, dev, d), _r(g, dev, d)),
+        lambda acc, u: ops.accumulate_(acc, u, 0.5),
+        lambda acc, u: (acc, u, 0.5, None),
+    ),
+    "sam_perturb": Case(
+        lambda K, d, g, dev: (_r(g, dev, d), _r(g, dev, d)),
+        lambda x, grad: ops.sam_perturb(x, grad, 0.05),
+        lambda x, grad: (x, grad, 0.05, 1e-7, True, torch.empty_like(x), None),
+    ),
+    "fedspeed_update_": Case(  # the row form: one client per row
+        lambda K, d, g, dev: tuple(_r(g, dev, K, d) for _ in range(4)),
+        lambda x, g2, g1, anchor: ops.fedspeed_update_(
+            x, g2, 0.1, g1=g1, alpha=0.5, anchor=anchor, prox_coef=0.1, weight_decay=1e-3
+        ),
+        lambda x, g2, g1, anchor: (x, g2, 0.1, g1, 0.5, anchor, 0.1, 1e-3, None, None),
+    ),
+    "fedspeed_round_end_": Case(
+        lambda K, d, g, dev: tuple(_r(g, dev, d) for _ in range(4)),
+        lambda h, xl, xg, acc: (ops.fedspeed_round_end_(h, xl, xg, acc=acc, acc_weight=0.5), acc),
+        lambda h, xl, xg, acc: (h, xl, xg, acc, 0.5, True, None),
+    ),
+    "pbc_agg_bcast_": Case(
+        lambda K, d, g, dev: (_r(g, dev, K, d), _r(g, dev, d), _idx(dev, 0, 2)),
+        lambda store, server, active: (ops.pbc_agg_bcast_(store, server, active), store),
+        lambda store, server, active: (store, server, active),
+    ),
+    "weighted_delta_": Case(
+        lambda K, d, g, dev: (_r(g, dev, d), _r(g, dev, K, d), _r(g, dev, K)),
+        lambda x, models, w: ops.weighted_delta_(x, models, w, 0.5),
+        lambda x, models, w: (x, models, w, 0.5, None),
+    ),
+    "mifa_update_": Case(
+        lambda K, d, g, dev: (_r(g, dev, d), _r(g, dev, K, d), _r(g, dev, d), _r(g, dev, 2, d), _idx(dev, 2, 0)),
+        lambda x, memory, total, updates, rows: (ops.mifa_update_(x, memory, total, updates, rows), memory, total),
+        lambda x, memory, total, updates, rows: (x, memory, total, updates, rows, 1.0, "models", False),
+    ),
+    "row_norms": Case(
+        lambda K, d, g, dev: (_r(g, dev, K, d),),
+        lambda x: ops.row_norms(x),
+        lambda x: (x,),
+    ),
+    "class_feature_norms": Case(
+        lambda K, d, g, dev: (
+            _r(g, dev, K, d),
+            torch.randint(0, 3, (K,), generator=g).to(dev),
+            _r(g, dev, K, 3),
+        ),
+        lambda f, y, logits: tuple(ops.class_feature_norms(f, y, 3, logits)),
+        lambda f, y, logits: (f, y, 3, logits),
+    ),
+    "similarity_weights": Case(
+        lambda K, d, g, dev: (_r(g, dev, d), _r(g, dev, K, d)),
+        lambda q, bank: ops.similarity_weights(q, bank, 2.0, "layer_l2", return_scores=True),
+        lambda q, bank: (q, bank, 2.0, "layer_l2", [0, 2, q.shape[0]], [True, True], 1e-12),
+    ),
+    "similarity_combine": Case(
+        lambda K, d, g, dev: (_r(g, dev, d), _r(g, dev, K, d), _r(g, dev, K, d + 1)),
+        lambda q, bank, models: ops.similarity_combine(q, bank, models, 2.0, "l2", return_weights=True),
+        lambda q, bank, models: (q, bank, models, 2.0, "l2", [0, q.shape[0]], [True], 1e-12),
+    ),
+    "centred_gram": Case(
+        lambda K, d, g, dev: (_r(g, dev, K, d),),
+        lambda grads: ops.centred_gram(grads),
+        lambda grads: (grads,),
+    ),
+    "herding_order": Case(
+        lambda K, d, g, dev: (_r(g, dev, K, d),),
+        lambda grads: ops.herding_order(grads, 2),
+        lambda grads: (grads, 2),
+    ),
+    "herding_select": Case(
+        lambda K, d, g, dev: (_r(g, dev, 2, K, d),),  # two clients
+        lambda grads: ops.herding_select(grads, 0.5),
+        lambda grads: (grads, 0.5),
+    ),
+    "grab_select": Case(
+        lambda K, d, g, dev: (_r(g, dev, K, d),),
+        lambda grads: ops.grab_select(grads),
+        lambda grads: (grads, False),
+    ),
+}
+
+
+def _flat(result: object) -> list[torch.Tensor]:
+    if isinstance(result, torch.Tensor):
+        return [result]
+    return [t for r in result for t in _flat(r)]
+
+
+def _clone(args: tuple) -> tuple:
+    return tuple(a.clone() for a in args)
+
+
+def test_every_public_op_is_a_registered_operator():
+    registered = {name for name in dir(torch.ops.pyfedkern) if not name.startswith("_")}
+    arrays_only = {"seeded_permutations"}  # host integer sampling: numpy in, numpy out
+    public = {name for name in ops.__all__ if name[0].islower()} - arrays_only - {"per_sample_grad_norms"}
+    assert public <= registered, public - registered
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", list(CASES))
+def test_opcheck(name, device):
+    case = CASES[name]
+    args = case.op_args(*case.make(*SHAPES[0], torch.Generator().manual_seed(0), device))
+    torch.library.opcheck(getattr(torch.ops.pyfedkern, name).default, args)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", list(CASES))
+def test_compiled_equals_eager_with_dynamic_shapes(name, device):
+    case = CASES[name]
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(case.fn, backend=counter, fullgraph=True)
+    gen = torch.Generator().manual_seed(1)
+    calls = [case.make(K, d, gen, device) for K, d in SHAPES]
+    for args in calls:
+        eager_args, compiled_args = _clone(args), _clone(args)
+        for a, first, second in zip(compiled_args, *calls, strict=True):  # K and d: the dimensions that change
+            torch._dynamo.mark_dynamic(a, [i for i in range(a.dim()) if first.shape[i] != second.shape[i]])
+        expected, got = _flat(case.fn(*eager_args)), _flat(compiled(*compiled_args))
+        assert len(expected) == len(got)
+        for e, g in zip(expected, got, strict=True):
+            assert e.shape == g.shape and e.dtype == g.dtype
+            assert torch.equal(e, g)
+    assert counter.frame_count == 1, "the second shape recompiled"
+    explained = torch._dynamo.explain(lambda *a: [t * 1 for t in _flat(case.fn(*a))])(*calls[0])
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+
+
+# Autograd ----------------------------------------------------------------------------------------------------
+
+
+def _leaf(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).requires_grad_()
+
+
+def test_gradcheck_weighted_sum_in_rows_and_weights():
+    u, w = _leaf(3, 5), _leaf(3, seed=1)
+    assert torch.autograd.gradcheck(ops.weighted_sum, (u, w))
+    assert torch.autograd.gradgradcheck(ops.weighted_sum, (u, w))
+    vectors = [_leaf(5, seed=s) for s in range(3)]  # the list form is differentiable too
+    assert torch.autograd.gradcheck(lambda *v: ops.weighted_sum(list(v), [0.5, -1.0, 2.0]), vectors)
+
+
+def test_gradcheck_row_norms_and_class_feature_norms():
+    f = _leaf(6, 4)
+    y = torch.tensor([0, 1, 2, 1, 0, 1])
+    assert torch.autograd.gradcheck(ops.row_norms, (f,))
+    assert torch.autograd.gradcheck(lambda a: tuple(ops.class_feature_norms(a, y, 4))[:3], (f,))
+
+
+@pytest.mark.parametrize("metric", ["l2", "layer_l2", "layer_cos"])
+def test_gradcheck_similarity(metric):
+    q, bank, models = _leaf(7), _leaf(3, 7, seed=1), _leaf(3, 4, seed=2)
+    segments, include = [0, 2, 5, 7], [True, False, True]
+
+    def weights(a, b):
+        return ops.similarity_weights(a, b, 1.5, metric, segments, include, return_scores=True)
+
+    def combine(a, b, m):
+        return ops.similarity_combine(a, b, m, 1.5, metric, segments, include, return_weights=True)
+
+    assert torch.autograd.gradcheck(weights, (q, bank))
+    assert torch.autograd.gradcheck(combine, (q, bank, models))
+
+
+@pytest.mark.parametrize("layer", [torch.nn.Linear(4, 3), torch.nn.Conv2d(2, 3, 3, padding=1)], ids=["linear", "conv"])
+def test_gradcheck_per_sample_grad_norms(layer):
+    if isinstance(layer, torch.nn.Linear):
+        a, g = _leaf(5, 4), _leaf(5, 3, seed=1)
+    else:
+        a, g = _leaf(2, 2, 4, 4), _leaf(2, 3, 4, 4, seed=1)
+    layer = layer.double()
+    assert torch.autograd.gradcheck(lambda x, y: ops.per_sample_grad_norms(layer, x, y), (a, g))
+
+
+def test_differentiable_results_keep_the_graph_in_a_mixed_loss():
+    """The gradient through the op adds to the gradient through the other terms (nothing dropped silently)."""
+    x = _leaf(3, 4)
+    w = torch.tensor([0.5, 1.0, -2.0], dtype=torch.float64)
+    loss = ops.weighted_sum(x, w).square().sum() + x.sum()
+    loss.backward()
+    expected = 2 * w[:, None] * (w @ x.detach())[None, :] + 1
+    torch.testing.assert_close(x.grad, expected, rtol=0, atol=1e-12)
+
+
+NON_DIFFERENTIABLE = {
+    "sam_perturb": lambda t: ops.sam_perturb(t, t.detach().clone(), 0.1),
+    "fedspeed_update_": lambda t: ops.fedspeed_update_(t.detach().clone(), t, 0.1),
+    "accumulate_": lambda t: ops.accumulate_(torch.zeros(4, dtype=t.dtype), t, 1.0),
+    "weighted_delta_": lambda t: ops.weighted_delta_(torch.zeros(4, dtype=t.dtype), [t], [1.0]),
+    "herding_order": lambda t: ops.herding_order(t[None].expand(3, 4), 2),
+    "grab_select": lambda t: ops.grab_select(t[None].expand(3, 4)),
+}
+
+
+@pytest.mark.parametrize("name", list(NON_DIFFERENTIABLE))
+def test_non_differentiable_ops_refuse_inputs_that_require_grad(name):
+    t = _leaf(4)
+    with pytest.raises(ValueError, match="not differentiable"):
+        NON_DIFFERENTIABLE[name](t)
+    with torch.no_grad():
+        NON_DIFFERENTIABLE[name](t)  # allowed outside grad mode
+
+
+# Compiled training steps ---------------------------------------------------------------------------------------
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3)).double()
+
+
+def _batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(5, 6, generator=gen, dtype=torch.float64), torch.randint(0, 3, (5,), generator=gen)
+
+
+def _run_fedspeed(model: torch.nn.Module, step: Callable | None) -> torch.Tensor:
+    opt = FedSpeedOptimizer(model.parameters(), lr=0.1, rho=0.05, alpha=0.7, lam=5.0, weight_decay=1e-3)
+    opt.begin_round()
+    for seed in range(3):
+        xb, yb = _batch(seed)
+
+        def closure(xb=xb, yb=yb):
+            loss = F.cross_entropy(model(xb), yb)
+            loss.backward()
+            return loss
+
+        if step is None:
+            opt.step(closure)
+        else:
+            step(opt, closure)
+    return opt.end_round()
+
+
+def test_compiled_fedspeed_optimizer_step_equals_eager():
+    """A training loop that compiles ``opt.step`` gets the eager results. The step itself is not one graph: it
+    rebinds parameters to views of a flat buffer and checks the binding through data pointers, which Dynamo
+    cannot trace (AOTAutograd also refuses in-place updates of parameters that share one buffer), so it breaks
+    the graph there; the functional step below is the fully compiled form."""
+    expected_model = _mlp()
+    expected = _run_fedspeed(expected_model, None)
+    model = _mlp()
+    got = _run_fedspeed(model, torch.compile(lambda opt, closure: opt.step(closure), backend="aot_eager"))
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    for p, q in zip(model.parameters(), expected_model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-12)
+
+
+def _sam_step(x: torch.Tensor, xb: torch.Tensor, yb: torch.Tensor, model: torch.nn.Module) -> torch.Tensor:
+    """SAM on a flat parameter vector: g1 at x, x̆ = x + ρ·g1/‖g1‖, g2 at x̆, x ← x − η·(g2 + wd·x)."""
+    shapes = [p.shape for p in model.parameters()]
+    names = [n for n, _ in model.named_parameters()]
+
+    def loss(flat: torch.Tensor) -> torch.Tensor:
+        params, start = {}, 0
+        for n, s in zip(names, shapes, strict=True):
+            params[n] = flat[start : start + s.numel()].view(s)
+            start += s.numel()
+        return F.cross_entropy(torch.func.functional_call(model, params, (xb,)), yb)
+
+    g1 = torch.func.grad(loss)(x)
+    g2 = torch.func.grad(loss)(ops.sam_perturb(x, g1, 0.05))
+    return ops.fedspeed_update_(x, g2, 0.1, weight_decay=1e-3)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_sam_step_equals_eager(backend):
+    model = _mlp()
+    x0 = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    xb, yb = _batch(0)
+    expected = _sam_step(x0.clone(), xb, yb, model)
+    counter = CompileCounterWithBackend(backend)
+    compiled = torch.compile(_sam_step, backend=counter, fullgraph=True)
+    got = compiled(x0.clone(), xb, yb, model)
+    assert counter.frame_count == 1
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    assert torch._dynamo.explain(_sam_step)(x0.clone(), xb, yb, model).graph_break_count == 0
+
+
+def test_export_traces_the_operators():
+    def f(u, w):
+        return ops.weighted_sum(u, w) * 2
+
+    u, w = torch.randn(3, 5), torch.tensor([0.5, 0.25, 1.0])
+    program = torch.export.export(_Wrap(f), (u, w))
+    targets = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
+    assert "pyfedkern.weighted_sum.default" in targets
+    assert torch.equal(program.module()(u, w), f(u, w))
+
+
+class _Wrap(torch.nn.Module):
+    def __init__(self, fn: Callable) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        return self.fn(*args)
+
+
+def test_numpy_callers_are_unchanged():
+    u = np.random.default_rng(0).standard_normal((3, 5))
+    out = ops.weighted_sum(u, [1.0, 2.0, 3.0])
+    assert isinstance(out, np.ndarray)
+    np.testing.assert_allclose(out, u.T @ np.array([1.0, 2.0, 3.0]), rtol=1e-12)
+
+
+# The references of the two ops added to pyfedkern.reference with this registration --------------------------
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_row_norms_matches_reference_with_zero_and_huge_rows(dtype):
+    from pyfedkern import reference
+
+    x = np.random.default_rng(0).standard_normal((6, 9)).astype(dtype)
+    x[2] = 0.0  # an all-zero row: norm 0, gradient 0
+    x[4] *= 1e18 if dtype == np.float32 else 1e150  # squares overflow unless accumulated in a wider type
+    got = ops.row_norms(x)
+    np.testing.assert_allclose(got, reference.row_norms(x), rtol=1e-6 if dtype == np.float32 else 1e-13)
+    t = torch.from_numpy(x).double().requires_grad_()
+    ops.row_norms(t).sum().backward()
+    assert torch.equal(t.grad[2], torch.zeros(9, dtype=torch.float64))
+
+
+def test_centred_gram_matches_reference_for_stacks_lists_and_a_large_mean():
+    from pyfedkern import reference
+
+    rng = np.random.default_rng(1)
+    grads = rng.standard_normal((2, 5, 40)) + 1e4  # a mean far larger than the deviations
+    np.testing.assert_allclose(ops.centred_gram(grads), reference.centred_gram(grads), rtol=1e-9, atol=1e-6)
+    clients = [grads[0], grads[1, :3]]
+    np.testing.assert_allclose(ops.centred_gram(clients), reference.centred_gram(clients), rtol=1e-9, atol=1e-6)
+    single = torch.from_numpy(grads[0])
+    torch.testing.assert_close(ops.centred_gram(single), reference.centred_gram(single), rtol=1e-9, atol=1e-6)
+
+
+def test_compiling_works_when_pyfedkern_is_imported_before_torch():
+    """The operators exist from ``import pyfedkern.ops`` on: a trace never has to register them."""
+    import subprocess
+    import sys
+
+    code = (
+        "from pyfedkern import ops\n"
+        "import torch\n"
+        "f = torch.compile(lambda u, w: ops.weighted_sum(u, w), backend='eager', fullgraph=True)\n"
+        "u, w = torch.ones(2, 3), torch.tensor([1.0, 2.0])\n"
+        "assert f(u, w).tolist() == [3.0, 3.0, 3.0]\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
