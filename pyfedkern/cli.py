@@ -15,6 +15,7 @@ import dataclasses
 import difflib
 import importlib
 import json
+import os
 import sys
 import textwrap
 import warnings
@@ -274,25 +275,47 @@ def _help_algorithm(name: str) -> int:
 
 
 def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
+    from pyfedkern.sim import distributed
     from pyfedkern.sim.engine import Simulation, check_resumable
     from pyfedkern.sim.results import check_new_run_dir
 
     if args.help_algorithm:
         return _help_algorithm(args.algorithm)
-    if args.resume:
-        if args.out is None:
-            raise CliError("--resume needs --out DIR (the run to continue)")
-        config = _resume_config(args, extra)
-        check_resumable(config, args.out)  # before the data is loaded
-    else:
-        config = dataclasses.replace(
+    if args.resume and args.out is None:
+        raise CliError("--resume needs --out DIR (the run to continue)")
+    config = (
+        _resume_config(args, extra)
+        if args.resume
+        else dataclasses.replace(
             _base_config(args),
             algorithm=args.algorithm,
             algorithm_params=_given_params(args, extra, [args.algorithm])[args.algorithm],
         )
-        if args.out is not None:
-            check_new_run_dir(args.out)  # before the data is loaded
-    metrics = Simulation(config).run(args.out, resume=args.resume, progress=not args.no_progress)
+    )
+    launched = distributed.launched()
+    if launched and args.workers not in (None, distributed.local_world_size()):
+        raise CliError("--workers starts processes on this machine; under torchrun leave it out")
+    workers = 1 if launched or args.workers is None else args.workers
+    distributed.check_workers(workers, config.device)
+    if workers > 1:
+        distributed.check_algorithm(config.algorithm)
+    if args.out is not None and not launched:  # before the data is loaded (launched ranks: rank 0 checks, later)
+        if args.resume:
+            check_resumable(config, args.out, workers=workers)
+        else:
+            check_new_run_dir(args.out)
+    if workers > 1:
+        try:
+            return distributed.launch_workers(workers, args.argv)
+        except distributed.ChildFailedWorkers as err:
+            print(f"pyfedkern run: error: {err}", file=sys.stderr)
+            return err.status
+    if launched:
+        metrics = distributed.run_distributed(config, args.out, resume=args.resume, progress=not args.no_progress)
+        if int(os.environ["RANK"]) != 0:
+            return 0
+    else:
+        metrics = Simulation(config).run(args.out, resume=args.resume, progress=not args.no_progress)
     last = next((m for m in reversed(metrics) if "test_acc" in m), metrics[-1])
     print(f"round {last['round']}: test accuracy {last['test_acc']:.4f}, test loss {last['test_loss']:.4f}")
     if args.out:
@@ -401,6 +424,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--out", default=None, help="directory for config, metrics, checkpoints and summary")
     run.add_argument("--resume", action="store_true", help="continue the interrupted run in --out")
     run.add_argument("--help-algorithm", action="store_true", help="list the algorithm's parameters and exit")
+    run.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="spread the rounds over N local processes (torch.distributed; at most the CPU cores, or one per GPU "
+        "with --device cuda); under torchrun leave it out (default: one process)",
+    )
     _add_common(run)
     run.set_defaults(parser=run, handler=cmd_run, takes_extra=True)
 
@@ -465,6 +495,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args, extra = parser.parse_known_args(argv)
     args.flags = {token.partition("=")[0] for token in argv if token.startswith("--")}  # the options given
+    args.argv = argv
     try:
         with warnings.catch_warnings():
             warnings.showwarning = _one_line_warnings(args.command)

@@ -78,6 +78,8 @@ class _LinkAlgorithm(Algorithm):
         link_probs: explicit probabilities instead (m values, or g values for g equal contiguous client groups).
     """
 
+    distributed = False  # its round needs every client at once: one process only
+
     links: str = "bernoulli"
     gamma: float = 0.3
     period: int = 40

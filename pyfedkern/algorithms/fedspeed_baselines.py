@@ -27,6 +27,7 @@ from pyfedkern.algorithms.base import (
     FLContext,
     RoundSums,
     local_sgd,
+    owned_clients,
 )
 from pyfedkern.algorithms.batched import BatchedLocal, Step
 from pyfedkern.algorithms.fedavg import FedAvg, _check_positive, add_weighted_models, server_average_
@@ -59,7 +60,9 @@ class FedDyn(Algorithm):
 
     def setup(self, ctx: FLContext, x0: torch.Tensor) -> None:
         super().setup(ctx, x0)
-        self.h_store = ClientStore(ctx.num_clients, self.x.numel(), device=self.x.device, dtype=self.x.dtype)
+        self.h_store = ClientStore(
+            ctx.num_clients, self.x.numel(), device=self.x.device, dtype=self.x.dtype, owned=owned_clients(ctx)
+        )
         self.h_total = torch.zeros_like(self.x)
         self.num_clients = int(ctx.num_clients)
 
@@ -86,7 +89,7 @@ class FedDyn(Algorithm):
 
     def batched_client_update(self, t: int, clients: np.ndarray, ctx: FLContext) -> ClientUpdates:
         run = BatchedLocal(ctx, t, clients)
-        anchor = self.h_store.data[run.index] - self.x
+        anchor = self.h_store.take(run.clients) - self.x
         c, wd = 1.0 / self.lam, ctx.weight_decay
 
         def dual(g: torch.Tensor, step: Step) -> None:  # the rows of `dual` in client_update
@@ -100,7 +103,7 @@ class FedDyn(Algorithm):
 
         models = run.sgd_(run.start(self.x), correction=dual)
         delta = models - self.x
-        self.h_store.data.index_add_(0, run.index, delta)
+        self.h_store.add_(run.clients, delta)
         return ClientUpdates.of(run, ctx, {"model": models, "delta": delta}, weights=np.ones(len(run)))
 
     def accumulate(self, t: int, sums: RoundSums, updates: ClientUpdates, ctx: FLContext) -> None:

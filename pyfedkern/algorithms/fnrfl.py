@@ -187,6 +187,8 @@ class FNRFL(FedAvg):
         reg_mode: "abs" (default, differentiable), "sq" or "literal" (the paper's constant J).
     """
 
+    distributed = False  # its round needs every client at once: one process only
+
     name = "fnrfl"
     lam: float = 0.01
     p: float = 0.3

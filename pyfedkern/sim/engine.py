@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from pyfedkern.algorithms.batched import can_batch, padding_weights
 from pyfedkern.data import datasets, partitions
 from pyfedkern.ops import seeded_permutations
 from pyfedkern.sim.config import ExperimentConfig, check_client_count, check_device, parse_lr_schedule
+from pyfedkern.sim.distributed import Team, local_world_size
 from pyfedkern.sim.results import RunWriter, config_differences, is_finished, read_config, read_metrics
 
 # Purposes of the random streams (first key after the seed).
@@ -118,6 +120,8 @@ class Simulation:
                 config.model,
             )
         self._timers: dict[str, float] = {}
+        #: The ranks this run is spread over (FLContext.team; pyfedkern.sim.distributed): one process by default.
+        self.team = Team()
 
     # FLContext -------------------------------------------------------------------------------------------
 
@@ -184,6 +188,10 @@ class Simulation:
         ends = np.cumsum(plan.counts)
         batches = [plan.perms[a : a + n] for a, n in zip(plan.first.tolist(), plan.length.tolist(), strict=True)]
         return [batches[e - n : e] for e, n in zip(ends.tolist(), plan.counts.tolist(), strict=True)]
+
+    def planned_steps(self, clients: np.ndarray) -> np.ndarray:
+        """Local steps [k] int64 of ``clients`` in a round under the run's settings (local_steps, else ⌈E·n/B⌉)."""
+        return self._step_counts(np.asarray(clients, dtype=np.int64), None, self.local_steps, False, None)[2]
 
     def _step_counts(
         self, clients: np.ndarray, epochs: float | None, steps: int | None, drop_last: bool, batch_size: int | None
@@ -325,8 +333,12 @@ class Simulation:
         if self.eval_labels is not None:
             keep = torch.isin(y, torch.as_tensor(self.eval_labels, device=self.device))
             x, y = x[keep], y[keep]
-        test_loss, test_acc = self.local.evaluate(vector, x, y)
-        train_loss, train_acc = self.local.evaluate(vector, self.x_eval_train, self.y_eval_train)
+
+        def evaluate(xs: torch.Tensor, ys: torch.Tensor) -> tuple[float, float]:
+            return self.local.evaluate(vector, xs, ys)
+
+        test_loss, test_acc = self.team.evaluate(evaluate, x, y)
+        train_loss, train_acc = self.team.evaluate(evaluate, self.x_eval_train, self.y_eval_train)
         return {
             "test_loss": test_loss,
             "test_acc": test_acc,
@@ -342,29 +354,38 @@ class Simulation:
         With ``out_dir``, config.json, metrics.jsonl (one line per round, written as it goes), checkpoints every
         ``checkpoint_every`` rounds, summary.json and model.pt are written there.
         """
-        threads = self.config.threads or (1 if self.local.dim < 1_000_000 else torch.get_num_threads())
-        with _cpu_threads(threads):
+        with _cpu_threads(self.config.threads or self.auto_threads()):
             return self._run(out_dir, resume, progress)
 
+    def auto_threads(self) -> int:
+        """CPU threads when ``config.threads`` is None: :func:`threads_for_work` of one batched training step (this
+        rank's share of a round's participants, at most a chunk of them, times the batch size times the number of
+        parameters), on this process's share of the cores."""
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        cores = max(1, cores // local_world_size())
+        rows = max(1, round(self.config.fraction * self.num_clients)) / self.team.size
+        if not self.batched:
+            rows = 1
+        elif self.client_chunk is not None:
+            rows = min(rows, self.client_chunk)
+        return threads_for_work(rows * self.batch_size * self.local.dim, cores)
+
     def _run(self, out_dir: str | Path | None, resume: bool, progress: bool) -> list[dict[str, Any]]:
-        cfg = self.config
-        writer = RunWriter(out_dir, cfg.to_dict(), resume=resume) if out_dir is not None else None
-        algo = self.algorithm
+        cfg, team, algo = self.config, self.team, self.algorithm
+        writer = None  # only rank 0 writes; a refusal there is raised on every rank
+        if out_dir is not None:
+            writer = team.first(lambda: RunWriter(out_dir, cfg.to_dict(), resume=resume))
         algo.setup(self, self.initial_vector)
         metrics: list[dict[str, Any]] = []
         start = 0
-        if writer is not None and resume:
-            point = writer.resume_point()  # everything checked before any file changes
-            if point.state is not None:
-                self._restore(point.checkpoint, point.state)
-            start = point.round
-            metrics = writer.start_from(point)
+        if out_dir is not None and resume:
+            start, metrics = self._resume(writer)
         if start == 0:  # a new run, or one interrupted before its first checkpoint
             record = {"round": 0, **self._timed_evaluation(algo.global_model())}
             metrics.append(record)
             if writer is not None:
                 writer.append_metrics(record)
-        bar = _progress(progress, start, cfg.rounds, cfg.algorithm)
+        bar = _progress(progress and team.is_writer, start, cfg.rounds, cfg.algorithm)
         for t in range(start, cfg.rounds):
             self._timers = {}
             began = time.perf_counter()
@@ -388,8 +409,11 @@ class Simulation:
             metrics.append(record)
             if writer is not None:
                 writer.append_metrics(record)
-                if (t + 1) % cfg.checkpoint_every == 0 and t + 1 < cfg.rounds:
-                    writer.save_checkpoint(self._checkpoint(t + 1))
+            if out_dir is not None and (t + 1) % cfg.checkpoint_every == 0 and t + 1 < cfg.rounds:
+                state = self._checkpoint(t + 1)
+                shards = team.gather(state["algorithm"])  # every rank's state, on rank 0
+                if writer is not None:
+                    writer.save_checkpoint({**state, "algorithm": shards[0] if team.size == 1 else shards})
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(_postfix(metrics))
@@ -399,11 +423,43 @@ class Simulation:
             writer.finish(metrics, algo.global_model())
         return metrics
 
+    def _resume(self, writer: RunWriter | None) -> tuple[int, list[dict[str, Any]]]:
+        """Restore the newest intact checkpoint of the run (rank 0 reads and checks it, each rank gets its shard);
+        (the last round done, the metrics of rounds 0..that round)."""
+        team = self.team
+
+        def resume_point():
+            point = writer.resume_point()  # everything checked before any file changes
+            check_workers_match(writer, point, team.size)
+            return point, writer.start_from(point)
+
+        found = team.first(resume_point)
+        shares = None
+        if found is not None:  # rank 0
+            point, metrics = found
+            shards = [None] * team.size if point.state is None else point.state["algorithm"]
+            if point.state is not None and team.size == 1:
+                shards = [shards]
+            shares = [
+                (
+                    point.round,
+                    metrics,
+                    point.checkpoint,
+                    None if point.state is None else {**point.state, "algorithm": a},
+                )
+                for a in shards
+            ]
+        start, metrics, path, state = team.scatter(shares)
+        if state is not None:
+            self._restore(path, state)
+        return start, metrics
+
     def _checkpoint(self, rounds_done: int) -> dict[str, Any]:
         """The state after ``rounds_done`` rounds, with the config it was made under (checked on resume)."""
         return {
             "round": rounds_done,
             "config": self.config.to_dict(),
+            "workers": self.team.size,
             "algorithm": self.algorithm.state_dict(),
             "active_clients": self.active_clients,
             "eval_labels": self.eval_labels,
@@ -511,6 +567,16 @@ class RoundBatches:
             yield xb, yb, wb
 
 
+#: Multiply-adds of a training step that keep one more CPU thread busy (a few milliseconds of work per thread).
+WORK_PER_THREAD = 1 << 22
+
+
+def threads_for_work(work: float, cores: int) -> int:
+    """CPU threads for a training step of ``work`` multiply-adds (batched rows × batch size × parameters): one
+    per :data:`WORK_PER_THREAD`, at least 1, at most ``cores``."""
+    return int(max(1, min(cores, work // WORK_PER_THREAD)))
+
+
 @contextlib.contextmanager
 def _cpu_threads(n: int) -> Iterator[None]:
     """Use n CPU threads in torch and pyfedkern inside the block, then restore the previous counts."""
@@ -554,10 +620,24 @@ def run_experiment(
     return Simulation(config).run(out_dir, resume=resume, progress=progress)
 
 
-def check_resumable(config: ExperimentConfig, run_dir: str | Path) -> None:
-    """Raise what ``Simulation(config).run(run_dir, resume=True)`` would raise about the run directory (a changed
-    config, a finished run, damaged files, ...), without building the simulation or changing any file."""
-    RunWriter(run_dir, config.to_dict(), resume=True).resume_point()
+def check_resumable(config: ExperimentConfig, run_dir: str | Path, *, workers: int = 1) -> None:
+    """Raise what ``Simulation(config).run(run_dir, resume=True)`` in ``workers`` processes would raise about the run
+    directory (a changed config, a finished run, damaged files, another number of workers, ...), without building the
+    simulation or changing any file."""
+    writer = RunWriter(run_dir, config.to_dict(), resume=True)
+    check_workers_match(writer, writer.resume_point(), workers)
+
+
+def check_workers_match(writer: RunWriter, point: Any, workers: int) -> None:
+    """ValueError unless the checkpoint of ``point`` (a resume point of ``writer``) was made by ``workers`` processes
+    (its shards are theirs: a checkpoint resumes with the number of processes that made it)."""
+    made_by = 0 if point.state is None else int(point.state.get("workers", 1))
+    if made_by and made_by != workers:
+        raise ValueError(
+            f"cannot resume {writer.dir}: checkpoint {point.checkpoint.name} was made by {made_by} worker(s) and this "
+            f"run has {workers}; resume it with {made_by} (--workers {made_by}, or torchrun with {made_by} processes "
+            "in all)"
+        )
 
 
 def check_reusable(config: ExperimentConfig, run_dir: str | Path) -> None:
