@@ -25,6 +25,7 @@ from __future__ import annotations
 import datetime
 import heapq
 import os
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -286,18 +287,10 @@ def check_algorithm(name: str) -> None:
         )
 
 
-def _worker(argv: list[str]) -> None:
-    """One launched process: the command line again, as rank RANK (exit status of ``pyfedkern``)."""
-    from pyfedkern.cli import main
-
-    code = main(argv)
-    if code:
-        raise SystemExit(code)
-
-
 def launch_workers(workers: int, argv: list[str]) -> int:
-    """Run ``pyfedkern`` with ``argv`` in ``workers`` local processes through torch's elastic launcher (a c10d
-    rendezvous on localhost, no restarts); the exit status, with a one-line message naming a rank that failed."""
+    """Run ``python -m pyfedkern ARGV`` in ``workers`` local processes through torch's elastic launcher (what
+    torchrun runs: a c10d rendezvous on localhost, no restarts); 0, or :class:`ChildFailedWorkers` naming the rank that
+    failed first (the launcher then stops the others)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -310,13 +303,12 @@ def launch_workers(workers: int, argv: list[str]) -> int:
         rdzv_endpoint="localhost:0",
         max_restarts=0,
         monitor_interval=0.5,
-        start_method="spawn",
     )
     try:
-        elastic_launch(config, _worker)(argv)
+        elastic_launch(config, sys.executable)("-m", "pyfedkern", *argv)
     except ChildFailedError as err:
-        rank, failure = min(err.failures.items())
-        first = failure.rank if failure.rank is not None else rank
+        rank, failure = err.get_first_failure()
+        first = failure.rank if failure.rank is not None and failure.rank >= 0 else rank
         how = failure.signal_name() if failure.exitcode < 0 else f"exit status {failure.exitcode}"
         others = sorted(f.rank for f in err.failures.values() if f.rank is not None and f.rank != first)
         also = f" (then ranks {', '.join(map(str, others))})" if others else ""
