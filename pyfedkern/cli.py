@@ -64,7 +64,7 @@ _COMMON = [
     ("seed", "--seed", int, "random seed (data split, sampling, init)"),
     ("device", "--device", str, "cpu | cuda | cuda:N"),
     ("checkpoint_every", "--checkpoint-every", int, "save a checkpoint every n rounds"),
-    ("threads", "--threads", int, "CPU threads for torch and pyfedkern (none: 1 below 1M parameters, else all)"),
+    ("threads", "--threads", int, "CPU threads for torch and pyfedkern (none: from the work of a training step)"),
     ("batched", "--batched", _flag, "train each round's participants as batched steps (false: a loop over clients)"),
     ("client_chunk", "--client-chunk", int, "train at most this many participants at once (none: fit free memory)"),
     ("dtype", "--dtype", str, "float32 | float64 (model and data)"),

@@ -85,6 +85,8 @@ class FLContext(Protocol):
     # - client_chunk (int | None, default None): train at most this many participants at once (None: as many as
     #   fit the memory budget of pyfedkern.algorithms.batched.client_chunks).
     # - sample_input (tensor): one training sample, on which that budget measures the model's activations.
+    # - device_sharers (int, default 1): processes that share the device's free memory (the ranks of a distributed
+    #   run on one CPU machine); the budget of client_chunks is split between them.
     # - team (pyfedkern.sim.distributed.Team): the processes a distributed run spreads rounds over; Algorithm.round
     #   trains team.mine(participants) and combines the sums with team.combine(...). Absent: one process.
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import datetime
 import heapq
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -110,7 +111,7 @@ class Team:
         return items[0]
 
     def gather(self, item: Any) -> list[Any] | None:
-        """Every rank's ``item`` in rank order on rank 0, None elsewhere."""
+        """Every rank's ``item`` in rank order on rank 0 (tensors in it on the CPU), None elsewhere."""
         return [item]
 
 
@@ -197,8 +198,20 @@ class ProcessTeam(Team):
 
     def gather(self, item):
         parts: list[Any] | None = [None] * self.size if self.rank == 0 else None
+        item = _on_cpu(item)  # a CUDA tensor would arrive on the sender's GPU index
         self._collective("a checkpoint", lambda: dist.gather_object(item, parts, dst=0))
         return parts
+
+
+def _on_cpu(value: Any) -> Any:
+    """``value`` with every tensor in it (in dicts, lists, tuples) copied to the CPU."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _on_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_on_cpu(v) for v in value)
+    return value
 
 
 def timeout_seconds() -> float:
@@ -307,14 +320,14 @@ def launch_workers(workers: int, argv: list[str]) -> int:
     try:
         elastic_launch(config, sys.executable)("-m", "pyfedkern", *argv)
     except ChildFailedError as err:
-        rank, failure = err.get_first_failure()
-        first = failure.rank if failure.rank is not None and failure.rank >= 0 else rank
+        # the rank that failed first; the launcher's SIGTERM to the others comes after it
+        failures = err.failures
+        ranks = sorted(failures, key=lambda r: (failures[r].exitcode == -signal.SIGTERM, failures[r].timestamp, r))
+        first, failure = ranks[0], failures[ranks[0]]
         how = failure.signal_name() if failure.exitcode < 0 else f"exit status {failure.exitcode}"
-        others = sorted(f.rank for f in err.failures.values() if f.rank is not None and f.rank != first)
-        also = f" (then ranks {', '.join(map(str, others))})" if others else ""
         raise ChildFailedWorkers(
-            f"worker rank {first} of {workers} failed ({how}){also}; the others were stopped. Resume with "
-            "`pyfedkern run --resume --out DIR --workers N` (the same N)",
+            f"worker rank {first} of {workers} failed ({how}); the others were stopped. An interrupted run with --out "
+            "resumes with `pyfedkern run --resume --out DIR` and the same --workers",
             failure.exitcode if failure.exitcode > 0 else 1,
         ) from None
     return 0

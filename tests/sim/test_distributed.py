@@ -217,7 +217,6 @@ def test_torchrun_equals_one_process_for_every_algorithm(tmp_path, ranks):
 
 
 def test_workers_launch_writes_once_and_equals_one_process(tmp_path):
-    config = case_config("scaffold")
     args = ["run", "--algorithm", "scaffold", "--dataset", "digits", "--partition", "dirichlet:0.5", "--clients", "7"]
     args += ["--fraction", "0.75", "--rounds", "3", "--batch-size", "64", "--weight-decay", "0.001", "--seed", "3"]
     args += ["--dtype", "float64", "--momentum", "0.5", "--model", "mlp", "--model-param", "hidden=8", "--threads", "1"]
@@ -226,8 +225,9 @@ def test_workers_launch_writes_once_and_equals_one_process(tmp_path):
     assert done.stdout.count("test accuracy") == 1  # rank 0 prints
     lines = (tmp_path / "run/metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["round"] for line in lines] == [0, 1, 2, 3]  # one writer
-    want = Simulation(config).run()
-    assert_close([json.loads(line) for line in lines], want)
+    stored = ExperimentConfig.from_dict(json.loads((tmp_path / "run/config.json").read_text()))
+    assert (stored.algorithm, stored.clients, stored.dtype, stored.model) == ("scaffold", 7, "float64", "mlp")
+    assert_close([json.loads(line) for line in lines], Simulation(stored).run())
 
 
 def _descendants(pid: int) -> list[int]:
@@ -332,3 +332,15 @@ def test_cuda_world_size_one_through_nccl(tmp_path):
     assert done.returncode == 0
     first, _ = json.loads(out.read_text())["scaffold"]["runs"]
     assert_close(first, Simulation(config).run())
+
+
+def test_ranks_on_one_machine_split_its_memory_budget(monkeypatch):
+    from pyfedkern.algorithms import batched
+
+    sim = Simulation(dataclasses.replace(BASE, model="logreg"))
+    per_client = batched.bytes_per_client(sim, 2)
+    monkeypatch.setattr(batched, "free_memory", lambda device: int(per_client * 40 / batched.MEMORY_FRACTION["cpu"]))
+    clients = np.arange(100)
+    assert [len(c) for c in batched.client_chunks(sim, clients)] == [40, 40, 20]
+    sim.device_sharers = 4
+    assert [len(c) for c in batched.client_chunks(sim, clients)] == [10] * 10

@@ -1,0 +1,182 @@
+"""Benchmark cases of rounds spread over processes (:mod:`pyfedkern.sim.distributed`).
+
+``distributed_round {algorithm} m={m} synthetic(1,1) {model} {device}``: one round of FedAvg or SCAFFOLD over m
+clients, every client taking part (the engine_round task of :mod:`pyfedkern.benchmarks.engine`: synthetic(1,1) with
+m natural clients, one local epoch of batch 32), timed round after round of one long run:
+
+- "1 worker, 1 thread" and "2 workers, 1 thread each": the round in W processes on a gloo process group
+  (torch.multiprocessing workers; each trains the clients it owns and the sums are combined with collectives, as
+  ``pyfedkern run --workers W`` does), the time from the command to the last worker's answer;
+- "1 process, 2 threads": the one-process engine with two CPU threads.
+
+Each worker reports its peak resident memory (``ru_maxrss``), recorded per case as ``peak_rss_mb_per_rank``
+(SCAFFOLD's client controls are split between the ranks). m = 10,000 with logreg and mlp, and the largest m of
+:data:`LARGEST_CLIENTS` (FedAvg, logreg); quick: m = 200, logreg. On CUDA: world size 1 through NCCL against the
+one-process engine.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import itertools
+import os
+import resource
+import socket
+from dataclasses import replace
+from typing import Any
+
+from pyfedkern.benchmarks.common import Case
+from pyfedkern.benchmarks.engine import round_config
+
+ALGORITHMS = ("fedavg", "scaffold")
+CLIENTS, QUICK_CLIENTS = 10_000, 200
+MODELS, QUICK_MODELS = ("logreg", "mlp"), ("logreg",)
+#: The largest client count timed (FedAvg, logreg): what fits a 24 GiB machine with room to spare.
+LARGEST_CLIENTS = 100_000
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _serve(rank: int, world: int, port: int, config: Any, commands: Any, answers: Any) -> None:
+    """Worker ``rank``: join the gloo/NCCL group, build the simulation, run one round per command until "stop"."""
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+    )
+    from pyfedkern.sim import distributed
+    from pyfedkern.sim.engine import Simulation, _cpu_threads
+
+    distributed.init_process_group(distributed.rank_device(config.device))
+    try:
+        sim = Simulation(config)
+        sim.team = distributed.init_team(sim)
+        algo = sim.algorithm
+        algo.setup(sim, sim.initial_vector)
+        rounds = itertools.count()
+        with _cpu_threads(config.threads or 1):
+            while commands.get() == "round":
+                algo.round(next(rounds), sim)
+                if config.device.startswith("cuda"):
+                    import torch
+
+                    torch.cuda.synchronize()
+                answers.put((rank, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
+    finally:
+        distributed.close_process_group()
+
+
+class WorkerRounds:
+    """``workers`` processes (torch.multiprocessing, spawn) running rounds of ``config`` on one process group; each
+    :meth:`round` call runs the next round in all of them and waits for every answer."""
+
+    def __init__(self, config: Any, workers: int) -> None:
+        import torch.multiprocessing as mp
+
+        context = mp.get_context("spawn")
+        self._commands = [context.SimpleQueue() for _ in range(workers)]
+        self._answers = context.SimpleQueue()
+        port = _free_port()
+        self._processes = mp.start_processes(
+            _serve_one,
+            args=(workers, port, config, self._commands, self._answers),
+            nprocs=workers,
+            join=False,
+            start_method="spawn",
+        )
+        self.peak_mb: list[float] = [0.0] * workers
+        atexit.register(self.close)
+
+    def round(self) -> None:
+        for queue in self._commands:
+            queue.put("round")
+        for _ in self._commands:
+            rank, peak = self._answers.get()
+            self.peak_mb[rank] = peak
+
+    def close(self) -> None:
+        for queue in self._commands:
+            with contextlib.suppress(OSError, ValueError):
+                queue.put("stop")
+        for process in self._processes.processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+
+
+def _serve_one(rank: int, world: int, port: int, config: Any, commands: list, answers: Any) -> None:
+    _serve(rank, world, port, config, commands[rank], answers)
+
+
+#: Peak resident memory (MiB) of each rank, by case id, filled as the cases run (bench/test_bench_distributed.py
+#: records it with the case).
+PEAKS: dict[str, list[float]] = {}
+
+
+def _workers(config: Any, workers: int, key: str):
+    rounds = WorkerRounds(config, workers)
+
+    def run() -> None:
+        rounds.round()
+        PEAKS[key] = list(rounds.peak_mb)
+
+    return run
+
+
+def _one_process(config: Any, key: str):
+    """The next round of ``config`` in this process with ``config.threads`` CPU threads."""
+    from pyfedkern.sim.engine import Simulation, _cpu_threads
+
+    sim = Simulation(config)
+    sim.algorithm.setup(sim, sim.initial_vector)
+    rounds = itertools.count()
+
+    def run() -> None:
+        with _cpu_threads(config.threads or 1):
+            sim.algorithm.round(next(rounds), sim)
+        if config.device.startswith("cuda"):
+            import torch
+
+            torch.cuda.synchronize()
+        PEAKS[key] = [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024]
+
+    return run
+
+
+def cases(quick: bool = False, device: str = "cpu") -> list[Case]:
+    """distributed_round groups for FedAvg and SCAFFOLD at each (m, model), and the largest m (FedAvg, logreg)."""
+    sizes = [(QUICK_CLIENTS, model) for model in QUICK_MODELS] if quick else [(CLIENTS, m) for m in MODELS]
+    plan = [(algorithm, clients, model) for clients, model in sizes for algorithm in ALGORITHMS]
+    if not quick:
+        plan.append(("fedavg", LARGEST_CLIENTS, "logreg"))
+    out: list[Case] = []
+    for algorithm, clients, model in plan:
+        config = replace(round_config(algorithm, clients, model, device), threads=1)
+        group = f"distributed_round {algorithm} m={clients} synthetic(1,1) {model} {device}"
+        if device == "cuda":  # one GPU: world size 1 through NCCL against the one-process engine
+            runs = {"1 rank (NCCL)": (config, 1), "1 process": (config, 0)}
+        else:
+            runs = {
+                "1 worker, 1 thread": (config, 1),
+                "2 workers, 1 thread each": (config, 2),
+                "1 process, 2 threads": (replace(config, threads=2), 0),
+            }
+        for name, (cfg, workers) in runs.items():
+            key = f"{group} | {name}"
+            make = (
+                (lambda c=cfg, w=workers, k=key: _workers(c, w, k))
+                if workers
+                else (lambda c=cfg, k=key: _one_process(c, k))
+            )
+            out.append(Case(group, name, make, device=device))
+    return out
