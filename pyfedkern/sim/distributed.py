@@ -123,7 +123,6 @@ class ProcessTeam(Team):
         self.owner = owner
         self.owned = np.flatnonzero(owner == self.rank).astype(np.int64)
         self.device = device
-        self._round = -1  # the round being combined, for messages
 
     def mine(self, clients: np.ndarray) -> np.ndarray:
         clients = np.asarray(clients, dtype=np.int64)
@@ -183,7 +182,7 @@ class ProcessTeam(Team):
             try:
                 value = fn()
             except (ValueError, OSError) as err:
-                failure = (type(err).__name__ == "ValueError", str(err))
+                failure = (isinstance(err, ValueError), str(err))
         box = [failure]
         self._collective("start-up", lambda: dist.broadcast_object_list(box, src=0))
         if box[0] is not None:
