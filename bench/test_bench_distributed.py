@@ -12,4 +12,6 @@ FAMILY = distributed  # bench/conftest.py parametrizes `case` over FAMILY.cases(
 @pytest.mark.benchmark(disable_gc=True)
 def test_distributed(run_benchmark, benchmark, case):
     run_benchmark(case)
-    benchmark.extra_info["peak_rss_mb_per_rank"] = distributed.PEAKS[case.id]
+    peaks = distributed.PEAKS[case.id]
+    benchmark.extra_info["peak_rss_mb_per_rank"] = peaks
+    benchmark.extra_info["peak_memory_bytes"] = int(max(peaks) * 2**20)  # the largest rank's, for bench/report.py

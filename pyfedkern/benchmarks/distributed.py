@@ -7,9 +7,9 @@ m natural clients, one local epoch of batch 32), timed round after round of one 
 - "1 worker, 1 thread" and "2 workers, 1 thread each": the round in W processes on a gloo process group
   (torch.multiprocessing workers; each trains the clients it owns and the sums are combined with collectives, as
   ``pyfedkern run --workers W`` does), the time from the command to the last worker's answer;
-- "1 process, 2 threads": the one-process engine with two CPU threads.
+- "1 process, 2 threads": the one-process engine with two CPU threads (in a process of its own as well).
 
-Each worker reports its peak resident memory (``ru_maxrss``), recorded per case as ``peak_rss_mb_per_rank``
+Each process reports its peak resident memory (``ru_maxrss``), recorded per case as ``peak_rss_mb_per_rank``
 (SCAFFOLD's client controls are split between the ranks). m = 10,000 with logreg and mlp, and the largest m of
 :data:`LARGEST_CLIENTS` (FedAvg, logreg); quick: m = 200, logreg. On CUDA: world size 1 through NCCL against the
 one-process engine.
@@ -42,30 +42,33 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _serve(rank: int, world: int, port: int, config: Any, commands: Any, answers: Any) -> None:
-    """Worker ``rank``: join the gloo/NCCL group, build the simulation, run one round per command until "stop"."""
-    os.environ.update(
-        {
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-        }
-    )
+def _serve(rank: int, world: int, port: int, config: Any, commands: list, answers: Any) -> None:
+    """Process ``rank``: with ``world`` >= 1 join a gloo/NCCL group of that size (``world`` 0: one plain process),
+    build the simulation, run one round per "round" command, answer with its peak resident memory, until "stop"."""
     from pyfedkern.sim import distributed
     from pyfedkern.sim.engine import Simulation, _cpu_threads
 
-    distributed.init_process_group(distributed.rank_device(config.device))
+    if world:
+        os.environ.update(
+            {
+                "RANK": str(rank),
+                "WORLD_SIZE": str(world),
+                "LOCAL_RANK": str(rank),
+                "LOCAL_WORLD_SIZE": str(world),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+            }
+        )
+        distributed.init_process_group(distributed.rank_device(config.device))
     try:
         sim = Simulation(config)
-        sim.team = distributed.init_team(sim)
+        if world:
+            sim.team = distributed.init_team(sim)
         algo = sim.algorithm
         algo.setup(sim, sim.initial_vector)
         rounds = itertools.count()
         with _cpu_threads(config.threads or 1):
-            while commands.get() == "round":
+            while commands[rank].get() == "round":
                 algo.round(next(rounds), sim)
                 if config.device.startswith("cuda"):
                     import torch
@@ -77,24 +80,24 @@ def _serve(rank: int, world: int, port: int, config: Any, commands: Any, answers
 
 
 class WorkerRounds:
-    """``workers`` processes (torch.multiprocessing, spawn) running rounds of ``config`` on one process group; each
-    :meth:`round` call runs the next round in all of them and waits for every answer."""
+    """Processes (torch.multiprocessing, spawn) running rounds of ``config``: ``workers`` ranks of one process group,
+    or with ``workers`` 0 one plain process (the one-process engine); each :meth:`round` call runs the next round in
+    all of them and waits for every answer. ``peak_mb``: each process's peak resident memory (MiB)."""
 
     def __init__(self, config: Any, workers: int) -> None:
         import torch.multiprocessing as mp
 
         context = mp.get_context("spawn")
-        self._commands = [context.SimpleQueue() for _ in range(workers)]
+        self._commands = [context.SimpleQueue() for _ in range(max(workers, 1))]
         self._answers = context.SimpleQueue()
-        port = _free_port()
         self._processes = mp.start_processes(
-            _serve_one,
-            args=(workers, port, config, self._commands, self._answers),
-            nprocs=workers,
+            _serve,
+            args=(workers, _free_port(), config, self._commands, self._answers),
+            nprocs=max(workers, 1),
             join=False,
             start_method="spawn",
         )
-        self.peak_mb: list[float] = [0.0] * workers
+        self.peak_mb: list[float] = [0.0] * len(self._commands)
         atexit.register(self.close)
 
     def round(self) -> None:
@@ -114,41 +117,23 @@ class WorkerRounds:
                 process.kill()
 
 
-def _serve_one(rank: int, world: int, port: int, config: Any, commands: list, answers: Any) -> None:
-    _serve(rank, world, port, config, commands[rank], answers)
-
-
-#: Peak resident memory (MiB) of each rank, by case id, filled as the cases run (bench/test_bench_distributed.py
+#: Peak resident memory (MiB) of each process, by case id, filled as the cases run (bench/test_bench_distributed.py
 #: records it with the case).
 PEAKS: dict[str, list[float]] = {}
 
 
-def _workers(config: Any, workers: int, key: str):
+_running: list[WorkerRounds] = []  # the processes of the case being timed (one case's at a time: memory)
+
+
+def _rounds(config: Any, workers: int, key: str):
+    while _running:
+        _running.pop().close()
     rounds = WorkerRounds(config, workers)
+    _running.append(rounds)
 
     def run() -> None:
         rounds.round()
         PEAKS[key] = list(rounds.peak_mb)
-
-    return run
-
-
-def _one_process(config: Any, key: str):
-    """The next round of ``config`` in this process with ``config.threads`` CPU threads."""
-    from pyfedkern.sim.engine import Simulation, _cpu_threads
-
-    sim = Simulation(config)
-    sim.algorithm.setup(sim, sim.initial_vector)
-    rounds = itertools.count()
-
-    def run() -> None:
-        with _cpu_threads(config.threads or 1):
-            sim.algorithm.round(next(rounds), sim)
-        if config.device.startswith("cuda"):
-            import torch
-
-            torch.cuda.synchronize()
-        PEAKS[key] = [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024]
 
     return run
 
@@ -173,10 +158,5 @@ def cases(quick: bool = False, device: str = "cpu") -> list[Case]:
             }
         for name, (cfg, workers) in runs.items():
             key = f"{group} | {name}"
-            make = (
-                (lambda c=cfg, w=workers, k=key: _workers(c, w, k))
-                if workers
-                else (lambda c=cfg, k=key: _one_process(c, k))
-            )
-            out.append(Case(group, name, make, device=device))
+            out.append(Case(group, name, lambda c=cfg, w=workers, k=key: _rounds(c, w, k), device=device))
     return out

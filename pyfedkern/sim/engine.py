@@ -354,8 +354,15 @@ class Simulation:
         """Run (or resume) the experiment; return the per-round metrics (round 0 = the initial model).
 
         With ``out_dir``, config.json, metrics.jsonl (one line per round, written as it goes), checkpoints every
-        ``checkpoint_every`` rounds, summary.json and model.pt are written there.
+        ``checkpoint_every`` rounds, summary.json and model.pt are written there. Spread over processes when
+        ``self.team`` is a process group's (:func:`pyfedkern.sim.distributed.run_distributed`): then rank 0 writes.
         """
+        if self.team.size == 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ValueError(
+                f"this process is one of {os.environ['WORLD_SIZE']} started by torchrun: run the experiment with "
+                "pyfedkern.sim.distributed.run_distributed (or `pyfedkern run`), so that the processes share the "
+                "rounds and only rank 0 writes"
+            )
         with _cpu_threads(self.config.threads or self.auto_threads()):
             return self._run(out_dir, resume, progress)
 

@@ -52,11 +52,12 @@ CASES = {
     "grab": ("grab", {}, 0.0),
     "bherd-fednova": ("bherd-fednova", {"alpha": 0.5}, 0.0),
     "bherd-scaffold": ("bherd-scaffold", {"alpha": 0.5}, 0.0),
+    "scaffold-one": ("scaffold", {}, 0.0),  # one participant a round: the other ranks have nothing to add
 }
 # BHerd's family records gradients in float32 buffers (also in float64 runs): its herding sees float32 rounding, so
 # a client trained in another batch (other rows beside it) may differ in the last float32 bit
 FLOAT32_BUFFERS = {"bherd", "bherd-fednova", "bherd-scaffold"}
-STATEFUL = {"scaffold": "client_c", "feddyn": "h_store", "bherd-scaffold": "client_c"}
+STATEFUL = {"scaffold": "client_c", "scaffold-one": "client_c", "feddyn": "h_store", "bherd-scaffold": "client_c"}
 
 
 def case_config(name: str) -> ExperimentConfig:
@@ -69,6 +70,7 @@ def case_config(name: str) -> ExperimentConfig:
         momentum=momentum,
         model=model,
         model_params={"hidden": [8]} if model == "mlp" else {},
+        fraction=0.15 if name == "scaffold-one" else BASE.fraction,
     )
 
 
@@ -175,7 +177,7 @@ def test_one_process_team_is_the_identity():
 
 def test_only_algorithms_with_the_plain_round_are_distributed():
     plain = {name for name in ALGORITHMS if algorithm_class(name).distributed}
-    assert plain == set(CASES)
+    assert plain == {algorithm for algorithm, _, _ in CASES.values()}
     with pytest.raises(ValueError, match="one process only"):
         distributed.check_algorithm("fedpbc")
 
@@ -288,6 +290,19 @@ def test_killed_rank_stops_the_run_and_it_resumes(tmp_path):
     assert refused.returncode == 2
     assert "made by 2 worker(s) and this run has 1" in refused.stderr and refused.stderr.count("\n") == 1
 
+    before = (run_dir / "metrics.jsonl").read_bytes()
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m", "pyfedkern"]
+    refused = subprocess.run(
+        [*torchrun, "run", "--resume", "--out", str(run_dir), "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env(),
+        cwd=ROOT,
+    )
+    assert refused.returncode != 0 and "made by 2 worker(s) and this run has 1" in refused.stderr
+    assert (run_dir / "metrics.jsonl").read_bytes() == before
+
     resumed = cli("run", "--resume", "--out", str(run_dir), "--workers", "2", "--no-progress")
     assert resumed.returncode == 0, resumed.stderr
     got = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -344,3 +359,9 @@ def test_ranks_on_one_machine_split_its_memory_budget(monkeypatch):
     assert [len(c) for c in batched.client_chunks(sim, clients)] == [40, 40, 20]
     sim.device_sharers = 4
     assert [len(c) for c in batched.client_chunks(sim, clients)] == [10] * 10
+
+
+def test_a_launched_process_without_its_team_refuses_to_run(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="one of 2 started by torchrun: run the experiment with"):
+        Simulation(dataclasses.replace(BASE, model="logreg")).run()
