@@ -38,7 +38,7 @@ BASE = ExperimentConfig(
     seed=3,
     threads=1,
 )
-# every algorithm whose rounds spread over processes, with options that change its local step or server state
+# every algorithm whose rounds spread over processes, with options that change its local step, links or server state
 CASES = {
     "fedavg": ("fedavg", {"server_lr": 0.8}, 0.5),
     "fedprox": ("fedprox", {"mu": 0.1}, 0.0),
@@ -53,6 +53,10 @@ CASES = {
     "bherd-fednova": ("bherd-fednova", {"alpha": 0.5}, 0.0),
     "bherd-scaffold": ("bherd-scaffold", {"alpha": 0.5}, 0.0),
     "scaffold-one": ("scaffold", {}, 0.0),  # one participant a round: the other ranks have nothing to add
+    "fedavg-links": ("fedavg-links", {"server_lr": 0.9, "link_probs": (0.6,)}, 0.0),
+    "fedavg-all": ("fedavg-all", {"links": "markov"}, 0.0),
+    "fedavg-known-p": ("fedavg-known-p", {"links": "cyclic", "cycle_length": 2}, 0.0),
+    "fedau": ("fedau", {"cutoff": 2, "link_probs": (0.5,)}, 0.0),
 }
 # BHerd's family records gradients in float32 buffers (also in float64 runs): its herding sees float32 rounding, so
 # a client trained in another batch (other rows beside it) may differ in the last float32 bit
@@ -175,7 +179,7 @@ def test_one_process_team_is_the_identity():
     assert team.gather("x") == ["x"] and team.scatter(["y"]) == "y" and team.first(lambda: 5) == 5
 
 
-def test_only_algorithms_with_the_plain_round_are_distributed():
+def test_every_distributed_algorithm_is_tested_here():
     plain = {name for name in ALGORITHMS if algorithm_class(name).distributed}
     assert plain == {algorithm for algorithm, _, _ in CASES.values()}
     with pytest.raises(ValueError, match="one process only"):
