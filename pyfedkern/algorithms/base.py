@@ -317,9 +317,10 @@ class Algorithm:
     name: ClassVar[str] = ""
     #: Samples per class the engine must hold out of the training data as a labelled public set (FNR-FL).
     public_per_class: ClassVar[int] = 0
-    #: Whether rounds can be spread over processes: True when :meth:`round` is :class:`Algorithm`'s (local updates
-    #: of the participants, then the server step on their sums) and client state lives in a :class:`ClientStore`
-    #: made with ``owned=owned_clients(ctx)``. Set it False in a subclass whose round needs every client at once.
+    #: Whether rounds can be spread over processes (pyfedkern.sim.distributed): true for :class:`Algorithm`'s
+    #: :meth:`round` (the participants' updates, then the server step on their sums) when client state lives in a
+    #: :class:`ClientStore` made with ``owned=owned_clients(ctx)``. A subclass that overrides :meth:`round` must set
+    #: it again itself (True when its round still goes through ``ctx.team``), else it runs in one process only.
     distributed: ClassVar[bool] = True
 
     x: torch.Tensor

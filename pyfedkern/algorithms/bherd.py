@@ -204,6 +204,7 @@ class BHerd(Algorithm):
     """
 
     name = "bherd"
+    distributed = True  # its round wraps Algorithm.round
     alpha: float = 0.5
     buffer_dtype: str = "float32"
     order: str = "fixed"
@@ -404,6 +405,7 @@ class GrabFedAvg(Algorithm):
     """
 
     name = "grab"
+    distributed = True  # its round wraps Algorithm.round
     running_mean: bool = False
     order: str = "fixed"
     _extras: dict[str, float] = field(default_factory=dict, init=False, repr=False)

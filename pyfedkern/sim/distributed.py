@@ -288,11 +288,21 @@ def check_workers(workers: int, device: str) -> None:
             raise ValueError(f"--workers {workers} is more than the {gpus} visible GPUs (one worker per GPU)")
 
 
+def spreads(cls: type) -> bool:
+    """Whether the algorithm class ``cls`` can spread its rounds over processes: its ``distributed`` attribute is
+    true and was set by the class that defines its ``round`` or by a subclass of it (a class that overrides
+    ``round`` must say so itself; it does not inherit the base class's True)."""
+    mro = cls.__mro__
+    round_owner = next(i for i, c in enumerate(mro) if "round" in vars(c))
+    flag_owner = next(i for i, c in enumerate(mro) if "distributed" in vars(c))
+    return bool(cls.distributed) and flag_owner <= round_owner
+
+
 def check_algorithm(name: str) -> None:
-    """ValueError unless the algorithm ``name`` can spread its rounds over processes (``Algorithm.distributed``)."""
+    """ValueError unless the algorithm ``name`` can spread its rounds over processes (:func:`spreads`)."""
     from pyfedkern.algorithms import algorithm_class
 
-    if not algorithm_class(name).distributed:
+    if not spreads(algorithm_class(name)):
         raise ValueError(
             f"algorithm {name!r} runs in one process only (its round needs every client at once); "
             "run it without --workers or torchrun"

@@ -180,10 +180,18 @@ def test_one_process_team_is_the_identity():
 
 
 def test_every_distributed_algorithm_is_tested_here():
-    plain = {name for name in ALGORITHMS if algorithm_class(name).distributed}
+    plain = {name for name in ALGORITHMS if distributed.spreads(algorithm_class(name))}
     assert plain == {algorithm for algorithm, _, _ in CASES.values()}
     with pytest.raises(ValueError, match="one process only"):
         distributed.check_algorithm("fedpbc")
+
+    class OwnRound(algorithm_class("fedavg")):
+        def round(self, t, ctx):  # a round of its own: not spread unless it says so
+            return super().round(t, ctx)
+
+    assert not distributed.spreads(OwnRound)
+    OwnRound.distributed = True
+    assert distributed.spreads(OwnRound)
 
 
 def test_check_workers_refuses_what_cannot_run():
