@@ -281,30 +281,28 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
 
     if args.help_algorithm:
         return _help_algorithm(args.algorithm)
-    if args.resume and args.out is None:
-        raise CliError("--resume needs --out DIR (the run to continue)")
-    config = (
-        _resume_config(args, extra)
-        if args.resume
-        else dataclasses.replace(
+    launched = distributed.launched()  # by torchrun or by --workers: this process is one rank
+    if launched and args.workers not in (None, distributed.local_world_size()):
+        raise CliError("--workers starts processes on this machine; under torchrun leave it out")
+    workers = 1 if launched or args.workers is None else args.workers
+    if args.resume:
+        if args.out is None:
+            raise CliError("--resume needs --out DIR (the run to continue)")
+        config = _resume_config(args, extra)
+        if not launched:  # (a launched run's rank 0 checks it, and tells the others)
+            check_resumable(config, args.out, workers=workers)  # before the data is loaded
+    else:
+        config = dataclasses.replace(
             _base_config(args),
             algorithm=args.algorithm,
             algorithm_params=_given_params(args, extra, [args.algorithm])[args.algorithm],
         )
-    )
-    launched = distributed.launched()
-    if launched and args.workers not in (None, distributed.local_world_size()):
-        raise CliError("--workers starts processes on this machine; under torchrun leave it out")
-    workers = 1 if launched or args.workers is None else args.workers
-    distributed.check_workers(workers, config.device)
+        if args.out is not None and not launched:
+            check_new_run_dir(args.out)  # before the data is loaded
+    if args.workers is not None and not launched:
+        distributed.check_workers(args.workers, config.device)
     if workers > 1:
         distributed.check_algorithm(config.algorithm)
-    if args.out is not None and not launched:  # before the data is loaded (launched ranks: rank 0 checks, later)
-        if args.resume:
-            check_resumable(config, args.out, workers=workers)
-        else:
-            check_new_run_dir(args.out)
-    if workers > 1:
         try:
             return distributed.launch_workers(workers, args.argv)
         except distributed.ChildFailedWorkers as err:

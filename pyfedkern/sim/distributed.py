@@ -271,7 +271,8 @@ def close_process_group() -> None:
 
 
 def check_workers(workers: int, device: str) -> None:
-    """ValueError unless ``workers`` local processes can run here: 1..cores on the CPU, 1..GPUs on CUDA."""
+    """ValueError unless ``workers`` local processes can run here: 1..cores on the CPU, 1..GPUs on CUDA (one GPU
+    per worker, ``--device cuda``)."""
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"--workers must be an integer >= 1, got {workers!r}")
     if device == "cpu":
@@ -280,7 +281,7 @@ def check_workers(workers: int, device: str) -> None:
             raise ValueError(
                 f"--workers {workers} is more than the {cores} CPU cores this process may use; each worker needs a core"
             )
-    else:
+    elif workers > 1:
         gpus = torch.cuda.device_count()
         if device != "cuda":
             raise ValueError(f"--workers with a GPU needs --device cuda (worker i takes GPU i), got {device!r}")
