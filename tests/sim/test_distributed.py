@@ -22,7 +22,7 @@ import torch
 from pyfedkern.algorithms import ALGORITHMS, ClientStore, algorithm_class
 from pyfedkern.sim import distributed
 from pyfedkern.sim.distributed import Team, place_clients
-from pyfedkern.sim.engine import ExperimentConfig, Simulation, threads_for_work
+from pyfedkern.sim.engine import WORK_PER_THREAD, ExperimentConfig, Simulation, threads_for_work
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ExperimentConfig(
@@ -149,27 +149,36 @@ def test_client_store_holds_only_its_clients_rows():
         ClientStore(6, 3, owned=np.array([1, 6]))
 
 
-def test_threads_rule_follows_the_work_of_a_step():
+def test_threads_rule_follows_the_work_of_a_step(monkeypatch):
     assert threads_for_work(1_000, 16) == 1
-    assert threads_for_work(2.5 * distributed_work_unit(), 16) == 2
-    assert threads_for_work(1e12, 16) == 16
-    assert threads_for_work(1e12, 1) == 1
-    sim = Simulation(dataclasses.replace(BASE, model="logreg", threads=None, fraction=1.0))
-    rows, dim = sim.num_clients, sim.local.dim
+    assert threads_for_work(2.5 * WORK_PER_THREAD, 16) == 2
+    assert threads_for_work(1e12, 16) == 16 and threads_for_work(1e12, 1) == 1
     cores = len(os.sched_getaffinity(0))
-    assert sim.auto_threads() == threads_for_work(rows * sim.batch_size * dim, cores)
-    sim.client_chunk = 1  # one client at a time: a small step
-    assert sim.auto_threads() == 1
-    with torch.no_grad():
+    sim = Simulation(dataclasses.replace(BASE, model="logreg", threads=None, rounds=1))
+    assert sim.auto_threads() == 1  # 5 clients × 64 samples × 650 parameters: a small step, whatever the model size
+    sim.batch_size = 10**6  # the same model, a step a million times larger: every core
+    assert sim.auto_threads() == cores
+    sim.client_chunk = 1  # ... one client at a time: still large
+    assert sim.auto_threads() == cores
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", str(cores))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores))
+    assert sim.auto_threads() == 1  # one process per core: each its share
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+
+    seen = []
+    for threads, want in ((None, 1), (2, 2)):
+        run = Simulation(dataclasses.replace(BASE, model="logreg", rounds=1, threads=threads))
+        plain_round = run.algorithm.round
+        monkeypatch.setattr(
+            run.algorithm,
+            "round",
+            lambda t, ctx, inner=plain_round: seen.append(torch.get_num_threads()) or inner(t, ctx),
+        )
         before = torch.get_num_threads()
-        Simulation(dataclasses.replace(BASE, model="logreg", rounds=1, threads=2)).run()
-        assert torch.get_num_threads() == before  # --threads applied inside the run only
-
-
-def distributed_work_unit() -> int:
-    from pyfedkern.sim.engine import WORK_PER_THREAD
-
-    return WORK_PER_THREAD
+        run.run()
+        assert seen[-1] == want and torch.get_num_threads() == before  # applied inside the run only
 
 
 def test_one_process_team_is_the_identity():
