@@ -15,6 +15,7 @@ import dataclasses
 import difflib
 import importlib
 import json
+import os
 import shlex
 import sys
 import textwrap
@@ -85,7 +86,7 @@ _COMMON = [
         "threads",
         "--threads",
         int,
-        "CPU threads for torch and pyfedkern, at most the machine's CPUs (none: 1 below 1M parameters, else all)",
+        "CPU threads for torch and pyfedkern, at most the machine's CPUs (none: from the work of a training step)",
     ),
     (
         "batched",
@@ -306,27 +307,47 @@ def _help_algorithm(name: str) -> int:
 
 
 def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
+    from pyfedkern.sim import distributed
     from pyfedkern.sim.engine import Simulation, check_resumable
     from pyfedkern.sim.results import check_new_run_dir
 
     _check_out(args.out)
     if args.help_algorithm:
         return _help_algorithm(args.algorithm)
+    launched = distributed.launched()  # by torchrun or by --workers: this process is one rank
+    if launched and args.workers not in (None, distributed.local_world_size()):
+        raise CliError("--workers starts processes on this machine; under torchrun leave it out")
+    workers = 1 if launched or args.workers is None else args.workers
     if args.resume:
         if args.out is None:
             raise CliError("--resume needs --out DIR (the run to continue)")
         config = _resume_config(args, extra)
-        point = check_resumable(config, args.out)  # before the data is loaded
-        print(_resuming(args.out, point, config.rounds))
+        if not launched:  # (a launched run's rank 0 checks it, and tells the others)
+            point = check_resumable(config, args.out, workers=workers)  # before the data is loaded
+            print(_resuming(args.out, point, config.rounds))
     else:
         config = dataclasses.replace(
             _base_config(args),
             algorithm=args.algorithm,
             algorithm_params=_given_params(args, extra, [args.algorithm])[args.algorithm],
         )
-        if args.out is not None:
+        if args.out is not None and not launched:
             check_new_run_dir(args.out)  # before the data is loaded
-    metrics = Simulation(config).run(args.out, resume=args.resume, progress=not args.no_progress)
+    if args.workers is not None and not launched:
+        distributed.check_workers(args.workers, config.device)
+    if workers > 1:
+        distributed.check_algorithm(config.algorithm)
+        try:
+            return distributed.launch_workers(workers, args.argv)
+        except distributed.ChildFailedWorkers as err:
+            print(f"pyfedkern run: error: {err}", file=sys.stderr)
+            return err.status
+    if launched:
+        metrics = distributed.run_distributed(config, args.out, resume=args.resume, progress=not args.no_progress)
+        if int(os.environ["RANK"]) != 0:
+            return 0
+    else:
+        metrics = Simulation(config).run(args.out, resume=args.resume, progress=not args.no_progress)
     last = next((m for m in reversed(metrics) if "test_acc" in m), metrics[-1])
     print(f"round {last['round']}: test accuracy {last['test_acc']:.4f}, test loss {last['test_loss']:.4f}")
     if args.out:
@@ -448,6 +469,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--out", default=None, help="directory for config, metrics, checkpoints and summary")
     run.add_argument("--resume", action="store_true", help="continue the interrupted run in --out")
     run.add_argument("--help-algorithm", action="store_true", help="list the algorithm's parameters and exit")
+    run.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="spread the rounds over N local processes (torch.distributed; at most the CPU cores, or one per GPU "
+        "with --device cuda); under torchrun leave it out (default: one process)",
+    )
     _add_common(run)
     run.set_defaults(parser=run, handler=cmd_run, takes_extra=True)
 
@@ -518,6 +546,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unknown command {argv[0]!r}{near}; the commands are {', '.join(parser.commands)}")
     args, extra = parser.parse_known_args(argv)
     args.flags = {token.partition("=")[0] for token in argv if token.startswith("--")}  # the options given
+    args.argv = argv
     try:
         with warnings.catch_warnings():
             warnings.showwarning = _one_line_warnings(args.command)

@@ -89,6 +89,10 @@ class FLContext(Protocol):
     # - client_chunk (int | None, default None): train at most this many participants at once (None: as many as
     #   fit the memory budget of pyfedkern.algorithms.batched.client_chunks).
     # - sample_input (tensor): one training sample, on which that budget measures the model's activations.
+    # - device_sharers (int, default 1): processes that share the device's free memory (the ranks of a distributed
+    #   run on one CPU machine); the budget of client_chunks is split between them.
+    # - team (pyfedkern.sim.distributed.Team): the processes a distributed run spreads rounds over; Algorithm.round
+    #   trains team.mine(participants) and combines the sums with team.combine(...). Absent: one process.
 
     def rng(self, *keys: int) -> np.random.Generator:
         """An independent random stream for (seed, ``*keys``)."""
@@ -236,7 +240,9 @@ class RoundStats:
 class ClientStore:
     """Per-client state as one [m, d] tensor (zero until written): SCAFFOLD c_i, FedSpeed h_i, FedPBC x_i, ...
 
-    One buffer instead of a Python object per client, so thousands of clients cost one allocation.
+    One buffer instead of a Python object per client, so thousands of clients cost one allocation. With ``owned``
+    (the clients of one process in a distributed run, :func:`owned_clients`) it holds only their rows; rows are
+    addressed by client id either way (:meth:`rows`, :meth:`take`, :meth:`add_`, :meth:`put_`).
     """
 
     def __init__(
@@ -246,18 +252,56 @@ class ClientStore:
         *,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        owned: np.ndarray | None = None,
     ) -> None:
         if num_clients < 1 or dim < 1:
             raise ValueError(f"ClientStore needs num_clients >= 1 and dim >= 1, got {num_clients} and {dim}")
-        self.data = torch.zeros(num_clients, dim, device=device, dtype=dtype)
+        self._row: np.ndarray | None = None
+        rows = num_clients
+        if owned is not None:
+            owned = np.asarray(owned, dtype=np.int64).reshape(-1)
+            if owned.size and (owned.min() < 0 or owned.max() >= num_clients or np.unique(owned).size != owned.size):
+                raise ValueError(f"owned must be distinct client ids in 0..{num_clients - 1}")
+            self._row = np.full(num_clients, -1, dtype=np.int64)
+            self._row[owned] = np.arange(owned.size)
+            rows = owned.size
+        self.data = torch.zeros(rows, dim, device=device, dtype=dtype)
+
+    def rows(self, clients: np.ndarray) -> torch.Tensor:
+        """The rows of ``data`` holding ``clients`` (int64 ids), an index tensor on the store's device."""
+        clients = np.asarray(clients, dtype=np.int64)
+        if self._row is not None:
+            found = self._row[clients]
+            if np.any(found < 0):
+                raise ValueError(f"clients {clients[found < 0].tolist()} are not held by this store (another rank's)")
+            clients = found
+        return torch.as_tensor(clients, device=self.data.device)
+
+    def take(self, clients: np.ndarray) -> torch.Tensor:
+        """The rows of ``clients``, [k, d] (a copy)."""
+        return self.data.index_select(0, self.rows(clients))
+
+    def add_(self, clients: np.ndarray, values: torch.Tensor) -> None:
+        """Row of clients[r] += values[r]."""
+        self.data.index_add_(0, self.rows(clients), values)
+
+    def put_(self, clients: np.ndarray, values: torch.Tensor) -> None:
+        """Row of clients[r] = values[r]."""
+        self.data.index_copy_(0, self.rows(clients), values)
 
     def __getitem__(self, cid: int) -> torch.Tensor:
-        """Row cid (a view: writes go to the store)."""
-        return self.data[cid]
+        """Client cid's row (a view: writes go to the store)."""
+        return self.data[int(self.rows(np.array([cid]))[0])]
 
     def mean(self) -> torch.Tensor:
-        """The unweighted mean over all clients, [d]."""
+        """The unweighted mean over the rows held, [d]."""
         return ops.weighted_sum(self.data, np.full(self.data.shape[0], 1.0 / self.data.shape[0]))
+
+
+def owned_clients(ctx: FLContext) -> np.ndarray | None:
+    """The clients whose state this process keeps: its own in a distributed run (``ctx.team.owned``), else None
+    (all)."""
+    return getattr(getattr(ctx, "team", None), "owned", None)
 
 
 def weighted_average(
@@ -283,6 +327,11 @@ class Algorithm:
     name: ClassVar[str] = ""
     #: Samples per class the engine must hold out of the training data as a labelled public set (FNR-FL).
     public_per_class: ClassVar[int] = 0
+    #: Whether rounds can be spread over processes (pyfedkern.sim.distributed): true for :class:`Algorithm`'s
+    #: :meth:`round` (the participants' updates, then the server step on their sums) when client state lives in a
+    #: :class:`ClientStore` made with ``owned=owned_clients(ctx)``. A subclass that overrides :meth:`round` must set
+    #: it again itself (True when its round still goes through ``ctx.team``), else it runs in one process only.
+    distributed: ClassVar[bool] = True
 
     x: torch.Tensor
 
@@ -333,12 +382,17 @@ class Algorithm:
         return int(self.x.numel())
 
     def round(self, t: int, ctx: FLContext) -> RoundStats:
-        """One round: the participants' local updates (in chunks that fit memory), then the server step."""
+        """One round: the participants' local updates (in chunks that fit memory), then the server step.
+
+        With ``ctx.team`` (several processes, :mod:`pyfedkern.sim.distributed`), each process trains the participants
+        it owns and the team combines the processes' sums before the server step, which every process takes."""
         clients = self.participants(t, ctx)
+        team = getattr(ctx, "team", None)
         sums = RoundSums()
         losses: list[torch.Tensor] = []
         upload = 0
-        for chunk in client_chunks(ctx, clients, self.state_rows_per_client(ctx)):
+        own = clients if team is None else team.mine(clients)
+        for chunk in client_chunks(ctx, own, self.state_rows_per_client(ctx)):
             with ctx.timer("local"):
                 updates = self.client_updates(t, chunk, ctx)
             with ctx.timer("aggregation"):
@@ -346,6 +400,8 @@ class Algorithm:
             losses.append(updates.losses)
             upload += updates.upload_floats
         with ctx.timer("aggregation"):
+            if team is not None:
+                sums, losses, upload = team.combine(t, sums, losses, upload)
             if len(clients):
                 self.server_step(t, sums, ctx)
         return RoundStats(

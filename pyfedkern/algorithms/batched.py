@@ -705,13 +705,15 @@ def bytes_per_client(ctx: FLContext, state_rows: int) -> int:
 
 def client_chunks(ctx: FLContext, clients: np.ndarray, state_rows: int = 2) -> Iterator[np.ndarray]:
     """``clients`` in consecutive chunks to train at once: ``ctx.client_chunk`` clients when set, else as many as
-    fit :data:`MEMORY_FRACTION` of the free memory (:func:`bytes_per_client`); one chunk when everything fits.
+    fit :data:`MEMORY_FRACTION` of the free memory (:func:`bytes_per_client`; divided among ``ctx.device_sharers``
+    processes when set); one chunk when everything fits.
     Nothing when ``clients`` is empty."""
     clients = np.asarray(clients, dtype=np.int64).reshape(-1)
     size = getattr(ctx, "client_chunk", None)
     if size is None:
         device = torch.device(ctx.device)
         budget = MEMORY_FRACTION["cuda" if device.type == "cuda" else "cpu"] * free_memory(device)
+        budget /= getattr(ctx, "device_sharers", 1)  # the processes of a distributed run on the same memory
         size = max(1, int(budget // max(bytes_per_client(ctx, state_rows), 1)))
     for start in range(0, len(clients), size):
         yield clients[start : start + size]

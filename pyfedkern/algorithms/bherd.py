@@ -32,6 +32,7 @@ from pyfedkern.algorithms.base import (
     RoundStats,
     RoundSums,
     local_sgd,
+    owned_clients,
 )
 from pyfedkern.algorithms.batched import BatchedLocal, Step
 from pyfedkern.ops.herding import check_alpha, selection_size
@@ -203,6 +204,7 @@ class BHerd(Algorithm):
     """
 
     name = "bherd"
+    distributed = True  # its round wraps Algorithm.round
     alpha: float = 0.5
     buffer_dtype: str = "float32"
     order: str = "fixed"
@@ -336,7 +338,9 @@ class BHerdScaffold(BHerd):
     def setup(self, ctx: FLContext, x0: torch.Tensor) -> None:
         super().setup(ctx, x0)
         self.c = torch.zeros_like(self.x)
-        self.client_c = ClientStore(ctx.num_clients, self.x.numel(), device=self.x.device, dtype=self.x.dtype)
+        self.client_c = ClientStore(
+            ctx.num_clients, self.x.numel(), device=self.x.device, dtype=self.x.dtype, owned=owned_clients(ctx)
+        )
 
     def client_update(self, t: int, cid: int, ctx: FLContext) -> ClientMessage:
         c_i = self.client_c[cid]
@@ -351,14 +355,14 @@ class BHerdScaffold(BHerd):
 
     def batched_client_update(self, t: int, clients: np.ndarray, ctx: FLContext) -> ClientUpdates:
         run = self._batched_run(t, clients, ctx)
-        c_i = self.client_c.data[run.index]
+        c_i = self.client_c.take(run.clients)
         herd = self._herd_rows(run, shift=self.c - c_i)
         delta = herd.totals.mul(-ctx.lr(t) / self.alpha)  # zero rows without steps
         selected = herd.ks > 0
         ks = torch.as_tensor(np.maximum(herd.ks, 1), dtype=self.x.dtype, device=self.x.device)
         fresh = (c_i - self.c).add_(herd.totals / ks[:, None])  # c_i − c + (1/K_i)·Σ_sel v
         c_i = torch.where(torch.as_tensor(selected, device=self.x.device)[:, None], fresh, c_i)
-        self.client_c.data.index_copy_(0, run.index, c_i)
+        self.client_c.put_(run.clients, c_i)
         return self._updates(run, ctx, herd, {"delta": delta, "control": c_i})
 
     def state_rows_per_client(self, ctx: FLContext) -> int:
@@ -401,6 +405,7 @@ class GrabFedAvg(Algorithm):
     """
 
     name = "grab"
+    distributed = True  # its round wraps Algorithm.round
     running_mean: bool = False
     order: str = "fixed"
     _extras: dict[str, float] = field(default_factory=dict, init=False, repr=False)

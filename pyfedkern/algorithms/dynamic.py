@@ -286,6 +286,8 @@ class DynamicInit(Algorithm):
             restarted each session.
     """
 
+    distributed = False  # its round needs every client at once: one process only
+
     name = "dynamic"
     host: str = "fedavg"
     host_params: str = ""

@@ -23,6 +23,7 @@ from pyfedkern.algorithms.base import (
     FLContext,
     RoundSums,
     local_sgd,
+    owned_clients,
 )
 from pyfedkern.algorithms.batched import BatchedLocal, Step
 
@@ -202,7 +203,9 @@ class Scaffold(FedAvg):
     def setup(self, ctx: FLContext, x0: torch.Tensor) -> None:
         super().setup(ctx, x0)
         self.c = torch.zeros_like(self.x)
-        self.client_c = ClientStore(ctx.num_clients, self.x.numel(), device=self.x.device, dtype=self.x.dtype)
+        self.client_c = ClientStore(
+            ctx.num_clients, self.x.numel(), device=self.x.device, dtype=self.x.dtype, owned=owned_clients(ctx)
+        )
 
     def state_rows_per_client(self, ctx: FLContext) -> int:
         return 3  # c_i, c − c_i, the control delta
@@ -229,7 +232,7 @@ class Scaffold(FedAvg):
         run = BatchedLocal(ctx, t, clients)
         if np.any(run.steps == 0):
             raise ValueError(f"SCAFFOLD: clients {run.clients[run.steps == 0].tolist()} take no local steps")
-        shift = self.c - self.client_c.data[run.index]
+        shift = self.c - self.client_c.take(run.clients)
 
         def control(g: torch.Tensor, step: Step) -> None:
             g.add_(shift[: step.rows])
@@ -238,7 +241,7 @@ class Scaffold(FedAvg):
         steps = self.counted_steps(ctx, run.steps)
         scale = torch.as_tensor(1.0 / (steps * run.lr), dtype=self.x.dtype, device=self.x.device)
         delta_c = torch.sub(self.x, models).mul_(scale[:, None]).sub_(self.c)  # −c + (x^t − y_i)/(K η)
-        self.client_c.data.index_add_(0, run.index, delta_c)
+        self.client_c.add_(run.clients, delta_c)
         return ClientUpdates.of(run, ctx, {"model": models, "delta_c": delta_c}, weights=self.weights(ctx, run.clients))
 
     def accumulate(self, t: int, sums: RoundSums, updates: ClientUpdates, ctx: FLContext) -> None:

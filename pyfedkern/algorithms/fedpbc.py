@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from pyfedkern import ops
-from pyfedkern.algorithms.base import Algorithm, ClientStore, FLContext, RoundStats, local_sgd, mean_loss
+from pyfedkern.algorithms.base import Algorithm, ClientStore, FLContext, RoundStats, RoundSums, local_sgd, mean_loss
 from pyfedkern.algorithms.batched import batched_local_sgd_, client_chunks, use_batched
 
 _LINK_SEED = 811  # purpose key of the link model's seed stream
@@ -77,6 +77,8 @@ class _LinkAlgorithm(Algorithm):
         delta: floor δ of every p_i.
         link_probs: explicit probabilities instead (m values, or g values for g equal contiguous client groups).
     """
+
+    distributed = False  # its round needs every client at once: one process only
 
     links: str = "bernoulli"
     gamma: float = 0.3
@@ -223,6 +225,7 @@ class FedAvgLinks(_LinkAlgorithm):
     """
 
     name = "fedavg-links"
+    distributed = True  # its round spreads over processes (shared_update); MIFA's does not
     server_lr: float = 1.0
 
     def __post_init__(self) -> None:
@@ -249,9 +252,13 @@ class FedAvgLinks(_LinkAlgorithm):
     def round(self, t: int, ctx: FLContext) -> RoundStats:
         self.present = self.present_clients(ctx)
         active = self.uplinks(t, self.present)
-        models, losses = self.local_models(ctx, t, active)
-        with ctx.timer("aggregation"):
-            self.server_update(t, active, models)
+        team = getattr(ctx, "team", None)
+        if team is None or team.size == 1:
+            models, losses = self.local_models(ctx, t, active)
+            with ctx.timer("aggregation"):
+                self.server_update(t, active, models)
+        else:  # each process trains the ON clients it owns; the processes combine Σ w_i·Δ_i
+            losses = self.shared_update(t, ctx, team, active)
         self.after_round(t, active)
         d = int(self.x.numel())
         return RoundStats(
@@ -267,6 +274,22 @@ class FedAvgLinks(_LinkAlgorithm):
             return
         w, scale = self.weights(t, active)
         ops.weighted_delta_(self.x, models, w, self.server_lr * scale)
+
+    def shared_update(self, t: int, ctx: FLContext, team: Any, active: np.ndarray) -> torch.Tensor:
+        """:meth:`server_update` of a round spread over processes (``ctx.team``, :mod:`pyfedkern.sim.distributed`):
+        this process trains its own ON clients, the team adds up Σ w_i·(x_i − x) over all of them, every process
+        takes the step; returns every ON client's loss."""
+        mine = team.mine(active)
+        models, losses = self.local_models(ctx, t, mine)
+        with ctx.timer("aggregation"):
+            w, scale = self.weights(t, active)
+            sums = RoundSums()
+            if len(mine):
+                sums.add("delta", models.sub_(self.x), w[np.isin(active, mine)])
+            sums, losses, _ = team.combine(t, sums, [losses], 0)
+            if len(active):
+                ops.weighted_sum([self.x, sums.vector("delta")], [1.0, self.server_lr * scale], out=self.x)
+        return losses[0]
 
 
 @dataclass
@@ -361,6 +384,7 @@ class MIFA(FedAvgLinks):
     """
 
     name = "mifa"
+    distributed = False  # its server step reads every client's memory
     resum_every: int = 100
 
     def __post_init__(self) -> None:

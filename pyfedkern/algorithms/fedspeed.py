@@ -340,6 +340,8 @@ class FedSpeed(Algorithm):
         corr_avg: "active" or "all".
     """
 
+    distributed = False  # its round needs every client at once: one process only
+
     name = "fedspeed"
     lam: float = 10.0
     rho: float = 0.1

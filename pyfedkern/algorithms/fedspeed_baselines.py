@@ -29,6 +29,7 @@ from pyfedkern.algorithms.base import (
     FLContext,
     RoundSums,
     local_sgd,
+    owned_clients,
 )
 from pyfedkern.algorithms.batched import BatchedLocal, Step
 from pyfedkern.algorithms.fedavg import (
@@ -69,7 +70,9 @@ class FedDyn(Algorithm):
 
     def setup(self, ctx: FLContext, x0: torch.Tensor) -> None:
         super().setup(ctx, x0)
-        self.h_store = ClientStore(ctx.num_clients, self.x.numel(), device=self.x.device, dtype=self.x.dtype)
+        self.h_store = ClientStore(
+            ctx.num_clients, self.x.numel(), device=self.x.device, dtype=self.x.dtype, owned=owned_clients(ctx)
+        )
         self.h_total = torch.zeros_like(self.x)
         self.num_clients = int(ctx.num_clients)
 
@@ -101,10 +104,10 @@ class FedDyn(Algorithm):
 
     def batched_client_update(self, t: int, clients: np.ndarray, ctx: FLContext) -> ClientUpdates:
         run = BatchedLocal(ctx, t, clients)
-        direction = self.direction(ctx, self.h_store.data[run.index] - self.x)
+        direction = self.direction(ctx, self.h_store.take(run.clients) - self.x)
         models = run.sgd_(run.start(self.x), correction=direction, weight_decay=0.0)
         delta = models - self.x
-        self.h_store.data.index_add_(0, run.index, delta)
+        self.h_store.add_(run.clients, delta)
         return ClientUpdates.of(run, ctx, {"model": models, "delta": delta}, weights=np.ones(len(run)))
 
     def accumulate(self, t: int, sums: RoundSums, updates: ClientUpdates, ctx: FLContext) -> None:

@@ -212,6 +212,8 @@ class FNRFL(FedAvg):
             "authors" (over every other participant, refined ones included, as the authors' code).
     """
 
+    distributed = False  # its round needs every client at once: one process only
+
     name = "fnrfl"
     lam: float = 0.01
     p: float = 0.3

@@ -30,8 +30,8 @@ class ExperimentConfig:
 
     lr_schedule: "const" (η_t = lr), "exp:γ" (η_t = lr·γ^t, FedSpeed) or "invsqrt:c" (η_t = lr/√(t/c + 1), FedPBC),
     with t the 0-based round. local_steps, when set, overrides local_epochs. threads: CPU threads of torch and
-    pyfedkern during the run (None: 1 for models under 1M parameters, whose tiny ops only lose time to threading
-    overhead, else torch's default). eval_train_max caps the training
+    pyfedkern during the run (None: from the work of one batched training step, one thread per 2²² multiply-adds
+    up to this process's share of the cores; see Simulation.auto_threads). eval_train_max caps the training
     samples used to measure the global model's train loss (a fixed seeded subset when the train set is larger).
     batched: True: train a round's participants as batched steps (:mod:`pyfedkern.algorithms.batched`; models with
     buffers such as BatchNorm always use the per-client loop); False: a loop over clients (same results to

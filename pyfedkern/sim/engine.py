@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ from pyfedkern.sim.config import (
     check_threads,
     parse_lr_schedule,
 )
+from pyfedkern.sim.distributed import Team, local_world_size
 from pyfedkern.sim.results import (
     RESUME_FREE_FIELDS,
     ResumePoint,
@@ -140,6 +142,10 @@ class Simulation:
                 config.model,
             )
         self._timers: dict[str, float] = {}
+        #: The ranks this run is spread over (FLContext.team; pyfedkern.sim.distributed): one process by default.
+        self.team = Team()
+        #: Processes of this run sharing the device's memory (FLContext.device_sharers): the local ranks on a CPU.
+        self.device_sharers = local_world_size() if self.device.type == "cpu" else 1
 
     # FLContext -------------------------------------------------------------------------------------------
 
@@ -228,6 +234,10 @@ class Simulation:
         ends = np.cumsum(plan.counts)
         batches = [plan.perms[a : a + n] for a, n in zip(plan.first.tolist(), plan.length.tolist(), strict=True)]
         return [batches[e - n : e] for e, n in zip(ends.tolist(), plan.counts.tolist(), strict=True)]
+
+    def planned_steps(self, clients: np.ndarray) -> np.ndarray:
+        """Local steps [k] int64 of ``clients`` in a round under the run's settings (local_steps, else ⌈E·n/B⌉)."""
+        return self._step_counts(np.asarray(clients, dtype=np.int64), None, self.local_steps, False, None)[2]
 
     def _step_counts(
         self, clients: np.ndarray, epochs: float | None, steps: int | None, drop_last: bool, batch_size: int | None
@@ -369,8 +379,12 @@ class Simulation:
         if self.eval_labels is not None:
             keep = torch.isin(y, torch.as_tensor(self.eval_labels, device=self.device))
             x, y = x[keep], y[keep]
-        test_loss, test_acc = self.local.evaluate(vector, x, y)
-        train_loss, train_acc = self.local.evaluate(vector, self.x_eval_train, self.y_eval_train)
+
+        def evaluate(xs: torch.Tensor, ys: torch.Tensor) -> tuple[float, float]:
+            return self.local.evaluate(vector, xs, ys)
+
+        test_loss, test_acc = self.team.evaluate(evaluate, x, y)
+        train_loss, train_acc = self.team.evaluate(evaluate, self.x_eval_train, self.y_eval_train)
         return {
             "test_loss": test_loss,
             "test_acc": test_acc,
@@ -386,31 +400,50 @@ class Simulation:
         With ``out_dir``, config.json, metrics.jsonl (one line per round, written as it goes), checkpoints every
         ``checkpoint_every`` rounds and after the last, summary.json and model.pt are written there, by this process
         alone (:class:`~pyfedkern.sim.results.RunWriter` holds the directory's lock). ``resume`` continues the run
-        in ``out_dir``, or extends a finished one when ``config.rounds`` is above its rounds.
+        in ``out_dir``, or extends a finished one when ``config.rounds`` is above its rounds. Spread over processes
+        when ``self.team`` is a process group's (:func:`pyfedkern.sim.distributed.run_distributed`): then rank 0
+        writes.
         """
-        threads = self.config.threads or (1 if self.local.dim < 1_000_000 else torch.get_num_threads())
-        writing = RunWriter(out_dir, self.config.to_dict(), resume=resume) if out_dir is not None else None
+        if self.team.size == 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ValueError(
+                f"this process is one of {os.environ['WORLD_SIZE']} started by torchrun: run the experiment with "
+                "pyfedkern.sim.distributed.run_distributed (or `pyfedkern run`), so that the processes share the "
+                "rounds and only rank 0 writes"
+            )
+        writing = None  # only rank 0 writes; a refusal there is raised on every rank
+        if out_dir is not None:
+            writing = self.team.first(lambda: RunWriter(out_dir, self.config.to_dict(), resume=resume))
+        threads = self.config.threads or self.auto_threads()
         with _cpu_threads(threads), writing or contextlib.nullcontext() as writer:  # the lock held to the end
-            return self._run(writer, resume, progress)
+            return self._run(out_dir is not None, writer, resume, progress)
 
-    def _run(self, writer: RunWriter | None, resume: bool, progress: bool) -> list[dict[str, Any]]:
-        cfg = self.config
-        algo = self.algorithm
+    def auto_threads(self) -> int:
+        """CPU threads when ``config.threads`` is None: :func:`threads_for_work` of one batched training step (this
+        rank's share of a round's participants, at most a chunk of them, times the batch size times the number of
+        parameters), on this process's share of the cores."""
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        cores = max(1, cores // local_world_size())
+        rows = max(1, round(self.config.fraction * self.num_clients)) / self.team.size
+        if not self.batched:
+            rows = 1
+        elif self.client_chunk is not None:
+            rows = min(rows, self.client_chunk)
+        return threads_for_work(rows * self.batch_size * self.local.dim, cores)
+
+    def _run(self, recording: bool, writer: RunWriter | None, resume: bool, progress: bool) -> list[dict[str, Any]]:
+        """The rounds; ``recording``: the run has a directory (``writer``, rank 0's, is None on the other ranks)."""
+        cfg, team, algo = self.config, self.team, self.algorithm
         algo.setup(self, self.initial_vector)
         metrics: list[dict[str, Any]] = []
         start = 0
-        if writer is not None and resume:
-            point = writer.resume_point()  # everything checked before any file changes
-            if point.state is not None:
-                self._restore(point.checkpoint, point.state)
-            start = point.round
-            metrics = writer.start_from(point)
+        if recording and resume:
+            start, metrics = self._resume(writer)
         if start == 0:  # a new run, or one interrupted before its first checkpoint
             record = {"round": 0, **self._timed_evaluation(algo.global_model())}
             metrics.append(record)
             if writer is not None:
                 writer.append_metrics(record)
-        bar = _progress(progress, start, cfg.rounds, cfg.algorithm)
+        bar = _progress(progress and team.is_writer, start, cfg.rounds, cfg.algorithm)
         for t in range(start, cfg.rounds):
             self._timers = {}
             began = time.perf_counter()
@@ -434,8 +467,11 @@ class Simulation:
             metrics.append(record)
             if writer is not None:
                 writer.append_metrics(record)
-                if (t + 1) % cfg.checkpoint_every == 0 or t + 1 == cfg.rounds:  # the last: to extend the run
-                    writer.save_checkpoint(self._checkpoint(t + 1))
+            if recording and ((t + 1) % cfg.checkpoint_every == 0 or t + 1 == cfg.rounds):  # the last: to extend
+                state = self._checkpoint(t + 1)
+                shards = team.gather(state["algorithm"])  # every rank's state, on rank 0
+                if writer is not None:
+                    writer.save_checkpoint({**state, "algorithm": shards[0] if team.size == 1 else shards})
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(_postfix(metrics))
@@ -445,11 +481,43 @@ class Simulation:
             writer.finish(metrics, algo.global_model())
         return metrics
 
+    def _resume(self, writer: RunWriter | None) -> tuple[int, list[dict[str, Any]]]:
+        """Restore the newest intact checkpoint of the run (rank 0 reads and checks it, each rank gets its shard);
+        (the last round done, the metrics of rounds 0..that round)."""
+        team = self.team
+
+        def resume_point():
+            point = writer.resume_point()  # everything checked before any file changes
+            check_workers_match(writer, point, team.size)
+            return point, writer.start_from(point)
+
+        found = team.first(resume_point)
+        shares = None
+        if found is not None:  # rank 0
+            point, metrics = found
+            shards = [None] * team.size if point.state is None else point.state["algorithm"]
+            if point.state is not None and team.size == 1:
+                shards = [shards]
+            shares = [
+                (
+                    point.round,
+                    metrics,
+                    point.checkpoint,
+                    None if point.state is None else {**point.state, "algorithm": a},
+                )
+                for a in shards
+            ]
+        start, metrics, path, state = team.scatter(shares)
+        if state is not None:
+            self._restore(path, state)
+        return start, metrics
+
     def _checkpoint(self, rounds_done: int) -> dict[str, Any]:
         """The state after ``rounds_done`` rounds, with the config it was made under (checked on resume)."""
         return {
             "round": rounds_done,
             "config": self.config.to_dict(),
+            "workers": self.team.size,
             "algorithm": self.algorithm.state_dict(),
             "active_clients": self.active_clients,
             "eval_labels": self.eval_labels,
@@ -560,6 +628,16 @@ class RoundBatches:
             yield xb, yb, wb
 
 
+#: Multiply-adds of a training step that keep one more CPU thread busy (a few milliseconds of work per thread).
+WORK_PER_THREAD = 1 << 22
+
+
+def threads_for_work(work: float, cores: int) -> int:
+    """CPU threads for a training step of ``work`` multiply-adds (batched rows × batch size × parameters): one
+    per :data:`WORK_PER_THREAD`, at least 1, at most ``cores``."""
+    return int(max(1, min(cores, work // WORK_PER_THREAD)))
+
+
 @contextlib.contextmanager
 def _cpu_threads(n: int) -> Iterator[None]:
     """Use n CPU threads in torch and pyfedkern inside the block, then restore the previous counts."""
@@ -603,12 +681,26 @@ def run_experiment(
     return Simulation(config).run(out_dir, resume=resume, progress=progress)
 
 
-def check_resumable(config: ExperimentConfig, run_dir: str | Path) -> ResumePoint:
-    """Raise what ``Simulation(config).run(run_dir, resume=True)`` would raise about the run directory (a changed
-    config, a finished run, damaged files, another process writing it, ...), without building the simulation or
-    changing any file; return where the run goes on."""
+def check_resumable(config: ExperimentConfig, run_dir: str | Path, *, workers: int = 1) -> ResumePoint:
+    """Raise what ``Simulation(config).run(run_dir, resume=True)`` in ``workers`` processes would raise about the run
+    directory (a changed config, a finished run, damaged files, another process writing it, another number of
+    workers, ...), without building the simulation or changing any file; return where the run goes on."""
     with RunWriter(run_dir, config.to_dict(), resume=True) as writer:
-        return writer.resume_point()
+        point = writer.resume_point()
+        check_workers_match(writer, point, workers)
+        return point
+
+
+def check_workers_match(writer: RunWriter, point: Any, workers: int) -> None:
+    """ValueError unless the checkpoint of ``point`` (a resume point of ``writer``) was made by ``workers`` processes
+    (its shards are theirs: a checkpoint resumes with the number of processes that made it)."""
+    made_by = 0 if point.state is None else int(point.state.get("workers", 1))
+    if made_by and made_by != workers:
+        raise ValueError(
+            f"cannot resume {writer.dir}: checkpoint {point.checkpoint.name} was made by {made_by} worker(s) and this "
+            f"run has {workers}; resume it with {made_by} (--workers {made_by}, or torchrun with {made_by} processes "
+            "in all)"
+        )
 
 
 def check_reusable(config: ExperimentConfig, run_dir: str | Path) -> None:

@@ -1,0 +1,370 @@
+"""Data-parallel rounds on torch.distributed: one experiment spread over several processes (ranks).
+
+Every rank builds the same simulation (same data, split, model and participants: all seeded), trains the
+participants it owns with the batched engine, and the ranks combine their partial round sums
+(:class:`~pyfedkern.algorithms.RoundSums`) with collectives: an ``all_gather`` of each rank's sums, added up in rank
+order, so every rank takes the same server step and holds the same global model, and a rerun with the same number of
+ranks is bit-identical. With N ranks the results equal the one-process run to rounding (float64: ~1e-15).
+
+- Placement: :func:`place_clients` gives every client one owner rank for the whole run, by its planned local steps
+  (largest first to the least-loaded rank), so ranks carry equal work; a client's state (SCAFFOLD's c_i, FedDyn's
+  h_i, ...) lives in its owner's :class:`~pyfedkern.algorithms.ClientStore` only and never travels.
+- Evaluation: each rank evaluates a contiguous slice of the test (and train-evaluation) samples; the means are
+  combined weighted by the slice sizes.
+- Files: only rank 0 writes the run directory. A checkpoint holds every rank's algorithm state (rank 0 gathers them
+  and writes one checked file); ``--resume`` needs the same number of ranks.
+- Launch: ``torchrun ... -m pyfedkern run ...`` (the env:// variables RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
+  LOCAL_RANK, LOCAL_WORLD_SIZE) or ``pyfedkern run ... --workers N`` (:func:`launch_workers`, torch's elastic
+  launcher on this machine). gloo on the CPU, NCCL on CUDA (one GPU per rank: ``cuda:LOCAL_RANK``).
+- Failure: every collective has the process group's timeout; a collective that fails raises
+  :class:`ConnectionError` naming this rank and the round, and the launcher reports which rank died.
+"""
+
+from __future__ import annotations
+
+import datetime
+import heapq
+import os
+import signal
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from pyfedkern.algorithms import RoundSums
+
+#: Seconds a rank waits in a collective (and at start-up for the others) before it gives up.
+DEFAULT_TIMEOUT = 300.0
+#: Most local processes ``--workers`` starts (beyond that a machine's cores are oversubscribed anyway).
+MAX_WORKERS = 1024
+
+
+def launched() -> bool:
+    """Whether this process was started by torchrun (or ``--workers``): the env:// rendezvous variables are set."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def local_world_size() -> int:
+    """Processes of this run on this machine (LOCAL_WORLD_SIZE; 1 outside a launch)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if launched() else 1
+
+
+def place_clients(steps: np.ndarray, ranks: int) -> np.ndarray:
+    """Owner rank of every client, [m] int64: clients by descending planned steps (ties: lower id first), each to
+    the rank with the least planned work so far (ties: lower rank). Deterministic."""
+    steps = np.asarray(steps, dtype=np.int64).reshape(-1)
+    if ranks < 1:
+        raise ValueError(f"ranks must be >= 1, got {ranks}")
+    owner = np.zeros(len(steps), dtype=np.int64)
+    loads = [(0, r) for r in range(ranks)]
+    for cid in np.argsort(-steps, kind="stable").tolist():
+        load, rank = heapq.heappop(loads)
+        owner[cid] = rank
+        heapq.heappush(loads, (load + max(int(steps[cid]), 1), rank))
+    return owner
+
+
+class Team:
+    """The ranks of one run as the engine and :meth:`Algorithm.round <pyfedkern.algorithms.Algorithm.round>` see
+    them. This base class is the one-process team (every method the identity); :class:`ProcessTeam` is the
+    torch.distributed one.
+
+    Attributes:
+        rank, size: this rank and the number of ranks.
+        owned: sorted int64 ids of the clients this rank owns (None: all of them).
+    """
+
+    rank = 0
+    size = 1
+    owned: np.ndarray | None = None
+
+    @property
+    def is_writer(self) -> bool:
+        """Whether this rank writes files and prints (rank 0)."""
+        return self.rank == 0
+
+    def mine(self, clients: np.ndarray) -> np.ndarray:
+        """The clients of ``clients`` this rank trains (its own, in their given order)."""
+        return clients
+
+    def combine(self, t: int, sums: RoundSums, losses: list[torch.Tensor], upload: int):
+        """(sums, losses, upload floats) of the whole round from this rank's part of them."""
+        return sums, losses, upload
+
+    def evaluate(
+        self, fn: Callable[[torch.Tensor, torch.Tensor], tuple[float, float]], x: torch.Tensor, y: torch.Tensor
+    ) -> tuple[float, float]:
+        """``fn(x, y)`` → (mean loss, accuracy), computed over the ranks' slices of (x, y) and combined."""
+        return fn(x, y)
+
+    def first(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` run on rank 0 (its value there, None on the other ranks) before any rank goes on; a ValueError
+        or OSError it raises is raised on every rank."""
+        return fn()
+
+    def scatter(self, items: Sequence[Any] | None) -> Any:
+        """items[r] (given on rank 0) on rank r."""
+        assert items is not None
+        return items[0]
+
+    def gather(self, item: Any) -> list[Any] | None:
+        """Every rank's ``item`` in rank order on rank 0 (tensors in it on the CPU), None elsewhere."""
+        return [item]
+
+
+class ProcessTeam(Team):
+    """The team of a torch.distributed process group (initialised by :func:`init_team`)."""
+
+    def __init__(self, owner: np.ndarray, device: torch.device) -> None:
+        self.rank, self.size = dist.get_rank(), dist.get_world_size()
+        self.owner = owner
+        self.owned = np.flatnonzero(owner == self.rank).astype(np.int64)
+        self.device = device
+
+    def mine(self, clients: np.ndarray) -> np.ndarray:
+        clients = np.asarray(clients, dtype=np.int64)
+        return clients[self.owner[clients] == self.rank]
+
+    def _collective(self, what: str, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except RuntimeError as err:  # gloo/NCCL errors and timeouts (DistBackendError is a RuntimeError)
+            said = " ".join(str(err).split())[:300]
+            raise ConnectionError(
+                f"rank {self.rank} of {self.size} lost the other ranks during {what} ({said}); another rank has "
+                "died or stalled: resume the run with --resume from its last checkpoint"
+            ) from None
+
+    def _objects(self, what: str, item: Any) -> list[Any]:
+        parts: list[Any] = [None] * self.size
+        self._collective(what, lambda: dist.all_gather_object(parts, item))
+        return parts
+
+    def combine(self, t: int, sums: RoundSums, losses: list[torch.Tensor], upload: int):
+        what = f"round {t}"
+        local_losses = torch.cat([v.reshape(-1) for v in losses]).cpu() if losses else torch.zeros(0)
+        shapes = {name: (tuple(v.shape), v.dtype) for name, v in sums.vectors.items()}
+        parts = self._objects(what, (shapes, sums.scalars, local_losses.double().numpy(), upload))
+        total = RoundSums()
+        for name in sorted({name for part in parts for name in part[0]}):
+            shape, dtype = next(part[0][name] for part in parts if name in part[0])
+            mine = sums.vectors.get(name)
+            if mine is None:
+                mine = torch.zeros(shape, dtype=dtype, device=self.device)
+            gathered = [torch.empty_like(mine) for _ in range(self.size)]
+            self._collective(what, lambda g=gathered, m=mine: dist.all_gather(g, m.contiguous()))
+            out = gathered[0]
+            for part in gathered[1:]:  # in rank order: the same bits on every rank, rerun after rerun
+                out.add_(part)
+            total.vectors[name] = out
+        for part in parts:
+            for name, value in part[1].items():
+                total.add_scalar(name, value)
+        everyone = torch.as_tensor(np.concatenate([part[2] for part in parts]), device=self.device)
+        return total, [everyone], sum(part[3] for part in parts)
+
+    def evaluate(self, fn, x, y):
+        bounds = np.linspace(0, x.shape[0], self.size + 1).round().astype(np.int64)
+        a, b = int(bounds[self.rank]), int(bounds[self.rank + 1])
+        loss, acc = fn(x[a:b], y[a:b]) if b > a else (float("nan"), float("nan"))
+        parts = self._objects("evaluation", (b - a, loss, acc))
+        n = sum(part[0] for part in parts)
+        if n == 0:
+            return float("nan"), float("nan")
+        return tuple(sum(part[0] * part[i] for part in parts if part[0]) / n for i in (1, 2))
+
+    def first(self, fn):
+        value, failure = None, None
+        if self.rank == 0:
+            try:
+                value = fn()
+            except (ValueError, OSError) as err:
+                failure = (isinstance(err, ValueError), str(err))
+        box = [failure]
+        self._collective("start-up", lambda: dist.broadcast_object_list(box, src=0))
+        if box[0] is not None:
+            is_value_error, message = box[0]
+            raise (ValueError if is_value_error else OSError)(message)
+        return value
+
+    def scatter(self, items):
+        box: list[Any] = [None]
+        self._collective("start-up", lambda: dist.scatter_object_list(box, items, src=0))
+        return box[0]
+
+    def gather(self, item):
+        parts: list[Any] | None = [None] * self.size if self.rank == 0 else None
+        item = _on_cpu(item)  # a CUDA tensor would arrive on the sender's GPU index
+        self._collective("a checkpoint", lambda: dist.gather_object(item, parts, dst=0))
+        return parts
+
+
+def _on_cpu(value: Any) -> Any:
+    """``value`` with every tensor in it (in dicts, lists, tuples) copied to the CPU."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _on_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_on_cpu(v) for v in value)
+    return value
+
+
+def timeout_seconds() -> float:
+    """The collective timeout: PYFEDKERN_DIST_TIMEOUT seconds when set, else :data:`DEFAULT_TIMEOUT`."""
+    text = os.environ.get("PYFEDKERN_DIST_TIMEOUT", "")
+    try:
+        value = float(text) if text else DEFAULT_TIMEOUT
+    except ValueError:
+        value = -1.0
+    if not (np.isfinite(value) and value > 0):
+        raise ValueError(f"PYFEDKERN_DIST_TIMEOUT must be a positive number of seconds, got {text!r}")
+    return value
+
+
+def rank_device(device: str) -> str:
+    """The device this rank computes on: ``cuda`` becomes ``cuda:LOCAL_RANK`` (one GPU per rank)."""
+    if device == "cpu":
+        return device
+    local, per_node = int(os.environ.get("LOCAL_RANK", "0")), local_world_size()
+    if device != "cuda" and per_node > 1:
+        raise ValueError(
+            f"device {device!r} with {per_node} ranks on a machine: use --device cuda (rank i takes GPU i)"
+        )
+    return f"cuda:{local}" if device == "cuda" else device
+
+
+def init_process_group(device: str) -> None:
+    """Join the env:// rendezvous (gloo on the CPU, NCCL on CUDA); ConnectionError naming the rendezvous address when
+    the other ranks cannot be reached within the timeout."""
+    if dist.is_initialized():
+        return
+    timeout = timeout_seconds()
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    address = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(torch.device(device))
+    try:
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    except (RuntimeError, ValueError, OSError) as err:
+        said = " ".join(str(err).split())[:300]
+        raise ConnectionError(
+            f"rank {rank} of {size} could not reach the other ranks at the rendezvous {address} within {timeout:g} s "
+            f"({said}); check MASTER_ADDR/MASTER_PORT (torchrun --rdzv-endpoint) and that every node started"
+        ) from None
+
+
+def init_team(sim: Any) -> ProcessTeam:
+    """The team of an initialised process group for the simulation ``sim``: every client placed by its planned steps
+    under the run's local training settings (the same on every rank)."""
+    steps = sim.planned_steps(np.arange(sim.num_clients, dtype=np.int64))
+    return ProcessTeam(place_clients(steps, dist.get_world_size()), sim.device)
+
+
+def close_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def check_workers(workers: int, device: str) -> None:
+    """ValueError unless ``workers`` local processes can run here: 1..cores on the CPU, 1..GPUs on CUDA (one GPU
+    per worker, ``--device cuda``)."""
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"--workers must be an integer >= 1, got {workers!r}")
+    if device == "cpu":
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        if workers > min(cores, MAX_WORKERS):
+            raise ValueError(
+                f"--workers {workers} is more than the {cores} CPU cores this process may use; each worker needs a core"
+            )
+    elif workers > 1:
+        gpus = torch.cuda.device_count()
+        if device != "cuda":
+            raise ValueError(f"--workers with a GPU needs --device cuda (worker i takes GPU i), got {device!r}")
+        if workers > gpus:
+            raise ValueError(f"--workers {workers} is more than the {gpus} visible GPUs (one worker per GPU)")
+
+
+def spreads(cls: type) -> bool:
+    """Whether the algorithm class ``cls`` can spread its rounds over processes: its ``distributed`` attribute is
+    true and was set by the class that defines its ``round`` or by a subclass of it (a class that overrides
+    ``round`` must say so itself; it does not inherit the base class's True)."""
+    mro = cls.__mro__
+    round_owner = next(i for i, c in enumerate(mro) if "round" in vars(c))
+    flag_owner = next(i for i, c in enumerate(mro) if "distributed" in vars(c))
+    return bool(cls.distributed) and flag_owner <= round_owner
+
+
+def check_algorithm(name: str) -> None:
+    """ValueError unless the algorithm ``name`` can spread its rounds over processes (:func:`spreads`)."""
+    from pyfedkern.algorithms import algorithm_class
+
+    if not spreads(algorithm_class(name)):
+        raise ValueError(
+            f"algorithm {name!r} runs in one process only (its round needs every client at once); "
+            "run it without --workers or torchrun"
+        )
+
+
+def launch_workers(workers: int, argv: list[str]) -> int:
+    """Run ``python -m pyfedkern ARGV`` in ``workers`` local processes through torch's elastic launcher (what
+    torchrun runs: a c10d rendezvous on localhost, no restarts); 0, or :class:`ChildFailedWorkers` naming the rank that
+    failed first (the launcher then stops the others)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=workers,
+        run_id=f"pyfedkern-{os.getpid()}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+        monitor_interval=0.5,
+    )
+    try:
+        elastic_launch(config, sys.executable)("-m", "pyfedkern", *argv)
+    except ChildFailedError as err:
+        # the rank that failed first; the launcher's SIGTERM to the others comes after it
+        failures = err.failures
+        ranks = sorted(failures, key=lambda r: (failures[r].exitcode == -signal.SIGTERM, failures[r].timestamp, r))
+        first, failure = ranks[0], failures[ranks[0]]
+        how = failure.signal_name() if failure.exitcode < 0 else f"exit status {failure.exitcode}"
+        raise ChildFailedWorkers(
+            f"worker rank {first} of {workers} failed ({how}); the others were stopped. An interrupted run with --out "
+            "resumes with `pyfedkern run --resume --out DIR` and the same --workers",
+            failure.exitcode if failure.exitcode > 0 else 1,
+        ) from None
+    return 0
+
+
+class ChildFailedWorkers(Exception):
+    """A ``--workers`` process failed; ``status`` is the exit status to give."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def run_distributed(
+    config: Any, out_dir: str | os.PathLike | None = None, *, resume: bool = False, progress: bool = False
+) -> list[dict[str, Any]]:
+    """Run (or resume) ``config`` as this process's rank of a launched job (torchrun or ``--workers``; see
+    :meth:`Simulation.run <pyfedkern.sim.engine.Simulation.run>`): join the process group, build the simulation,
+    place the clients, run, leave the group. Every rank returns the same per-round metrics."""
+    from pyfedkern.sim.engine import Simulation
+
+    check_algorithm(config.algorithm)
+    device = rank_device(config.device)
+    init_process_group(device)
+    try:
+        sim = Simulation(config)
+        sim.team = init_team(sim)
+        return sim.run(out_dir, resume=resume, progress=progress)
+    finally:
+        close_process_group()

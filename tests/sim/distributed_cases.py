@@ -1,0 +1,42 @@
+"""Run under torchrun by tests/sim/test_distributed.py: every case of a JSON file twice on the same ranks.
+
+Usage: ``torchrun --standalone --nproc-per-node N tests/sim/distributed_cases.py CASES.json OUT.json``. CASES.json maps
+a case name to ExperimentConfig fields; rank 0 writes OUT.json: per case, the metrics of both runs and, per rank, the
+rows of each of the algorithm's client stores and the clients the rank owns.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from pyfedkern.algorithms import ClientStore
+from pyfedkern.sim import distributed
+from pyfedkern.sim.config import ExperimentConfig
+from pyfedkern.sim.engine import Simulation
+
+
+def main(cases_path: str, out_path: str) -> None:
+    cases = json.loads(open(cases_path).read())
+    devices = {fields.get("device", "cpu") for fields in cases.values()}
+    distributed.init_process_group(distributed.rank_device(devices.pop()))
+    results = {}
+    for name, fields in cases.items():
+        runs = []
+        for _ in range(2):
+            sim = Simulation(ExperimentConfig(**fields))
+            sim.team = distributed.init_team(sim)
+            runs.append(sim.run())
+        stores = {
+            key: value.data.shape[0] for key, value in vars(sim.algorithm).items() if isinstance(value, ClientStore)
+        }
+        ranks = sim.team.gather({"stores": stores, "owned": sim.team.owned.tolist()})
+        results[name] = {"runs": runs, "ranks": ranks}
+    if sim.team.rank == 0:
+        with open(out_path, "w") as file:
+            json.dump(results, file)
+    distributed.close_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,388 @@
+"""Rounds spread over processes (pyfedkern.sim.distributed) against the one-process run they replace: placement,
+sharded client state, the threads rule, torchrun and ``--workers`` launches (gloo, 2 and 3 processes), a rank killed
+mid-run and resumed, resume refused with another number of workers, and the start-up error of an unreachable rank."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pyfedkern.algorithms import ALGORITHMS, ClientStore, algorithm_class
+from pyfedkern.sim import distributed
+from pyfedkern.sim.distributed import Team, place_clients
+from pyfedkern.sim.engine import WORK_PER_THREAD, ExperimentConfig, Simulation, threads_for_work
+
+ROOT = Path(__file__).resolve().parents[2]
+BASE = ExperimentConfig(
+    dataset="digits",
+    partition="dirichlet:0.5",
+    clients=7,
+    fraction=0.75,
+    rounds=3,
+    batch_size=64,
+    local_epochs=1.0,
+    weight_decay=1e-3,
+    dtype="float64",
+    seed=3,
+    threads=1,
+)
+# every algorithm whose rounds spread over processes, with options that change its local step, links or server state
+CASES = {
+    "fedavg": ("fedavg", {"server_lr": 0.8}, 0.5),
+    "fedprox": ("fedprox", {"mu": 0.1}, 0.0),
+    "scaffold": ("scaffold", {}, 0.5),
+    "fednova": ("fednova", {}, 0.0),
+    "feddyn": ("feddyn", {}, 0.0),
+    "fedsam": ("fedsam", {}, 0.0),
+    "fedcm": ("fedcm", {}, 0.0),
+    "fedadam": ("fedadam", {}, 0.0),
+    "bherd": ("bherd", {"alpha": 0.5}, 0.0),
+    "grab": ("grab", {}, 0.0),
+    "bherd-fednova": ("bherd-fednova", {"alpha": 0.5}, 0.0),
+    "bherd-scaffold": ("bherd-scaffold", {"alpha": 0.5}, 0.0),
+    "scaffold-one": ("scaffold", {}, 0.0),  # one participant a round: the other ranks have nothing to add
+    "fedavg-links": ("fedavg-links", {"server_lr": 0.9, "link_probs": (0.6,)}, 0.0),
+    "fedavg-all": ("fedavg-all", {"links": "markov"}, 0.0),
+    "fedavg-known-p": ("fedavg-known-p", {"links": "cyclic", "cycle_length": 2}, 0.0),
+    "fedau": ("fedau", {"cutoff": 2, "link_probs": (0.5,)}, 0.0),
+}
+# BHerd's family records gradients in float32 buffers (also in float64 runs): its herding sees float32 rounding, so
+# a client trained in another batch (other rows beside it) may differ in the last float32 bit
+FLOAT32_BUFFERS = {"bherd", "bherd-fednova", "bherd-scaffold"}
+STATEFUL = {"scaffold": "client_c", "scaffold-one": "client_c", "feddyn": "h_store", "bherd-scaffold": "client_c"}
+
+
+def case_config(name: str) -> ExperimentConfig:
+    algorithm, params, momentum = CASES[name]
+    model = "mlp" if name in ("scaffold", "fedavg") else "logreg"
+    return dataclasses.replace(
+        BASE,
+        algorithm=algorithm,
+        algorithm_params=params,
+        momentum=momentum,
+        model=model,
+        model_params={"hidden": [8]} if model == "mlp" else {},
+        fraction=0.15 if name == "scaffold-one" else BASE.fraction,
+    )
+
+
+def numbers(metrics: list[dict]) -> list[dict]:
+    """The recorded numbers of a run, without its timings."""
+    return [{k: v for k, v in m.items() if not k.startswith("time_")} for m in metrics]
+
+
+def assert_close(got: list[dict], want: list[dict], rel: float = 1e-12) -> None:
+    assert len(got) == len(want) > 1
+    for g, w in zip(numbers(got), numbers(want), strict=True):
+        assert g.keys() == w.keys()
+        for key in w:
+            if isinstance(w[key], float) and math.isnan(w[key]):
+                assert math.isnan(g[key]), key
+            else:
+                assert g[key] == pytest.approx(w[key], rel=rel, abs=1e-13), (key, g["round"])
+
+
+def env(**extra: str) -> dict[str, str]:
+    out = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK")}
+    out["PYTHONPATH"] = str(ROOT) + os.pathsep + out.get("PYTHONPATH", "")
+    out["OMP_NUM_THREADS"] = "1"
+    out.update(extra)
+    return out
+
+
+def cli(*args: str, timeout: float = 240, **extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pyfedkern", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env(**extra),
+        cwd=ROOT,
+    )
+
+
+# Placement, stores, threads: in this process ------------------------------------------------------------------
+
+
+def test_place_clients_balances_planned_steps_largest_first():
+    steps = np.array([5, 1, 9, 3, 3, 7, 2])
+    owner = place_clients(steps, 3)
+    # by hand, largest first to the least-loaded rank: 9→r0, 7→r1, 5→r2, 3 (id 3)→r2 (5), 3 (id 4)→r1 (7),
+    # 2→r2 (8), 1→r0 (9)
+    assert owner.tolist() == [2, 0, 0, 2, 1, 1, 2]
+    loads = np.bincount(owner, weights=steps, minlength=3)
+    assert loads.max() - loads.min() <= steps.max()
+    assert np.array_equal(place_clients(steps, 3), owner)  # deterministic
+    assert place_clients(steps, 1).tolist() == [0] * 7
+    with pytest.raises(ValueError, match="ranks"):
+        place_clients(steps, 0)
+
+
+def test_client_store_holds_only_its_clients_rows():
+    full = ClientStore(6, 3, dtype=torch.float64)
+    part = ClientStore(6, 3, dtype=torch.float64, owned=np.array([1, 4, 5]))
+    assert part.data.shape == (3, 3)
+    values = torch.arange(6.0, dtype=torch.float64).reshape(2, 3)
+    for store in (full, part):
+        store.add_(np.array([5, 1]), values)
+        store.add_(np.array([5]), values[:1])
+    assert torch.equal(part.take(np.array([1, 5, 4])), full.take(np.array([1, 5, 4])))
+    part.put_(np.array([4]), values[1:])
+    assert torch.equal(part[4], values[1])
+    part[1].add_(1.0)  # a view
+    assert torch.equal(part.take(np.array([1]))[0], values[1] + 1.0)
+    with pytest.raises(ValueError, match=r"clients \[0, 2\] are not held"):
+        part.take(np.array([0, 2]))
+    with pytest.raises(ValueError, match="owned"):
+        ClientStore(6, 3, owned=np.array([1, 6]))
+
+
+def test_threads_rule_follows_the_work_of_a_step(monkeypatch):
+    assert threads_for_work(1_000, 16) == 1
+    assert threads_for_work(2.5 * WORK_PER_THREAD, 16) == 2
+    assert threads_for_work(1e12, 16) == 16 and threads_for_work(1e12, 1) == 1
+    cores = len(os.sched_getaffinity(0))
+    sim = Simulation(dataclasses.replace(BASE, model="logreg", threads=None, rounds=1))
+    assert sim.auto_threads() == 1  # 5 clients × 64 samples × 650 parameters: a small step, whatever the model size
+    sim.batch_size = 10**6  # the same model, a step a million times larger: every core
+    assert sim.auto_threads() == cores
+    sim.client_chunk = 1  # ... one client at a time: still large
+    assert sim.auto_threads() == cores
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", str(cores))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores))
+    assert sim.auto_threads() == 1  # one process per core: each its share
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+
+    seen = []
+    for threads, want in ((None, 1), (2, 2)):
+        run = Simulation(dataclasses.replace(BASE, model="logreg", rounds=1, threads=threads))
+        plain_round = run.algorithm.round
+        monkeypatch.setattr(
+            run.algorithm,
+            "round",
+            lambda t, ctx, inner=plain_round: seen.append(torch.get_num_threads()) or inner(t, ctx),
+        )
+        before = torch.get_num_threads()
+        run.run()
+        assert seen[-1] == want and torch.get_num_threads() == before  # applied inside the run only
+
+
+def test_one_process_team_is_the_identity():
+    team = Team()
+    clients = np.array([3, 1])
+    assert team.mine(clients) is clients and team.size == 1 and team.is_writer
+    assert team.gather("x") == ["x"] and team.scatter(["y"]) == "y" and team.first(lambda: 5) == 5
+
+
+def test_every_distributed_algorithm_is_tested_here():
+    plain = {name for name in ALGORITHMS if distributed.spreads(algorithm_class(name))}
+    assert plain == {algorithm for algorithm, _, _ in CASES.values()}
+    with pytest.raises(ValueError, match="one process only"):
+        distributed.check_algorithm("fedpbc")
+
+    class OwnRound(algorithm_class("fedavg")):
+        def round(self, t, ctx):  # a round of its own: not spread unless it says so
+            return super().round(t, ctx)
+
+    assert not distributed.spreads(OwnRound)
+    OwnRound.distributed = True
+    assert distributed.spreads(OwnRound)
+
+
+def test_check_workers_refuses_what_cannot_run():
+    for bad in (0, -1, True, 2.0):
+        with pytest.raises(ValueError, match="--workers"):
+            distributed.check_workers(bad, "cpu")
+    with pytest.raises(ValueError, match="CPU cores"):
+        distributed.check_workers(len(os.sched_getaffinity(0)) + 1, "cpu")
+    distributed.check_workers(1, "cpu")
+
+
+# Several processes --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_torchrun_equals_one_process_for_every_algorithm(tmp_path, ranks):
+    """Every distributed algorithm on 2 and 3 gloo ranks (torchrun) gives the one-process metrics to 1e-12 in
+    float64, reruns with the same ranks are bit-identical, and each rank stores only its own clients' state."""
+    cases = {name: case_config(name).to_dict() for name in CASES}
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    out = tmp_path / "out.json"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+    command += [str(ROOT / "tests/sim/distributed_cases.py"), str(tmp_path / "cases.json"), str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env(), cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(out.read_text())
+    for name in CASES:
+        sim = Simulation(case_config(name))
+        want = sim.run()
+        first, second = results[name]["runs"]
+        assert_close(first, want, rel=1e-6 if name in FLOAT32_BUFFERS else 1e-12)
+        assert numbers(first) == numbers(second), name  # bit-identical rerun
+        owned = [set(r["owned"]) for r in results[name]["ranks"]]
+        assert set().union(*owned) == set(range(sim.num_clients)) and sum(map(len, owned)) == sim.num_clients
+        if name in STATEFUL:
+            assert [r["stores"][STATEFUL[name]] for r in results[name]["ranks"]] == [len(o) for o in owned]
+
+
+def test_workers_launch_writes_once_and_equals_one_process(tmp_path):
+    args = ["run", "--algorithm", "scaffold", "--dataset", "digits", "--partition", "dirichlet:0.5", "--clients", "7"]
+    args += ["--fraction", "0.75", "--rounds", "3", "--batch-size", "64", "--weight-decay", "0.001", "--seed", "3"]
+    args += ["--dtype", "float64", "--momentum", "0.5", "--model", "mlp", "--model-param", "hidden=8", "--threads", "1"]
+    done = cli(*args, "--workers", "2", "--out", str(tmp_path / "run"), "--no-progress")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("test accuracy") == 1  # rank 0 prints
+    lines = (tmp_path / "run/metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["round"] for line in lines] == [0, 1, 2, 3]  # one writer
+    stored = ExperimentConfig.from_dict(json.loads((tmp_path / "run/config.json").read_text()))
+    assert (stored.algorithm, stored.clients, stored.dtype, stored.model) == ("scaffold", 7, "float64", "mlp")
+    assert_close([json.loads(line) for line in lines], Simulation(stored).run())
+
+
+def _descendants(pid: int) -> list[int]:
+    children = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        text = (task / "children").read_text().split()
+        children += [int(c) for c in text]
+    return children + [d for c in children for d in _descendants(c) if Path(f"/proc/{c}").exists()]
+
+
+def _rank_pid(parent: int, rank: int) -> int | None:
+    for pid in _descendants(parent):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environ and b"-m" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
+            return pid
+    return None
+
+
+def test_killed_rank_stops_the_run_and_it_resumes(tmp_path):
+    """Rank 1 killed after a checkpoint: the launcher stops the run within 60 s naming rank 1; resuming with another
+    number of workers is refused; with the same number the run finishes with the one-process metrics."""
+    run_dir = tmp_path / "run"
+    rounds = 400
+    args = ["run", "--algorithm", "scaffold", "--dataset", "digits", "--clients", "6", "--partition", "iid"]
+    args += ["--rounds", str(rounds), "--local-steps", "2", "--batch-size", "16", "--dtype", "float64", "--seed", "5"]
+    args += ["--model", "logreg", "--threads", "1", "--checkpoint-every", "5", "--eval-every", "50", "--no-progress"]
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "pyfedkern", *args, "--workers", "2", "--out", str(run_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env(),
+        cwd=ROOT,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not list((run_dir / "checkpoints").glob("round_*.pt")) and time.monotonic() < deadline:
+            assert launcher.poll() is None, launcher.communicate()[1]
+            time.sleep(0.2)
+        victim = _rank_pid(launcher.pid, 1)
+        assert victim is not None
+        os.kill(victim, signal.SIGKILL)
+        killed = time.monotonic()
+        _, stderr = launcher.communicate(timeout=120)
+        assert time.monotonic() - killed < 60
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode != 0
+    assert "worker rank 1 of 2 failed (SIGKILL)" in stderr, stderr
+    done_rounds = len((run_dir / "metrics.jsonl").read_text().splitlines()) - 1
+    assert done_rounds < rounds
+
+    refused = cli("run", "--resume", "--out", str(run_dir), "--workers", "1", "--no-progress")
+    assert refused.returncode == 2
+    assert "made by 2 worker(s) and this run has 1" in refused.stderr and refused.stderr.count("\n") == 1
+
+    before = (run_dir / "metrics.jsonl").read_bytes()
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m", "pyfedkern"]
+    refused = subprocess.run(
+        [*torchrun, "run", "--resume", "--out", str(run_dir), "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env(),
+        cwd=ROOT,
+    )
+    assert refused.returncode != 0 and "made by 2 worker(s) and this run has 1" in refused.stderr
+    assert (run_dir / "metrics.jsonl").read_bytes() == before
+
+    resumed = cli("run", "--resume", "--out", str(run_dir), "--workers", "2", "--no-progress")
+    assert resumed.returncode == 0, resumed.stderr
+    got = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    config = ExperimentConfig.from_dict(json.loads((run_dir / "config.json").read_text()))
+    assert_close(got, Simulation(config).run())
+
+
+def test_workers_refusals_are_one_line_errors(tmp_path):
+    cores = len(os.sched_getaffinity(0))
+    for args, said in [
+        (["--workers", "0"], "--workers must be an integer >= 1"),
+        (["--workers", str(cores + 1)], "CPU cores"),
+        (["--workers", "2", "--algorithm", "fedpbc"], "one process only"),
+    ]:
+        done = cli("run", "--rounds", "1", "--no-progress", *args, timeout=60)
+        assert done.returncode == 2 and said in done.stderr and done.stderr.count("\n") == 1, done.stderr
+
+
+def test_unreachable_rendezvous_names_the_address(tmp_path):
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    rendezvous = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    began = time.monotonic()
+    done = cli("run", "--rounds", "1", "--no-progress", timeout=120, PYFEDKERN_DIST_TIMEOUT="3", **rendezvous)
+    assert done.returncode == 2, done.stderr
+    last = done.stderr.splitlines()[-1]  # after c10d's own log lines
+    assert last.startswith("pyfedkern run: error: rank 1 of 2 could not reach the other ranks at the rendezvous ")
+    assert f"127.0.0.1:{port}" in last and time.monotonic() - began < 100
+
+
+@pytest.mark.cuda
+def test_cuda_world_size_one_through_nccl(tmp_path):
+    """On a GPU: one rank through NCCL (the CUDA path of the collectives) equals the one-process CUDA run."""
+    config = dataclasses.replace(case_config("scaffold"), device="cuda", threads=None)
+    cases = {"scaffold": config.to_dict()}
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    out = tmp_path / "out.json"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1"]
+    script = Path(__file__).with_name("distributed_cases.py")
+    done = subprocess.run([*command, str(script), str(tmp_path / "cases.json"), str(out)], env=env(), timeout=600)
+    assert done.returncode == 0
+    first, _ = json.loads(out.read_text())["scaffold"]["runs"]
+    assert_close(first, Simulation(config).run())
+
+
+def test_ranks_on_one_machine_split_its_memory_budget(monkeypatch):
+    from pyfedkern.algorithms import batched
+
+    sim = Simulation(dataclasses.replace(BASE, model="logreg"))
+    per_client = batched.bytes_per_client(sim, 2)
+    monkeypatch.setattr(batched, "free_memory", lambda device: int(per_client * 40 / batched.MEMORY_FRACTION["cpu"]))
+    clients = np.arange(100)
+    assert [len(c) for c in batched.client_chunks(sim, clients)] == [40, 40, 20]
+    sim.device_sharers = 4
+    assert [len(c) for c in batched.client_chunks(sim, clients)] == [10] * 10
+
+
+def test_a_launched_process_without_its_team_refuses_to_run(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="one of 2 started by torchrun: run the experiment with"):
+        Simulation(dataclasses.replace(BASE, model="logreg")).run()
