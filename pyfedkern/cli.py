@@ -39,7 +39,12 @@ def _flag(text: str) -> bool:
 
 # (config field, flag, type, help) of the options shared by `run` and `compare`.
 _COMMON = [
-    ("dataset", "--dataset", str, "dataset: digits (bundled), synthetic:α,β, quadratic:m,d, mnist, cifar10"),
+    (
+        "dataset",
+        "--dataset",
+        str,
+        "dataset: digits (bundled), synthetic:α,β, quadratic:m,d, mnist, cifar10, or your package.module:factory",
+    ),
     ("data_root", "--data-root", str, "directory holding the MNIST / CIFAR-10 files"),
     ("normalize", "--normalize", str, "none | unit | standard (per-channel, train statistics)"),
     (
@@ -49,7 +54,7 @@ _COMMON = [
         "iid | dirichlet:α | shards:k | quantity:α | noise:σ | bherd1..3 | ...",
     ),
     ("clients", "--clients", int, "number of clients"),
-    ("model", "--model", str, "svm | logreg | mlp | cnn | resnet18 | quadratic"),
+    ("model", "--model", str, "svm | logreg | mlp | cnn | resnet18 | quadratic, or your package.module:factory"),
     ("rounds", "--rounds", int, "communication rounds"),
     ("fraction", "--fraction", float, "fraction of clients sampled each round, in (0, 1]"),
     ("batch_size", "--batch-size", int, "local minibatch size"),
@@ -60,6 +65,11 @@ _COMMON = [
     ("momentum", "--momentum", float, "local SGD momentum"),
     ("weight_decay", "--weight-decay", float, "local weight decay"),
     ("eval_every", "--eval-every", int, "evaluate the global model every n rounds"),
+    ("eval_initial", "--eval-initial", _flag, "evaluate the initial model (round 0)"),
+    ("eval_test_max", "--eval-test-max", int, "evaluate on at most n test samples (a fixed seeded subset)"),
+    ("eval_train_max", "--eval-train-max", int, "measure train loss on at most n training samples (0: skip)"),
+    ("sample_with_replacement", "--sample-with-replacement", _flag, "draw each round's clients with replacement"),
+    ("batch_order", "--batch-order", str, "reshuffle | fixed (each client keeps one batch order across rounds)"),
     ("seed", "--seed", int, "random seed (data split, sampling, init)"),
     ("device", "--device", str, "cpu | cuda | cuda:N"),
     ("checkpoint_every", "--checkpoint-every", int, "save a checkpoint every n rounds"),
@@ -465,6 +475,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args, extra = parser.parse_known_args(argv)
     args.flags = {token.partition("=")[0] for token in argv if token.startswith("--")}  # the options given
+    if args.command in ("run", "compare") and "" not in sys.path:
+        sys.path.insert(0, "")  # --model/--dataset package.module:factory import from the working directory
     try:
         with warnings.catch_warnings():
             warnings.showwarning = _one_line_warnings(args.command)

@@ -285,8 +285,9 @@ class BatchedTrainer:
             leaves = [m for m in self.local.module.modules() if not list(m.children())]
             handles = [m.register_forward_hook(count) for m in leaves]
             try:
+                batch = sample.unsqueeze(0)  # token ids stay integers
                 with torch.no_grad():
-                    self.local.module(sample.unsqueeze(0).to(self.local.flat.data.dtype))
+                    self.local.module(batch.to(self.local.flat.data.dtype) if batch.is_floating_point() else batch)
             finally:
                 for h in handles:
                     h.remove()

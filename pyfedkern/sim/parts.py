@@ -106,7 +106,7 @@ def call_factory(factory: Callable[..., Any], what: str, **offered: Any) -> Any:
     try:
         return factory(**kwargs)
     except Exception as err:
-        name = getattr(factory, "__qualname__", None) or type(factory).__name__
+        name = getattr(factory, "__name__", type(factory).__name__)
         raise ValueError(f"{what}: the factory {name} raised {type(err).__name__}: {err}") from err
 
 
@@ -142,7 +142,7 @@ def model_spec(
     elif isinstance(model, nn.Module):
         spec = models.ModelSpec(factory=lambda: copy.deepcopy(model), name=type(model).__name__)
     elif callable(model):
-        spec = models.ModelSpec(factory=model, name=getattr(model, "__qualname__", "model"))
+        spec = models.ModelSpec(factory=model, name=getattr(model, "__name__", type(model).__name__))
     else:
         raise TypeError(f"model must be an nn.Module, a factory, a built-in name or a ModelSpec, got {type(model)}")
     given = {"loss": loss, "penalty": penalty, "predict": predict}
@@ -203,7 +203,7 @@ def arrays(part: Any, what: str) -> tuple[np.ndarray, np.ndarray]:
             x = np.stack([_numeric(p[0], f"{what}: x") for p in pairs])
             y = np.stack([_numeric(p[1], f"{what}: y") for p in pairs])
         except (IndexError, KeyError, TypeError) as err:
-            raise ValueError(f"{what}: expected a map-style dataset whose items are (x, y) pairs ({err})") from err
+            raise TypeError(f"{what} must be an (x, y) pair or a map-style dataset of (x, y) pairs ({err})") from err
     else:
         raise TypeError(
             f"{what} must be an (x, y) pair of arrays or tensors, or a map-style dataset, got {type(part).__name__}"
@@ -221,7 +221,7 @@ def _numeric(value: Any, what: str) -> np.ndarray:
         raise TypeError(f"{what} must hold numbers (integers or floats), got {array.dtype}")
     if array.dtype.kind == "u":
         array = array.astype(np.int64)
-    return np.ascontiguousarray(array)
+    return np.ascontiguousarray(array) if array.ndim else array
 
 
 def check_data(data: datasets.Dataset) -> None:
@@ -411,7 +411,7 @@ def check_model(local: LocalModel, name: str, x: torch.Tensor, y: torch.Tensor, 
     if not isinstance(value, torch.Tensor) or value.numel() != 1 or not value.requires_grad:
         raise ValueError("loss: must return a scalar tensor that depends on the model's parameters")
     if not torch.isfinite(value):
-        raise ValueError(f"loss: is {float(value)} on two training samples at the initial model")
+        raise ValueError(f"loss: is {value.item()} on two training samples at the initial model")
 
 
 # resume fingerprint -------------------------------------------------------------------------------------------------
