@@ -60,12 +60,12 @@ def load_leaf(
         classes = 2
     else:
         x_train, x_test = _numbers(train_x, "train"), _numbers(test_x, "test")
-        if x_train.shape[1:] != x_test.shape[1:]:
-            raise ValueError(f"LEAF {folder}: train samples have {x_train.shape[1:]} values, test {x_test.shape[1:]}")
         if kind == "femnist" or x_train.shape[1] == 784:
             x_train, x_test = x_train.reshape(-1, 1, 28, 28), x_test.reshape(-1, 1, 28, 28)
         y_train, y_test = _labels(train_y, "train"), _labels(test_y, "test")
         classes = 62 if kind == "femnist" else int(max(y_train.max(), y_test.max(initial=0))) + 1
+    if x_train.shape[1:] != x_test.shape[1:]:
+        raise ValueError(f"LEAF {folder}: train samples have shape {x_train.shape[1:]}, test {x_test.shape[1:]}")
     for split, y in (("train", y_train), ("test", y_test)):
         if y.size and (y.min() < 0 or y.max() >= classes):
             raise ValueError(f"LEAF {split}: labels must be in 0..{classes - 1}, got {int(y.min())}..{int(y.max())}")
