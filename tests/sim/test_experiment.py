@@ -414,3 +414,17 @@ def test_resume_refuses_a_different_model_data_or_split_naming_it(tmp_path):
             experiment(**change).run(run_dir, resume=True)
     resumed = experiment().run(run_dir, resume=True)
     assert _numbers(resumed) == _numbers(full)
+
+
+def test_the_cli_takes_the_run_options(tmp_path, capsys):
+    out = tmp_path / "run"
+    args = ["run", "--rounds", "2", "--clients", "5", "--no-progress", "--out", str(out), "--eval-initial", "false"]
+    args += ["--eval-train-max", "0", "--eval-test-max", "50", "--sample-with-replacement", "true"]
+    assert main([*args, "--batch-order", "fixed"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["eval_initial"] is False and config["eval_train_max"] == 0 and config["eval_test_max"] == 50
+    assert config["sample_with_replacement"] is True and config["batch_order"] == "fixed"
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[0] == {"round": 0} and "train_loss" not in metrics[-1] and "test_acc" in metrics[-1]
+    assert main(["run", "--batch-order", "sorted", "--rounds", "1", "--no-progress"]) == 2
+    assert "batch_order must be one of reshuffle, fixed" in capsys.readouterr().err
