@@ -29,9 +29,7 @@ def _count(module: torch.nn.Module) -> int:
 def _local(model: torch.nn.Module, name: str) -> LocalModel:
     """``model`` with the loss, penalty and prediction of built-in ``name``."""
     spec = builtin(name)
-    return LocalModel(
-        model, loss=spec.loss, penalty=spec.penalty, predict=spec.predict, has_accuracy=spec.has_accuracy
-    )
+    return LocalModel(model, loss=spec.loss, penalty=spec.penalty, predict=spec.predict, has_accuracy=spec.has_accuracy)
 
 
 def test_names():

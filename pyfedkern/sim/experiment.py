@@ -19,7 +19,7 @@ from pyfedkern.algorithms import Algorithm, make_algorithm
 from pyfedkern.data.datasets import Dataset
 from pyfedkern.sim.config import ExperimentConfig
 from pyfedkern.sim.engine import Simulation
-from pyfedkern.sim.parts import Evaluate, Parts, as_dataset, from_arrays, model_spec, split
+from pyfedkern.sim.parts import Evaluate, Parts, as_dataset, check_data, from_arrays, model_spec, split
 
 #: Config fields an Experiment sets from its own arguments (the rest are its keyword settings).
 _FROM_PARTS = ("model", "model_params", "dataset", "data_root", "normalize", "parity", "partition", "clients")
@@ -95,6 +95,7 @@ class Experiment:
             raise ValueError("test: a test set is needed (an (x, y) pair or a map-style dataset)")
         else:
             data = from_arrays(train, test, name=name, num_classes=num_classes)
+        check_data(data)
         if isinstance(clients, str) and num_clients is None:
             natural = clients.strip().lower() == "natural"
             if natural and data.client_ids is None:

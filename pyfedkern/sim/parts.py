@@ -1,8 +1,9 @@
 """An experiment's parts: the model (:class:`~pyfedkern.models.ModelSpec`), the data
 (:class:`~pyfedkern.data.datasets.Dataset`) and its split among clients, with the checks they pass before any
-training. :func:`parts_from_config` is the one place a config's names become parts; :func:`make_parts` builds them
-from the user's own objects (:class:`~pyfedkern.sim.experiment.Experiment`). The engine
-(:class:`~pyfedkern.sim.engine.Simulation`) takes parts, whichever way they were made.
+training. :func:`parts_from_config` is the one place a config's names become parts; :func:`model_spec`,
+:func:`from_arrays` and :func:`split` make them from the user's own objects
+(:class:`~pyfedkern.sim.experiment.Experiment`). The engine (:class:`~pyfedkern.sim.engine.Simulation`) takes parts,
+whichever way they were made, and checks the model (:func:`check_model`) before any training.
 """
 
 from __future__ import annotations
@@ -59,10 +60,11 @@ def parts_from_config(config: ExperimentConfig, public_per_class: int = 0) -> Pa
         spec = models.builtin(config.model)
     spec = replace(spec, factory=_with_keywords(spec.factory, config.model_params))
     if is_reference(config.dataset):
-        made = call_factory(import_object(config.dataset, "dataset"), "dataset", root=config.data_root, seed=0)
+        made = call_factory(import_object(config.dataset, "dataset"), "dataset", root=config.data_root)
         data = as_dataset(made, config.dataset)
     else:
         data = datasets.load_dataset(config.dataset, config.data_root, normalize=config.normalize)
+    check_data(data)
     by = (data.y_train, data.num_classes)  # partitions follow the original classes, also for the parity task
     if config.parity:
         data = datasets.to_parity(data)
@@ -169,8 +171,6 @@ def from_arrays(train: Any, test: Any, *, name: str = "data", num_classes: int |
     (``num_classes`` defaults to the largest label + 1); float targets are regression targets (no classes)."""
     x_train, y_train = arrays(train, "train")
     x_test, y_test = arrays(test, "test")
-    if x_train.shape[1:] != x_test.shape[1:]:
-        raise ValueError(f"test: samples of shape {x_test.shape[1:]}, but train has {x_train.shape[1:]}")
     if y_train.shape[1:] != y_test.shape[1:] or (y_train.dtype.kind == "f") != (y_test.dtype.kind == "f"):
         raise ValueError(
             f"test: targets {y_test.dtype} {y_test.shape[1:]}, but train has {y_train.dtype} {y_train.shape[1:]}"
@@ -183,9 +183,7 @@ def from_arrays(train: Any, test: Any, *, name: str = "data", num_classes: int |
             raise ValueError(f"num_classes={num_classes} given, but the targets are {y_train.dtype}, not class labels")
     elif classes:
         num_classes = int(max(y_train.max(), y_test.max(initial=0))) + 1
-    dataset = datasets.Dataset(name, x_train, y_train, x_test, y_test, num_classes, x_train.shape[1:], "as given")
-    check_data(dataset)
-    return dataset
+    return datasets.Dataset(name, x_train, y_train, x_test, y_test, num_classes, x_train.shape[1:], "as given")
 
 
 def arrays(part: Any, what: str) -> tuple[np.ndarray, np.ndarray]:
@@ -225,13 +223,20 @@ def _numeric(value: Any, what: str) -> np.ndarray:
 
 
 def check_data(data: datasets.Dataset) -> None:
-    """ValueError naming the split: NaN or inf in features or targets, class labels outside 0..num_classes−1."""
+    """ValueError naming the split: NaN or inf in features or targets, class labels outside 0..num_classes−1, train
+    and test samples of different shapes."""
+    if data.x_train.shape[1:] != data.x_test.shape[1:]:
+        raise ValueError(f"test: samples of shape {data.x_test.shape[1:]}, but train has {data.x_train.shape[1:]}")
     for split in ("train", "test"):
         x, y = getattr(data, f"x_{split}"), getattr(data, f"y_{split}")
         for axis, array in (("features", x), ("targets", y)):
-            if array.dtype.kind == "f" and not np.isfinite(array).all():
-                row = int(np.flatnonzero(~np.isfinite(array.reshape(array.shape[0], -1)).all(axis=1))[0])
-                raise ValueError(f"{split}: the {axis} hold NaN or inf (first in sample {row})")
+            if array.dtype.kind != "f":
+                continue
+            for start in range(0, array.shape[0], 4096):  # in chunks: no mask as large as the data
+                finite = np.isfinite(array[start : start + 4096].reshape(min(4096, array.shape[0] - start), -1))
+                if not finite.all():
+                    row = start + int(np.flatnonzero(~finite.all(axis=1))[0])
+                    raise ValueError(f"{split}: the {axis} hold NaN or inf (first in sample {row})")
         if data.num_classes is not None and y.size:
             bad = np.flatnonzero((y < 0) | (y >= data.num_classes))
             if bad.size:
@@ -384,6 +389,7 @@ def check_model(local: LocalModel, name: str, x: torch.Tensor, y: torch.Tensor, 
     the default cross-entropy) the model scores fewer classes than the labels have."""
     module = local.module
     was_training = module.training
+    module.eval()  # no batch statistics updated, no dropout drawn
     try:
         out = module(x)
     except Exception as err:
