@@ -436,7 +436,8 @@ def fingerprint(parts: Parts, module: nn.Module) -> dict[str, str]:
 
     spec, data = parts.model, parts.data
     shapes = [(n, tuple(p.shape)) for n, p in module.named_parameters()]
-    scoring = [getattr(f, "__qualname__", repr(f)) for f in (spec.loss, spec.penalty, spec.predict)]
+    # names, not reprs: a partial's or a callable object's repr can hold a memory address, new in every process
+    scoring = [getattr(f, "__qualname__", type(f).__qualname__) for f in (spec.loss, spec.penalty, spec.predict)]
     return {
         "model structure": digest(repr(module), shapes, scoring),
         "training data": digest(data.x_train.dtype, data.x_train.shape, data.x_train, data.y_train.dtype, data.y_train),
