@@ -446,7 +446,12 @@ def check_fingerprint(run_dir: str | Path, digests: dict[str, str]) -> None:
     changed = [key for key, value in digests.items() if key in stored and stored[key] != value]
     if changed:
         raise ValueError(
-            f"cannot resume {run_dir}: the {' and the '.join(changed)} {'differ' if len(changed) > 1 else 'differs'} "
-            f"from the run's (see {FINGERPRINT}); "
+            f"cannot resume {run_dir}: {_listed(['the ' + c for c in changed])} "
+            f"{'differ' if len(changed) > 1 else 'differs'} from the run's (see {FINGERPRINT}); "
             "resume with the same model, data and split, or start a new run"
         )
+
+
+def _listed(items: list[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"

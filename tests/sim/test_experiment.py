@@ -428,3 +428,41 @@ def test_the_cli_takes_the_run_options(tmp_path, capsys):
     assert metrics[0] == {"round": 0} and "train_loss" not in metrics[-1] and "test_acc" in metrics[-1]
     assert main(["run", "--batch-order", "sorted", "--rounds", "1", "--no-progress"]) == 2
     assert "batch_order must be one of reshuffle, fixed" in capsys.readouterr().err
+
+
+def test_the_cli_resume_refuses_changed_data_from_a_module_factory(tmp_path):
+    module = "from pyfedkern.data.datasets import load_dataset\n\n\ndef data():\n    return load_dataset('digits')\n"
+    (tmp_path / "resume_parts.py").write_text(module)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        config = dataclasses.replace(CONFIG, dataset="resume_parts:data", rounds=4, checkpoint_every=2)
+        full = Simulation(config).run()
+        sim = Simulation(config)
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("resume_parts", None)
+    original = sim.algorithm.round
+
+    def crash(t, ctx):
+        if t == 3:
+            raise KeyboardInterrupt
+        return original(t, ctx)
+
+    sim.algorithm.round = crash
+    with pytest.raises(KeyboardInterrupt):
+        sim.run(tmp_path / "run")
+
+    def resume():
+        command = [sys.executable, "-m", "pyfedkern", "run", "--resume", "--out", "run", "--no-progress"]
+        return subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+
+    changed = module.replace("load_dataset('digits')", "load_dataset('digits', split_seed=1)")
+    (tmp_path / "resume_parts.py").write_text(changed)
+    refused = resume()
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1
+    assert "the training data, the test data and the client split differ from the run's" in refused.stderr
+    (tmp_path / "resume_parts.py").write_text(module)
+    resumed = resume()
+    assert resumed.returncode == 0, resumed.stderr
+    stored = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert _numbers(stored) == _numbers(full)
