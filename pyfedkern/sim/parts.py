@@ -308,6 +308,8 @@ def split(
 
 def _client_lists(clients: Any, n: int, allow_overlap: bool) -> list[np.ndarray]:
     """Checked int64 index arrays of ``clients`` (index lists, or one client id per sample)."""
+    if isinstance(clients, (np.ndarray, torch.Tensor)) and clients.ndim == 2:  # equal-sized lists as rows
+        clients = list(clients)
     if (isinstance(clients, (np.ndarray, torch.Tensor)) and clients.ndim == 1) or (
         isinstance(clients, Sequence) and clients and all(isinstance(c, numbers.Integral) for c in clients)
     ):
