@@ -326,6 +326,7 @@ def _refused(error, match, *args, **kwargs):
         ({"batch_order": "random"}, "batch_order must be one of reshuffle, fixed"),
     ],
 )
+@pytest.mark.filterwarnings("ignore:Using a target size")  # mse_loss on class labels: the bad input checked here
 def test_bad_input_is_refused_naming_the_argument(kwargs, match):
     _refused(ValueError, match, **kwargs)
 
