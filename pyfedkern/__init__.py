@@ -10,4 +10,12 @@ from pyfedkern._runtime import build_info, cuda_available, get_num_threads, set_
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "build_info", "cuda_available", "get_num_threads", "set_num_threads"]
+__all__ = ["Experiment", "__version__", "build_info", "cuda_available", "get_num_threads", "set_num_threads"]
+
+
+def __getattr__(name: str) -> object:  # imported on first use: `import pyfedkern` stays light (the CLI's --help)
+    if name == "Experiment":
+        from pyfedkern.sim.experiment import Experiment
+
+        return Experiment
+    raise AttributeError(f"module 'pyfedkern' has no attribute {name!r}")

@@ -53,8 +53,8 @@ def _flag_or_auto(text: str) -> bool | None:
 _DATASETS_HELP = (
     "digits (bundled) | synthetic:α,β[,N[,dim[,classes]]] (Li et al.'s synthetic(α,β): N clients, default 30, each "
     "with its own model; dim 60, 10 classes by default) | synthetic-iid[:N[,dim[,classes]]] (one model for all N "
-    "clients) | quadratic:m,d | mnist | cifar10 (from --data-root). With --partition natural --clients N each "
-    "client holds its own samples"
+    "clients) | quadratic:m,d | mnist | cifar10 | leaf (LEAF's JSON files; from --data-root) | your "
+    "package.module:factory. With --partition natural --clients N each client holds its own samples"
 )
 _PARTITIONS_HELP = (
     "iid | dirichlet:α | dirichlet-equal:α (equal sizes) | shards:k | quantity:α | noise:σ (IID plus input noise) | "
@@ -68,7 +68,7 @@ _COMMON = [
     ("normalize", "--normalize", str, "none | unit | standard (per-channel, train statistics)"),
     ("partition", "--partition", str, _PARTITIONS_HELP),
     ("clients", "--clients", int, "number of clients"),
-    ("model", "--model", str, "svm | logreg | mlp | cnn | resnet18 | quadratic"),
+    ("model", "--model", str, "svm | logreg | mlp | cnn | resnet18 | quadratic, or your package.module:factory"),
     ("rounds", "--rounds", int, "communication rounds"),
     ("fraction", "--fraction", float, "fraction of clients sampled each round, in (0, 1]"),
     ("batch_size", "--batch-size", int, "local minibatch size"),
@@ -79,6 +79,11 @@ _COMMON = [
     ("momentum", "--momentum", float, "local SGD momentum"),
     ("weight_decay", "--weight-decay", float, "local weight decay"),
     ("eval_every", "--eval-every", int, "evaluate the global model every n rounds"),
+    ("eval_initial", "--eval-initial", _flag, "evaluate the initial model (round 0)"),
+    ("eval_test_max", "--eval-test-max", int, "evaluate on at most n test samples (a fixed seeded subset)"),
+    ("eval_train_max", "--eval-train-max", int, "measure train loss on at most n training samples (0: skip)"),
+    ("sample_with_replacement", "--sample-with-replacement", _flag, "draw each round's clients with replacement"),
+    ("batch_order", "--batch-order", str, "reshuffle | fixed (each client keeps one batch order across rounds)"),
     ("seed", "--seed", int, "random seed (data split, sampling, init)"),
     ("device", "--device", str, "cpu | cuda | cuda:N"),
     ("checkpoint_every", "--checkpoint-every", int, "save a checkpoint every n rounds"),
@@ -547,6 +552,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     args.flags = {token.partition("=")[0] for token in argv if token.startswith("--")}  # the options given
     args.argv = argv
+    if args.command in ("run", "compare") and "" not in sys.path:
+        sys.path.insert(0, "")  # --model/--dataset package.module:factory import from the working directory
     try:
         with warnings.catch_warnings():
             warnings.showwarning = _one_line_warnings(args.command)

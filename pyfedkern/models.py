@@ -1,11 +1,11 @@
-"""Models for simulations: ``build_model(name, input_shape, num_classes, **kwargs)``.
+"""Models for simulations: ``build_model(name, input_shape, num_classes, **kwargs)``, and :func:`builtin`, the same
+models as :class:`ModelSpec` (a factory plus how to score its outputs), the form the engine takes any model in.
 
 Inputs are batches [B, *input_shape]; classifiers return logits/scores [B, num_classes] (the binary SVM: [B, 1]).
 Every classifier exposes ``features(x)`` (the penultimate representation, [B, F]) and ``classifier`` (the last
-layer), so ``model(x) == model.classifier(model.features(x))``. Beyond plain modules, a model may define
-``loss(output, target)``, ``penalty()``, ``predict(output)`` and ``has_accuracy`` (see
-:class:`~pyfedkern.algorithms.LocalModel`), and ``layer_chain()``: its layers in order when the model is exactly
-their composition (batched local training then uses a hand-written backward for Flatten/Linear/ReLU chains).
+layer), so ``model(x) == model.classifier(model.features(x))``. A model may define ``layer_chain()``: its layers in
+order when the model is exactly their composition (batched local training then uses a hand-written backward for
+Flatten/Linear/ReLU chains). Losses are never looked up on the model: a :class:`ModelSpec` names them.
 
 - ``svm`` (l2=0.1, bias=False): BHerd's squared-hinge SVM (Wang et al. JSAC'19), zero-initialised.
 - ``logreg``: one linear layer (cross-entropy).
@@ -28,6 +28,8 @@ import inspect
 import math
 import numbers
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -35,19 +37,13 @@ from torch import nn
 
 
 class SquaredHingeSVM(nn.Module):
-    """Linear SVM f(x) = w·flatten(x) (+ b) with the squared hinge loss of BHerd's reference code.
-
-    Binary (num_classes = 2): one score; class 0 ↔ +1 and class 1 ↔ −1 (with parity labels: even = +1, odd = −1),
-    loss ½·mean(max(0, 1 − y·f)²), prediction class 0 when f ≥ 0. More classes: one-vs-rest, C scores, loss
-    ½·mean over samples of Σ_c max(0, 1 − y_c·f_c)² with y_c = +1 for the true class and −1 otherwise, argmax
-    prediction. ``penalty()`` = (l2/2)·‖w‖² (the bias is not penalised).
-    """
+    """Linear SVM f(x) = w·flatten(x) (+ b), trained with :func:`squared_hinge_loss` + :func:`svm_penalty` and
+    predicting with :func:`hinge_predict` (the ``svm`` :func:`builtin`); ``l2`` is the penalty's λ."""
 
     def __init__(self, in_features: int, num_classes: int, *, l2: float, bias: bool) -> None:
         super().__init__()
-        self.binary = num_classes == 2
         self.l2 = l2
-        self.classifier = nn.Linear(in_features, 1 if self.binary else num_classes, bias=bias)
+        self.classifier = nn.Linear(in_features, 1 if num_classes == 2 else num_classes, bias=bias)
         nn.init.zeros_(self.classifier.weight)
         if bias:
             nn.init.zeros_(self.classifier.bias)
@@ -58,20 +54,28 @@ class SquaredHingeSVM(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.features(x))
 
-    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        if self.binary:
-            sign = 1.0 - 2.0 * target.to(output.dtype)
-            return 0.5 * F.relu(1.0 - sign * output[:, 0]).square().mean()
-        signs = 2.0 * F.one_hot(target, output.shape[1]).to(output.dtype) - 1.0
-        return 0.5 * F.relu(1.0 - signs * output).square().sum(dim=1).mean()
 
-    def penalty(self) -> torch.Tensor:
-        return 0.5 * self.l2 * self.classifier.weight.square().sum()
+def squared_hinge_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """BHerd's squared hinge loss of SVM scores. One score [B, 1] (binary): class 0 ↔ +1 and class 1 ↔ −1 (with
+    parity labels: even = +1, odd = −1), ½·mean(max(0, 1 − y·f)²). C scores [B, C]: one-vs-rest, ½·mean over samples
+    of Σ_c max(0, 1 − y_c·f_c)² with y_c = +1 for the true class and −1 otherwise."""
+    if output.shape[1] == 1:
+        sign = 1.0 - 2.0 * target.to(output.dtype)
+        return 0.5 * F.relu(1.0 - sign * output[:, 0]).square().mean()
+    signs = 2.0 * F.one_hot(target, output.shape[1]).to(output.dtype) - 1.0
+    return 0.5 * F.relu(1.0 - signs * output).square().sum(dim=1).mean()
 
-    def predict(self, output: torch.Tensor) -> torch.Tensor:
-        if self.binary:
-            return (output[:, 0] < 0).long()
-        return output.argmax(dim=1)
+
+def svm_penalty(model: SquaredHingeSVM) -> torch.Tensor:
+    """(l2/2)·‖w‖² of an SVM's weights (the bias is not penalised)."""
+    return 0.5 * model.l2 * model.classifier.weight.square().sum()
+
+
+def hinge_predict(output: torch.Tensor) -> torch.Tensor:
+    """The class of SVM scores: one score → class 0 when f ≥ 0, else 1; C scores → argmax."""
+    if output.shape[1] == 1:
+        return (output[:, 0] < 0).long()
+    return output.argmax(dim=1)
 
 
 class LogisticRegression(nn.Module):
@@ -200,21 +204,21 @@ class ResNet18(nn.Module):
 class Quadratic(nn.Module):
     """FedPBC's toy objective F_i(x) = ½‖x − u_i‖² with one parameter x ∈ R^d (initially 0).
 
-    forward returns the batch of targets u flattened to [B, d]; loss = mean over rows of ½‖x − u‖², whose gradient
-    is x − mean(u). No accuracy (``has_accuracy = False``).
+    forward(u) = x − u flattened to [B, d]; :func:`half_squared_norm` of it is the loss (mean over rows of
+    ½‖x − u‖², whose gradient is x − mean(u)). No accuracy.
     """
-
-    has_accuracy = False
 
     def __init__(self, dim: int) -> None:
         super().__init__()
         self.x = nn.Parameter(torch.zeros(dim))
 
     def forward(self, u: torch.Tensor) -> torch.Tensor:
-        return u.flatten(1)
+        return self.x - u.flatten(1)
 
-    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return 0.5 * (self.x - output).square().sum(dim=1).mean()
+
+def half_squared_norm(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean over rows of ½‖output‖² (``target`` unused): the ``quadratic`` model's loss."""
+    return 0.5 * output.square().sum(dim=1).mean()
 
 
 class SimpleCNN(nn.Module):
@@ -449,3 +453,39 @@ def build_model(name: str, input_shape: Sequence[int], num_classes: int, **kwarg
         allowed = ", ".join(accepted) if accepted else "none"
         raise ValueError(f"model {name!r}: unknown argument(s) {', '.join(unknown)}; accepted: {allowed}")
     return builder(shape, int(num_classes), **kwargs)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model as the engine takes it: how to build it and how to score its outputs.
+
+    Attributes:
+        factory: builds a fresh ``nn.Module``; called with the keywords it accepts among ``input_shape`` (one
+            sample's shape, a tuple) and ``num_classes`` (an int, or None for regression targets).
+        loss: ``loss(output, target)`` → the batch's mean loss, a scalar tensor (default: cross-entropy).
+        penalty: ``penalty(model)`` → a scalar tensor added to the training objective (None: nothing).
+        predict: ``predict(output)`` → int64 [B] predicted classes (None: argmax over dim 1).
+        has_accuracy: whether accuracy is measured (only for integer class targets in any case).
+        name: shown in config.json and logs.
+    """
+
+    factory: Callable[..., nn.Module]
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy
+    penalty: Callable[[nn.Module], torch.Tensor] | None = None
+    predict: Callable[[torch.Tensor], torch.Tensor] | None = None
+    has_accuracy: bool = True
+    name: str = "model"
+
+
+_SCORING: dict[str, dict[str, object]] = {
+    "svm": {"loss": squared_hinge_loss, "penalty": svm_penalty, "predict": hinge_predict},
+    "quadratic": {"loss": half_squared_norm, "has_accuracy": False},
+}
+
+
+def builtin(name: str, **kwargs: object) -> ModelSpec:
+    """Model ``name`` as a :class:`ModelSpec`: its factory is ``build_model(name, input_shape, num_classes,
+    **kwargs)`` (kwargs are checked when it builds), with the model's own loss, penalty and prediction."""
+    if name not in _BUILDERS:
+        raise ValueError(f"unknown model {name!r}; valid choices: {', '.join(sorted(MODELS))}")
+    return ModelSpec(factory=partial(build_model, name, **kwargs), name=name, **_SCORING.get(name, {}))

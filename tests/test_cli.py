@@ -175,7 +175,7 @@ def test_bench_prints_speedups_over_the_peers(capsys, monkeypatch):
     ("argv", "message"),
     [
         (["run", "--algorithm", "nope", *FAST], "unknown algorithm 'nope'; valid choices: "),
-        (["run", "--dataset", "nope", *FAST], "unknown dataset 'nope'; valid choices: cifar10, digits, mnist"),
+        (["run", "--dataset", "nope", *FAST], "unknown dataset 'nope'; valid choices: cifar10, digits, leaf, mnist"),
         (["run", *FAST, "--partition", "nope"], "unknown partition 'nope'; valid choices: bherd1,"),
         (["run", "--model", "nope", "--rounds", "1"], "unknown model 'nope'; valid choices: cnn, logreg, lstm, mlp"),
         (["compare", "--algorithms", "fedavg,nope", *FAST, "--out", "x"], "unknown algorithm 'nope'; valid choices"),

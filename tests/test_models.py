@@ -8,7 +8,7 @@ import torch
 
 from pyfedkern.algorithms import LocalModel
 from pyfedkern.data.datasets import load_dataset
-from pyfedkern.models import MODELS, build_model
+from pyfedkern.models import MODELS, build_model, builtin, hinge_predict, squared_hinge_loss, svm_penalty
 
 SHAPES = {"digits": (1, 8, 8), "mnist": (1, 28, 28), "cifar": (3, 32, 32)}
 
@@ -24,6 +24,12 @@ def _one_thread():
 
 def _count(module: torch.nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
+
+
+def _local(model: torch.nn.Module, name: str) -> LocalModel:
+    """``model`` with the loss, penalty and prediction of built-in ``name``."""
+    spec = builtin(name)
+    return LocalModel(model, loss=spec.loss, penalty=spec.penalty, predict=spec.predict, has_accuracy=spec.has_accuracy)
 
 
 def test_names():
@@ -173,10 +179,10 @@ def test_svm_binary_loss_penalty_predict():
     f = model(x)
     torch.testing.assert_close(f[:, 0], torch.tensor([1.0, -0.5, -2.0, 2.0]))
     # margins y·f = 1, −0.5, 2, −2 → hinges 0, 1.5, 0, 3 → ½·mean(0 + 2.25 + 0 + 9) = 1.40625
-    torch.testing.assert_close(model.loss(f, y), torch.tensor(1.40625))
-    torch.testing.assert_close(model.penalty(), torch.tensor(0.5 * 0.5 * 5.0))
-    assert model.predict(f).tolist() == [0, 1, 1, 0]
-    local = LocalModel(model)
+    torch.testing.assert_close(squared_hinge_loss(f, y), torch.tensor(1.40625))
+    torch.testing.assert_close(svm_penalty(model), torch.tensor(0.5 * 0.5 * 5.0))
+    assert hinge_predict(f).tolist() == [0, 1, 1, 0]
+    local = _local(model, "svm")
     torch.testing.assert_close(local.objective(f, y), torch.tensor(1.40625 + 1.25))
     assert build_model("svm", (2,), 2).l2 == 0.1  # BHerd's λ
 
@@ -188,7 +194,7 @@ def test_svm_binary_gradient_matches_closed_form():
         model.classifier.weight.copy_(w[None])
     x = torch.tensor([[1.0, 2.0, 0.0], [0.0, 1.0, 1.0], [2.0, 0.0, -1.0]])
     y = torch.tensor([0, 1, 1])
-    local = LocalModel(model)
+    local = _local(model, "svm")
     local.loss_and_grad(x, y)
     sign = torch.tensor([1.0, -1.0, -1.0])
     slack = torch.clamp(1 - sign * (x @ w), min=0)
@@ -204,8 +210,8 @@ def test_svm_multiclass_one_vs_rest():
     y = torch.tensor([0, 2])
     f = model(x)  # [[2, 0, −2], [0, 0.5, −0.5]]
     # sample 0 (class 0): margins 2, 0, 2 → hinges 0, 1, 0; sample 1 (class 2): margins 0, −0.5, −0.5 → 1, 1.5, 1.5
-    torch.testing.assert_close(model.loss(f, y), torch.tensor(0.5 * (1.0 + 5.5) / 2))
-    assert model.predict(f).tolist() == [0, 1]
+    torch.testing.assert_close(squared_hinge_loss(f, y), torch.tensor(0.5 * (1.0 + 5.5) / 2))
+    assert hinge_predict(f).tolist() == [0, 1]
 
 
 # quadratic ------------------------------------------------------------------------------------------------------
@@ -214,8 +220,8 @@ def test_svm_multiclass_one_vs_rest():
 def test_quadratic_exact_gradient():
     data = load_dataset("quadratic:6,4", split_seed=1)
     model = build_model("quadratic", data.input_shape, data.num_classes)
-    assert model.has_accuracy is False
-    local = LocalModel(model)
+    assert builtin("quadratic").has_accuracy is False
+    local = _local(model, "quadratic")
     x = torch.tensor([0.5, -1.0, 2.0, 0.0])
     local.load_(x)
     u = torch.as_tensor(data.x_train)

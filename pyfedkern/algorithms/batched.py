@@ -13,7 +13,7 @@ Gradients:
 - models that are a chain of Flatten / Linear / ReLU layers under cross-entropy (an ``nn.Sequential`` of them, or
   a model whose ``layer_chain()`` lists them, like the engine's ``mlp`` and ``logreg``) skip autograd: their
   forward and backward for all k clients are a few batched matmuls (:class:`LinearChainGradients`);
-- any other model without buffers (CNNs, ResNets with GroupNorm, models with their own ``loss``/``penalty``) uses
+- any other model without buffers (CNNs, ResNets with GroupNorm, models with another loss or a penalty) uses
   ``torch.func``: ``vmap(grad(objective))`` over (parameters, batch) pairs, each client's parameters views of its
   row;
 - models with buffers (BatchNorm running statistics) cannot be vmapped this way: :func:`use_batched` is False for
@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 from torch.nn.utils.rnn import pad_sequence
@@ -56,7 +57,7 @@ logger = logging.getLogger("pyfedkern")
 
 
 class _Objective(nn.Module):
-    """forward(x, y[, w][, soft]) = the local training objective, so that loss() and penalty() see the swapped
+    """forward(x, y[, w][, soft]) = the local training objective, so that the loss and penalty see the swapped
     parameters; with ``soft`` (teacher log-probabilities [B, C]) plus ``kd_weight``·KL(teacher ‖ model)."""
 
     def __init__(self, local: LocalModel) -> None:
@@ -75,9 +76,8 @@ class _Objective(nn.Module):
         else:
             # Σ_j wb[j]·loss(sample j) + penalty: one forward of the whole (padded) batch, the loss per sample.
             per_sample = vmap(lambda o, y: local.data_loss(o.unsqueeze(0), y.unsqueeze(0)))(out, yb)
-            penalty = getattr(self.model, "penalty", None)
             total = (per_sample * wb).sum()
-            total = total + penalty() if penalty is not None else total
+            total = total + local.penalty(self.model) if local.penalty is not None else total
         if soft is not None:
             kl = (soft.exp() * (soft - torch.log_softmax(out, dim=1))).sum(1)  # KL per sample
             total = total + self.kd_weight * (kl.mean() if wb is None else (kl * wb).sum())
@@ -151,7 +151,7 @@ class LinearChainGradients:
         """The chain of ``local``'s module when this class computes its objective (plain cross-entropy, every
         parameter in the chain's Linear layers, each layer used once), else None."""
         module = local.module
-        if any(hasattr(module, hook) for hook in ("loss", "penalty")):
+        if local.loss is not F.cross_entropy or local.penalty is not None:
             return None
         layers = layer_chain(module)
         if layers is None:
@@ -293,11 +293,9 @@ class BatchedTrainer:
             leaves = [m for m in self.local.module.modules() if not list(m.children())]
             handles = [m.register_forward_hook(count) for m in leaves]
             try:
-                sample = sample.unsqueeze(0)
-                if sample.is_floating_point():
-                    sample = sample.to(self.local.flat.data.dtype)
+                batch = sample.unsqueeze(0)  # token ids stay integers
                 with torch.no_grad():
-                    self.local.module(sample)
+                    self.local.module(batch.to(self.local.flat.data.dtype) if batch.is_floating_point() else batch)
             finally:
                 for h in handles:
                     h.remove()

@@ -1,13 +1,14 @@
 """LocalModel: one torch model bound to flat parameter/gradient buffers, with its training loss.
 
 Simulated clients share one LocalModel: a client's model is loaded into ``flat.data`` ([d]), trained in place and
-read back out. Models may define ``loss(output, target)``, ``penalty()`` (a parameter regulariser added to the
-objective), ``predict(output)`` and ``has_accuracy``; plain modules get cross-entropy and argmax.
+read back out. Its loss, penalty, prediction and whether accuracy is measured are given explicitly (nothing is
+looked up on the module): cross-entropy, none, argmax and True unless said otherwise.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -19,39 +20,44 @@ from pyfedkern.flat import FlatParameters
 class LocalModel:
     """A module whose parameters and gradients are views of flat [d] buffers ``flat.data`` / ``flat.grad``."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
+        penalty: Callable[[nn.Module], torch.Tensor] | None = None,
+        predict: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        has_accuracy: bool = True,
+    ) -> None:
+        """``loss(output, target)``: a batch's mean loss; ``penalty(module)``: a parameter regulariser added to the
+        training objective; ``predict(output)``: int64 [B] classes (None: argmax over dim 1)."""
         self.module = module
         self.flat = FlatParameters(module)
+        self.loss = loss
+        self.penalty = penalty
+        self._predict = predict
+        self.has_accuracy = has_accuracy
 
     @property
     def dim(self) -> int:
         """d, the number of trainable parameters."""
         return self.flat.size
 
-    @property
-    def has_accuracy(self) -> bool:
-        """Whether the model's outputs are class scores that an accuracy can be computed from."""
-        return bool(getattr(self.module, "has_accuracy", True))
-
     def load_(self, vector: torch.Tensor) -> None:
         """Make the model's parameters equal to a flat [d] vector."""
         self.flat.load_(vector)
 
     def data_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """Mean loss of a batch's outputs (the model's own ``loss`` or cross-entropy)."""
-        loss_fn = getattr(self.module, "loss", None)
-        return loss_fn(output, target) if loss_fn is not None else F.cross_entropy(output, target)
+        """Mean loss of a batch's outputs."""
+        return self.loss(output, target)
 
     def objective(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """Training objective: data loss plus the model's ``penalty()`` if it has one."""
+        """Training objective: data loss plus the penalty if there is one."""
         loss = self.data_loss(output, target)
-        penalty = getattr(self.module, "penalty", None)
-        return loss + penalty() if penalty is not None else loss
+        return loss + self.penalty(self.module) if self.penalty is not None else loss
 
     def predict(self, output: torch.Tensor) -> torch.Tensor:
-        """Predicted labels [B] from a batch's outputs (the model's own ``predict``, else the argmax)."""
-        predict_fn = getattr(self.module, "predict", None)
-        return predict_fn(output) if predict_fn is not None else output.argmax(dim=1)
+        return self._predict(output) if self._predict is not None else output.argmax(dim=1)
 
     def loss_and_grad(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """Set ``flat.grad`` to the gradient of the objective on one batch; return the objective's value."""
@@ -80,6 +86,5 @@ class LocalModel:
             total += float(self.data_loss(out, yb)) * xb.shape[0]
             if self.has_accuracy:
                 correct += int((self.predict(out) == yb).sum())
-        penalty = getattr(self.module, "penalty", None)
-        loss = total / x.shape[0] + (float(penalty()) if penalty is not None else 0.0)
+        loss = total / x.shape[0] + (float(self.penalty(self.module)) if self.penalty is not None else 0.0)
         return loss, (correct / x.shape[0] if self.has_accuracy else math.nan)

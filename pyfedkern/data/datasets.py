@@ -7,6 +7,8 @@
   model fits them all, however many there are.
 - ``mnist`` / ``cifar10``: read from files you download (``root``); nothing is fetched from the network.
 - ``quadratic:m,d``: FedPBC's toy problem F_i(x) = ½‖x − u_i‖² (not a real dataset; see :func:`load_dataset`).
+- ``leaf``: a LEAF dataset (FEMNIST, Shakespeare, Sent140) from the JSON files in ``root``, with its natural clients
+  (:mod:`pyfedkern.data.leaf`).
 
 Normalisation (``normalize``): ``"standard"`` subtracts the training set's mean and divides by its std (per feature
 for digits/synthetic, per channel for MNIST/CIFAR-10), applied to train and test alike; ``"unit"`` scales pixels to
@@ -27,19 +29,21 @@ import numpy as np
 
 from pyfedkern.data.spec import parse_spec
 
-DATASETS = ("digits", "synthetic", "synthetic-iid", "mnist", "cifar10", "quadratic")
+DATASETS = ("digits", "synthetic", "synthetic-iid", "mnist", "cifar10", "quadratic", "leaf")
 NORMALIZATIONS = ("standard", "unit", "none")
 
 MNIST_URL = "http://yann.lecun.com/exdb/mnist/"
 CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar.html"
+LEAF_URL = "https://github.com/TalwalkarLab/leaf"
 
 
 @dataclass
 class Dataset:
-    """A train/test split. x: float32 [n, *input_shape]; y: int64 [n] in [0, num_classes).
+    """A train/test split. x: [n, *input_shape] (float32 features, or int64 tokens); y: int64 [n] class labels in
+    [0, num_classes), or float regression targets [n, ...] with num_classes None.
 
     ``normalization`` describes what was applied to x. ``client_ids`` (int64 [n_train]) names the natural client
-    of each training sample for datasets that have them (synthetic, synthetic-iid, quadratic), else None.
+    of each training sample for datasets that have them (synthetic, synthetic-iid, quadratic, LEAF), else None.
     """
 
     name: str
@@ -47,7 +51,7 @@ class Dataset:
     y_train: np.ndarray
     x_test: np.ndarray
     y_test: np.ndarray
-    num_classes: int
+    num_classes: int | None
     input_shape: tuple[int, ...]
     normalization: str
     client_ids: np.ndarray | None = None
@@ -80,6 +84,10 @@ def load_dataset(
     _no_arguments(name, args, spec)
     if name == "digits":
         return _digits(normalize, int(split_seed))
+    if name == "leaf":
+        from pyfedkern.data.leaf import load_leaf
+
+        return load_leaf(_require_root(root, "leaf", "train/ and test/ folders of LEAF *.json files", LEAF_URL))
     if name == "mnist":
         return _mnist(root, normalize)
     return _cifar10(root, normalize)

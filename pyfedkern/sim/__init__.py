@@ -1,5 +1,7 @@
 """The simulator: one process runs every client of an FL experiment, round by round.
 
+- :class:`Experiment` runs an experiment from your own parts (a model or factory, arrays, tensors or a Dataset,
+  clients as index lists or a partition spec).
 - :class:`ExperimentConfig` says what to run (dataset, partition, model, algorithm, rounds, ...); it is saved as a
   run directory's ``config.json``.
 - :class:`Simulation` builds the data, the partition and the model from a config and runs the rounds;
@@ -9,8 +11,8 @@
   :func:`read_metrics`, :func:`summarize`, :func:`plot_curves` and :func:`summary_table` read, condense, plot and
   tabulate the results.
 
-The names are imported from the submodules (``pyfedkern.sim.config``, ``.engine``, ``.compare``, ``.results``,
-``.plots``) on first use, so that ``import pyfedkern.sim.config`` stays cheap (no torch).
+The names are imported from the submodules (``pyfedkern.sim.config``, ``.experiment``, ``.engine``, ``.compare``,
+``.results``, ``.plots``) on first use, so that ``import pyfedkern.sim.config`` stays cheap (no torch).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import importlib
 from typing import Any
 
 _SOURCES = {
+    "Experiment": "experiment",
     "ExperimentConfig": "config",
     "Simulation": "engine",
     "load_config": "engine",

@@ -22,6 +22,8 @@ DEVICE = re.compile(r"cpu|cuda(:[0-9]+)?")
 INT64_MAX = 2**63 - 1  # the largest count or seed (they become int64 in NumPy, torch and the C++ ops)
 #: Copies of the model a run holds at the least (the model, the global model, a client's model and its gradient).
 MODEL_COPIES = 4
+BATCH_ORDERS = ("reshuffle", "fixed")
+_DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 
 
 @dataclass
@@ -39,6 +41,14 @@ class ExperimentConfig:
     (:func:`~pyfedkern.algorithms.batched.choose_path`). client_chunk: train at most this many participants at
     once (None: as many as fit a share of the free memory; chunking changes only the order of the server's sums).
     dtype: of the model parameters and the float data, "float32" or "float64".
+
+    model and dataset: a built-in name, or a ``package.module:factory`` reference (see docs/experiments.md); runs
+    from Python objects (:class:`~pyfedkern.sim.experiment.Experiment`) store their names here. eval_initial: evaluate
+    the initial model (round 0). eval_test_max: evaluate on at most this many test samples (a fixed seeded subset;
+    None: all). eval_train_max: 0 skips the train-set evaluation. sample_with_replacement: draw each round's
+    clients with replacement (a client drawn twice trains twice and counts twice). batch_order: "reshuffle" (a new
+    order each epoch, unless the algorithm asks for a fixed one) or "fixed" (each client keeps one batch order
+    across rounds, pfl's default).
     """
 
     algorithm: str = "fedavg"
@@ -69,17 +79,41 @@ class ExperimentConfig:
     batched: bool | None = None
     client_chunk: int | None = None
     dtype: str = "float32"
+    eval_initial: bool = True
+    eval_test_max: int | None = None
+    sample_with_replacement: bool = False
+    batch_order: str = "reshuffle"
 
     def validate(self) -> None:
         """Raise ValueError for invalid settings, before any work starts (no data is loaded).
 
         More clients than training samples is caught here for datasets whose size is known without loading them
-        (digits, synthetic, quadratic), and otherwise by :class:`~pyfedkern.sim.engine.Simulation` right after loading.
+        (digits, synthetic, quadratic), and otherwise by :class:`Simulation` right after loading. A
+        ``module:factory`` model or dataset is imported only when the simulation is built.
         """
-
         from pyfedkern import models
-        from pyfedkern.algorithms import make_algorithm
         from pyfedkern.data import datasets, partitions
+
+        self.validate_settings()
+        if not is_reference(self.dataset):
+            if self.normalize not in datasets.NORMALIZATIONS:
+                raise ValueError(
+                    f"normalize must be one of {', '.join(datasets.NORMALIZATIONS)}, got {self.normalize!r}"
+                )
+            samples = datasets.train_size(self.dataset)
+            if samples is not None:
+                check_client_count(self.clients, samples, self.dataset)
+        partitions.parse_partition(self.partition, self.clients)
+        if not is_reference(self.model) and self.model not in models.MODELS:
+            raise ValueError(
+                f"unknown model {self.model!r}; valid choices: {', '.join(sorted(models.MODELS))}, "
+                "or package.module:factory"
+            )
+
+    def validate_settings(self) -> None:
+        """Raise ValueError for invalid run settings (everything but the model, the dataset and its split, which
+        a run from Python objects gives itself)."""
+        from pyfedkern.algorithms import make_algorithm
 
         def positive_int(name: str, value: Any) -> None:
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= INT64_MAX:
@@ -96,15 +130,22 @@ class ExperimentConfig:
         for name in ("algorithm_params", "model_params"):
             if not isinstance(getattr(self, name), dict):
                 raise ValueError(f"{name} must be a dict, got {getattr(self, name)!r}")
-        if not isinstance(self.parity, bool):
-            raise ValueError(f"parity must be true or false, got {self.parity!r}")
+        for name in ("parity", "eval_initial", "sample_with_replacement"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.batched is not None and not isinstance(self.batched, bool):
             raise ValueError(f"batched must be true, false or None (the engine chooses), got {self.batched!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        for name in ("clients", "rounds", "batch_size", "eval_every", "checkpoint_every", "eval_train_max"):
+        for name in ("clients", "rounds", "batch_size", "eval_every", "checkpoint_every"):
             positive_int(name, getattr(self, name))
-        for name in ("local_steps", "threads", "client_chunk"):
+        if isinstance(self.eval_train_max, bool) or not isinstance(self.eval_train_max, int) or self.eval_train_max < 0:
+            raise ValueError(
+                f"eval_train_max must be an integer >= 0 (0: no train-set evaluation), got {self.eval_train_max!r}"
+            )
+        if self.batch_order not in BATCH_ORDERS:
+            raise ValueError(f"batch_order must be one of {', '.join(BATCH_ORDERS)}, got {self.batch_order!r}")
+        for name in ("local_steps", "threads", "client_chunk", "eval_test_max"):
             if getattr(self, name) is not None:
                 positive_int(name, getattr(self, name))
         if isinstance(self.seed, bool) or not (isinstance(self.seed, int) and 0 <= self.seed <= INT64_MAX):
@@ -122,14 +163,6 @@ class ExperimentConfig:
         parse_lr_schedule(self.lr_schedule)
         if not DEVICE.fullmatch(self.device):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N' (N a GPU index), got {self.device!r}")
-        if self.normalize not in datasets.NORMALIZATIONS:
-            raise ValueError(f"normalize must be one of {', '.join(datasets.NORMALIZATIONS)}, got {self.normalize!r}")
-        samples = datasets.train_size(self.dataset)
-        partitions.parse_partition(self.partition, self.clients)
-        if samples is not None:
-            check_client_count(self.clients, samples, self.dataset)
-        if self.model not in models.MODELS:
-            raise ValueError(f"unknown model {self.model!r}; valid choices: {', '.join(sorted(models.MODELS))}")
         make_algorithm(self.algorithm, **self.algorithm_params)
 
     def to_dict(self) -> dict[str, Any]:
@@ -143,6 +176,13 @@ class ExperimentConfig:
         if unknown:
             raise ValueError(f"unknown config field(s): {', '.join(unknown)}")
         return cls(**data)
+
+
+def is_reference(name: str) -> bool:
+    """Whether a model or dataset name is a ``package.module:factory`` reference, not a built-in (``cnn``,
+    ``synthetic:1,1``)."""
+    module, sep, attr = name.partition(":")
+    return bool(sep) and _DOTTED.fullmatch(module) is not None and _DOTTED.fullmatch(attr) is not None
 
 
 def check_client_count(clients: int, samples: int, dataset: str) -> None:

@@ -25,14 +25,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from pyfedkern import models
 from pyfedkern.algorithms import Algorithm, LocalModel, make_algorithm
 from pyfedkern.algorithms.batched import can_batch, choose_path, free_memory, padding_weights
-from pyfedkern.data import datasets, partitions
 from pyfedkern.ops import seeded_permutations
 from pyfedkern.sim.config import (
     ExperimentConfig,
-    check_client_count,
     check_data_memory,
     check_device,
     check_local_work,
@@ -41,18 +38,21 @@ from pyfedkern.sim.config import (
     parse_lr_schedule,
 )
 from pyfedkern.sim.distributed import Team, local_world_size
+from pyfedkern.sim.parts import Parts, build_module, check_model, fingerprint, parts_from_config
 from pyfedkern.sim.results import (
     RESUME_FREE_FIELDS,
     ResumePoint,
     RunWriter,
+    check_fingerprint,
     config_differences,
     is_finished,
     read_config,
     read_metrics,
+    write_fingerprint,
 )
 
 # Purposes of the random streams (first key after the seed).
-_SAMPLE, _BATCH, _FIXED_ORDER, _NOISE, _PUBLIC, _EVAL_SUBSET = 1, 2, 3, 4, 5, 6
+_SAMPLE, _BATCH, _FIXED_ORDER, _NOISE, _PUBLIC, _EVAL_SUBSET = 1, 2, 3, 4, 5, 6  # _PUBLIC: sim.parts
 logger = logging.getLogger("pyfedkern")
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -60,8 +60,15 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64}
 class Simulation:
     """Builds an experiment from its config and runs it; implements :class:`~pyfedkern.algorithms.FLContext`."""
 
-    def __init__(self, config: ExperimentConfig, algorithm: Algorithm | None = None) -> None:
-        config.validate()
+    def __init__(
+        self, config: ExperimentConfig, algorithm: Algorithm | None = None, parts: Parts | None = None
+    ) -> None:
+        """Without ``parts``, the model and data the config names (:func:`~pyfedkern.sim.parts.parts_from_config`);
+        with them (the user's own, :class:`~pyfedkern.sim.experiment.Experiment`), the config's run settings."""
+        if parts is None:
+            config.validate()
+        else:
+            config.validate_settings()
         check_device(config.device)
         check_threads(config.threads)
         check_data_memory(config, free_memory(torch.device("cpu")))  # before the data is made
@@ -76,32 +83,14 @@ class Simulation:
         self.weight_decay = config.weight_decay
         self._lr_schedule = parse_lr_schedule(config.lr_schedule)
         self.algorithm = algorithm or make_algorithm(config.algorithm, **config.algorithm_params)
-
-        data = datasets.load_dataset(config.dataset, config.data_root, normalize=config.normalize)
-        # Partitions follow the original classes, also for the parity task.
-        split_labels, split_classes = data.y_train, data.num_classes
-        if config.parity:
-            data = datasets.to_parity(data)
-        self.data = data
-        train_idx = np.arange(len(data.y_train))
-        public_idx = self._carve_public(data.y_train, data.num_classes)
-        if public_idx.size:
-            train_idx = np.setdiff1d(train_idx, public_idx)
-        check_client_count(config.clients, train_idx.size, config.dataset)
-        self.partition = partitions.make_partition(
-            config.partition,
-            split_labels[train_idx],
-            config.clients,
-            seed=config.seed,
-            num_classes=split_classes,
-            client_ids=None if data.client_ids is None else data.client_ids[train_idx],
-        )
+        if parts is None:
+            parts = parts_from_config(config, int(getattr(self.algorithm, "public_per_class", 0)))
+        self.parts = parts
+        self.data = data = parts.data
+        self.partition = parts.partition
         self.num_clients = self.partition.num_clients
-        self.client_indices = [train_idx[ix] for ix in self.partition.client_indices]
+        self.client_indices = self.partition.client_indices
         self.client_sizes = np.array([len(ix) for ix in self.client_indices], dtype=np.int64)
-        if np.any(self.client_sizes == 0):
-            empty = np.flatnonzero(self.client_sizes == 0).tolist()
-            raise ValueError(f"partition {config.partition!r} left clients {empty} without data; use fewer clients")
         check_local_work(config, self.client_sizes, free_memory(torch.device("cpu")))  # plans are made on the host
 
         x_train, y_train = self._tensor(data.x_train), self._tensor(data.y_train)
@@ -113,9 +102,12 @@ class Simulation:
         spans = list(zip(self._client_offsets[:-1].tolist(), self._client_offsets[1:].tolist(), strict=True))
         self.client_x = [self._all_x[a:b] for a, b in spans]
         self.client_y = [self._all_y[a:b] for a, b in spans]
-        self.public_x, self.public_y = x_train[public_idx], y_train[public_idx]
+        self.public_x, self.public_y = x_train[parts.public], y_train[parts.public]
         self.noise_std = self.partition.noise_std
         self.x_test, self.y_test = self._tensor(data.x_test), self._tensor(data.y_test)
+        if config.eval_test_max is not None and len(data.y_test) > config.eval_test_max:
+            keep = np.sort(self.rng(_EVAL_SUBSET, 1).choice(len(data.y_test), config.eval_test_max, replace=False))
+            self.x_test, self.y_test = self.x_test[keep], self.y_test[keep]
         eval_idx = np.arange(len(data.y_train))
         if eval_idx.size > config.eval_train_max:
             eval_idx = np.sort(self.rng(_EVAL_SUBSET).choice(eval_idx, config.eval_train_max, replace=False))
@@ -127,9 +119,16 @@ class Simulation:
 
         check_model_memory(config, data.input_shape, data.num_classes, free_memory(self.device))
         torch.manual_seed(config.seed)
-        module = models.build_model(config.model, data.input_shape, data.num_classes, **config.model_params)
-        self.local = LocalModel(module.to(device=self.device, dtype=self.dtype))
+        spec = parts.model
+        module = build_module(spec, data).to(device=self.device, dtype=self.dtype)
+        has_accuracy = spec.has_accuracy and data.num_classes is not None
+        self.local = LocalModel(
+            module, loss=spec.loss, penalty=spec.penalty, predict=spec.predict, has_accuracy=has_accuracy
+        )
+        check_model(self.local, spec.name, self._all_x[:2], self._all_y[:2], data.num_classes)
         self.initial_vector = self.local.flat.data.detach().clone()
+        #: Digests of the model's structure, the data and the split, kept in the run directory (checked on resume).
+        self.fingerprint = fingerprint(parts, module)
         #: Batched training of each round's participants (FLContext.batched), in chunks of client_chunk; None until
         #: the engine's choice is made (see the ``batched`` property).
         self._batched = config.batched
@@ -139,7 +138,7 @@ class Simulation:
         if config.batched and not can_batch(self.local):
             logger.warning(
                 "model %r has buffers (e.g. BatchNorm statistics): its clients train one after another, not batched",
-                config.model,
+                spec.name,
             )
         self._timers: dict[str, float] = {}
         #: The ranks this run is spread over (FLContext.team; pyfedkern.sim.distributed): one process by default.
@@ -193,6 +192,8 @@ class Simulation:
         """Round t's participants: max(1, round(fraction·m)) active clients drawn without replacement, sorted."""
         pool = self.active_clients
         k = max(1, round(self.config.fraction * len(pool)))
+        if self.config.sample_with_replacement:
+            return np.sort(self.rng(_SAMPLE, t).choice(pool, size=k, replace=True))
         if k >= len(pool):
             return pool.copy()
         return np.sort(self.rng(_SAMPLE, t).choice(pool, size=k, replace=False))
@@ -273,6 +274,8 @@ class Simulation:
         """
         if order not in ("reshuffle", "fixed"):
             raise ValueError(f"order must be 'reshuffle' or 'fixed', got {order!r}")
+        if self.config.batch_order == "fixed":  # the run keeps every client's batch order across rounds
+            order = "fixed"
         clients = np.asarray(clients, dtype=np.int64).reshape(-1)
         n, size, counts = self._step_counts(clients, epochs, steps, drop_last, batch_size)
         per_epoch = n // size if drop_last else -(-n // size)  # every client holds data, so per_epoch >= 1
@@ -354,27 +357,11 @@ class Simulation:
         tensor = torch.as_tensor(array, device=self.device)
         return tensor.to(self.dtype) if tensor.is_floating_point() else tensor
 
-    # Data helpers for algorithms -------------------------------------------------------------------------
-
-    def _carve_public(self, labels: np.ndarray, num_classes: int) -> np.ndarray:
-        per_class = int(getattr(self.algorithm, "public_per_class", 0))
-        if per_class <= 0:
-            return np.zeros(0, dtype=np.int64)
-        rng = self.rng(_PUBLIC)
-        chosen = []
-        for c in range(num_classes):
-            pool = np.flatnonzero(labels == c)
-            if len(pool) < 2 * per_class:
-                raise ValueError(
-                    f"public set: class {c} has {len(pool)} training samples, too few to hold out {per_class}"
-                )
-            chosen.append(rng.choice(pool, per_class, replace=False))
-        return np.sort(np.concatenate(chosen))
-
     # Evaluation and the run loop -------------------------------------------------------------------------
 
     def evaluate(self, vector: torch.Tensor) -> dict[str, float]:
-        """Test loss/accuracy (restricted to ``eval_labels`` when set) and train loss of a global model."""
+        """Test loss/accuracy (restricted to ``eval_labels`` when set), the user's own test metrics (``test_<name>``)
+        and, unless ``eval_train_max`` is 0, train loss/accuracy of a global model."""
         x, y = self.x_test, self.y_test
         if self.eval_labels is not None:
             keep = torch.isin(y, torch.as_tensor(self.eval_labels, device=self.device))
@@ -384,13 +371,29 @@ class Simulation:
             return self.local.evaluate(vector, xs, ys)
 
         test_loss, test_acc = self.team.evaluate(evaluate, x, y)
-        train_loss, train_acc = self.team.evaluate(evaluate, self.x_eval_train, self.y_eval_train)
-        return {
-            "test_loss": test_loss,
-            "test_acc": test_acc,
-            "train_loss": train_loss,
-            "train_acc": train_acc,
-        }
+        result = {"test_loss": test_loss, "test_acc": test_acc}
+        if self.parts.evaluate is not None:
+            result.update(self._user_metrics(x, y))
+        if self.config.eval_train_max > 0:
+            train_loss, train_acc = self.team.evaluate(evaluate, self.x_eval_train, self.y_eval_train)
+            result.update(train_loss=train_loss, train_acc=train_acc)
+        return result
+
+    @torch.no_grad()
+    def _user_metrics(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
+        """The user's ``evaluate(model, x, y)`` of the model loaded in ``local`` (eval mode), as ``test_<name>``."""
+        module = self.local.module
+        module.eval()
+        metrics = self.parts.evaluate(module, x, y)
+        if not isinstance(metrics, dict):
+            raise TypeError(f"evaluate must return a dict of metric name → number, got {type(metrics).__name__}")
+        out = {}
+        for name, value in metrics.items():
+            try:
+                out[f"test_{name}"] = float(value)
+            except (TypeError, ValueError):
+                raise TypeError(f"evaluate: metric {name!r} is {value!r}, not a number") from None
+        return out
 
     def run(
         self, out_dir: str | Path | None = None, *, resume: bool = False, progress: bool = False
@@ -438,8 +441,11 @@ class Simulation:
         start = 0
         if recording and resume:
             start, metrics = self._resume(writer)
+        elif writer is not None:
+            write_fingerprint(writer.dir, self.fingerprint)
         if start == 0:  # a new run, or one interrupted before its first checkpoint
-            record = {"round": 0, **self._timed_evaluation(algo.global_model())}
+            evaluation = self._timed_evaluation(algo.global_model()) if cfg.eval_initial else {}
+            record = {"round": 0, **evaluation}
             metrics.append(record)
             if writer is not None:
                 writer.append_metrics(record)
@@ -488,6 +494,7 @@ class Simulation:
 
         def resume_point():
             point = writer.resume_point()  # everything checked before any file changes
+            check_fingerprint(writer.dir, self.fingerprint)
             check_workers_match(writer, point, team.size)
             return point, writer.start_from(point)
 

@@ -570,3 +570,37 @@ def summarize(metrics: list[dict[str, Any]], target: float | None = None) -> dic
 
 def _finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+FINGERPRINT = "fingerprint.json"
+
+
+def write_fingerprint(run_dir: str | Path, digests: dict[str, str]) -> None:
+    """Keep the digests of a run's model structure, data and split in ``run_dir``/fingerprint.json."""
+    _atomic_write(Path(run_dir) / FINGERPRINT, _json_bytes(digests, indent=2))
+
+
+def check_fingerprint(run_dir: str | Path, digests: dict[str, str]) -> None:
+    """ValueError naming what changed when ``digests`` differ from those kept in ``run_dir`` (a run without
+    fingerprint.json, or a digest it lacks, is not checked)."""
+    path = Path(run_dir) / FINGERPRINT
+    if not path.exists():
+        return
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"cannot resume {run_dir}: {path} is not readable JSON ({err})") from None
+    if not isinstance(stored, dict):
+        raise ValueError(f"cannot resume {run_dir}: {path} does not hold the run's digests")
+    changed = [key for key, value in digests.items() if key in stored and stored[key] != value]
+    if changed:
+        raise ValueError(
+            f"cannot resume {run_dir}: {_listed(['the ' + c for c in changed])} "
+            f"{'differ' if len(changed) > 1 else 'differs'} from the run's (see {FINGERPRINT}); "
+            "resume with the same model, data and split, or start a new run"
+        )
+
+
+def _listed(items: list[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"

@@ -19,7 +19,7 @@ def digits():
 
 
 def test_names():
-    assert set(datasets.DATASETS) == {"digits", "synthetic", "synthetic-iid", "mnist", "cifar10", "quadratic"}
+    assert set(datasets.DATASETS) == {"digits", "synthetic", "synthetic-iid", "mnist", "cifar10", "quadratic", "leaf"}
 
 
 def test_digits_split_and_standardisation(digits):

@@ -42,7 +42,7 @@ def _numbers(metrics):
         ({"local_epochs": float("inf")}, "local_epochs"),
         ({"weight_decay": -0.1}, "weight_decay"),
         ({"seed": True}, "seed"),
-        ({"eval_train_max": 0}, "eval_train_max"),
+        ({"eval_train_max": -1}, "eval_train_max"),
         ({"normalize": "zscore"}, "normalize"),
         ({"dataset": "digits:3"}, "no arguments"),
         ({"dataset": "synthetic:-1,1"}, "α and β"),

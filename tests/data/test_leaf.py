@@ -1,0 +1,132 @@
+"""LEAF's JSON layout (FEMNIST, Shakespeare, Sent140): files written here load with their natural split."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from pyfedkern import Experiment
+from pyfedkern.cli import main
+from pyfedkern.data.datasets import load_dataset
+from pyfedkern.data.leaf import SHAKESPEARE_LETTERS, load_leaf
+
+
+def _write(folder, files):
+    """LEAF files: ``files`` maps a file name to {user: (xs, ys)}."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, users in files.items():
+        blob = {
+            "users": list(users),
+            "num_samples": [len(ys) for _, ys in users.values()],
+            "user_data": {u: {"x": xs, "y": ys} for u, (xs, ys) in users.items()},
+        }
+        (folder / name).write_text(json.dumps(blob))
+
+
+def _femnist(root, rng):
+    """Three writers in two train files (f_0001 split across both, as LEAF's sampling can leave it) and a test file."""
+
+    def samples(n, label):
+        return [rng.random(784).round(3).tolist() for _ in range(n)], [int(label)] * n
+
+    train = {
+        "all_data_0_niid_train_9.json": {"f_0001": samples(3, 7), "f_0002": samples(2, 61)},
+        "all_data_1_niid_train_9.json": {"f_0003": samples(4, 0), "f_0001": samples(1, 7)},
+    }
+    test = {"all_data_0_niid_test_9.json": {"f_0001": samples(1, 7), "f_0003": samples(2, 0)}}
+    _write(root / "data" / "train", train)
+    _write(root / "data" / "test", test)
+    return train, test
+
+
+def test_femnist_loads_with_one_client_per_writer(tmp_path):
+    train, _ = _femnist(tmp_path, np.random.default_rng(0))
+    data = load_leaf(tmp_path)
+    assert data.x_train.shape == (10, 1, 28, 28) and data.x_test.shape == (3, 1, 28, 28)
+    assert data.x_train.dtype == np.float32 and data.num_classes == 62
+    # writers in order of first appearance, each writer's samples together
+    assert data.client_ids.tolist() == [0] * 4 + [1] * 2 + [2] * 4
+    assert data.y_train.tolist() == [7] * 4 + [61] * 2 + [0] * 4
+    first = train["all_data_0_niid_train_9.json"]["f_0001"][0][0]
+    np.testing.assert_allclose(data.x_train[0].reshape(-1), first, rtol=1e-6)
+    moved = train["all_data_1_niid_train_9.json"]["f_0001"][0][0]  # f_0001's sample from the second file
+    np.testing.assert_allclose(data.x_train[3].reshape(-1), moved, rtol=1e-6)
+    experiment = Experiment("cnn", data, clients="natural", rounds=1, batched=False)
+    assert [ix.tolist() for ix in experiment.simulation.client_indices] == [[0, 1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    assert np.isfinite(experiment.run()[-1]["test_loss"])
+
+
+def test_shakespeare_characters_and_next_character_labels(tmp_path):
+    lines = {"THE_KING": ["To be, or not", "o be, or not "], "HAMLET": ["What's in a n"]}
+    users = {u: ([t[:-1] for t in texts], [t[-1] for t in texts]) for u, texts in lines.items()}
+    _write(tmp_path / "train", {"train.json": users})
+    _write(tmp_path / "test", {"test.json": {"HAMLET": (["hat's in a n"], ["a"])}})
+    data = load_leaf(tmp_path)
+    assert data.name == "leaf:shakespeare" and data.num_classes == len(SHAKESPEARE_LETTERS) == 80
+    assert data.x_train.shape == (3, 12) and data.x_train.dtype == np.int64
+    assert "".join(SHAKESPEARE_LETTERS[i] for i in data.x_train[0]) == "To be, or no"
+    assert [SHAKESPEARE_LETTERS[i] for i in data.y_train] == ["t", " ", "n"]
+    assert data.client_ids.tolist() == [0, 0, 1]
+    assert SHAKESPEARE_LETTERS[data.y_test[0]] == "a" and data.x_test.shape == (1, 12)
+
+
+def test_sent140_words_on_the_training_vocabulary(tmp_path):
+    def tweet(text):
+        return ["1467810369", "Mon Apr 06 22:19:45 PDT 2009", "NO_QUERY", "someone", text]
+
+    _write(
+        tmp_path / "train",
+        {"t.json": {"ann": ([tweet("Good day, good day!"), tweet("bad")], [1, 0]), "bob": ([tweet("day")], [1])}},
+    )
+    _write(tmp_path / "test", {"t.json": {"ann": ([tweet("good unseen day")], [1])}})
+    data = load_leaf(tmp_path, sequence_length=5)
+    assert data.num_classes == 2 and data.x_train.shape == (3, 5)
+    # vocabulary by frequency: day (3), good (2), then in order of first appearance; 0 pads, 1 is unknown
+    vocab = {"day": 2, "good": 3, ",": 4, "!": 5, "bad": 6}
+    assert data.x_train[0].tolist() == [vocab["good"], vocab["day"], vocab[","], vocab["good"], vocab["day"]]
+    assert data.x_train[1].tolist() == [vocab["bad"], 0, 0, 0, 0]
+    assert data.x_test[0].tolist() == [vocab["good"], 1, vocab["day"], 0, 0]
+    assert data.client_ids.tolist() == [0, 0, 1]
+
+
+def test_the_cli_runs_leaf_data_with_its_natural_split(tmp_path, capsys):
+    _femnist(tmp_path / "femnist", np.random.default_rng(1))
+    assert load_dataset("leaf", tmp_path / "femnist").client_ids.max() == 2
+    args = ["run", "--dataset", "leaf", "--data-root", str(tmp_path / "femnist"), "--partition", "natural"]
+    assert main([*args, "--clients", "3", "--model", "logreg", "--rounds", "1", "--no-progress"]) == 0
+    assert "test accuracy" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda root: (root / "train" / "a.json").write_text("{not json"), "is not readable JSON"),
+        (lambda root: (root / "train" / "a.json").write_text('{"users": []}'), "expected an object with 'users'"),
+        (
+            lambda root: _write(root / "train", {"a.json": {"u": ([[0.5, 0.5]], [0, 1])}}),
+            "user 'u' has 1 x, 2 y",
+        ),
+        (
+            lambda root: _write(root / "train", {"a.json": {"u": (["abc", "abcd"], ["d", "e"])}}),
+            "every x must be a string of one length",
+        ),
+        (
+            lambda root: _write(root / "train", {"a.json": {"u": (["ab\u00e9"], ["d"])}}),
+            "character 'é' is not in LEAF's alphabet",
+        ),
+        (lambda root: (root / "test" / "t.json").unlink(), "no \\*.json files in"),
+    ],
+)
+def test_damaged_files_are_refused_naming_them(tmp_path, damage, message):
+    _write(tmp_path / "train", {"a.json": {"u": ([[0.5, 0.5]], [1])}})
+    _write(tmp_path / "test", {"t.json": {"u": ([[0.5, 0.5]], [1])}})
+    damage(tmp_path)
+    with pytest.raises((ValueError, FileNotFoundError), match=message):
+        load_leaf(tmp_path)
+
+
+def test_a_folder_without_train_and_test_is_refused(tmp_path):
+    with pytest.raises(FileNotFoundError, match="needs train/ and test/ folders"):
+        load_leaf(tmp_path)

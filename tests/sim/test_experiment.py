@@ -1,0 +1,469 @@
+"""Experiment: the engine on the user's own model and data (Python API and the CLI's module:factory), its run
+options, its checks of bad input before any training, and the resume fingerprint."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pyfedkern import Experiment
+from pyfedkern.cli import main
+from pyfedkern.data.datasets import load_dataset
+from pyfedkern.sim.config import ExperimentConfig
+from pyfedkern.sim.engine import Simulation
+
+SETTINGS = {"rounds": 3, "fraction": 0.5, "batch_size": 16, "lr": 0.05, "eval_train_max": 200, "seed": 3}
+CONFIG = ExperimentConfig(dataset="digits", partition="dirichlet:0.5", clients=8, **SETTINGS)
+
+# A user's module: the built-in mlp and cnn written out again, and a data factory (the bundled digits).
+USER_MODULE = textwrap.dedent(
+    """
+    import math
+
+    from torch import nn
+
+    from pyfedkern.data.datasets import load_dataset
+
+
+    class MyMLP(nn.Module):
+        def __init__(self, inputs, classes, widths=(64, 64)):
+            super().__init__()
+            layers, width = [nn.Flatten()], inputs
+            for h in widths:
+                layers += [nn.Linear(width, h), nn.ReLU()]
+                width = h
+            self.body = nn.Sequential(*layers)
+            self.classifier = nn.Linear(width, classes)
+
+        def forward(self, x):
+            return self.classifier(self.body(x))
+
+        def layer_chain(self):
+            return [*self.body, self.classifier]
+
+
+    def make_mlp(input_shape, num_classes):
+        return MyMLP(math.prod(input_shape), num_classes)
+
+
+    class MyCNN(nn.Module):
+        def __init__(self, channels, side, classes):
+            super().__init__()
+            self.conv = nn.Sequential(
+                nn.Conv2d(channels, 32, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
+                nn.Conv2d(32, 32, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+            )
+            self.fc = nn.Sequential(nn.Linear(32 * (side // 4) ** 2, 256), nn.ReLU())
+            self.classifier = nn.Linear(256, classes)
+
+        def forward(self, x):
+            return self.classifier(self.fc(self.conv(x)))
+
+
+    def make_cnn(input_shape, num_classes):
+        return MyCNN(input_shape[0], input_shape[1], num_classes)
+
+
+    def digits():
+        return load_dataset("digits")
+
+
+    NOT_CALLABLE = 3
+
+
+    def broken(num_classes):
+        raise RuntimeError("no GPU here")
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def user_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("user")
+    (folder / "my_parts.py").write_text(USER_MODULE)
+    sys.path.insert(0, str(folder))
+    yield folder
+    sys.path.remove(str(folder))
+
+
+def _numbers(metrics):
+    """The metrics without the wall-clock timings."""
+    return [{k: v for k, v in m.items() if not k.startswith("time_")} for m in metrics]
+
+
+def test_a_user_module_identical_to_a_builtin_gives_its_metrics_bit_for_bit(user_dir):
+    import my_parts
+
+    builtin = Simulation(CONFIG).run()
+    data = load_dataset("digits")
+    mine = Experiment(my_parts.make_mlp, data, clients="dirichlet:0.5", num_clients=8, **SETTINGS).run()
+    assert _numbers(mine) == _numbers(builtin)
+    assert mine[-1]["test_acc"] > mine[0]["test_acc"] + 0.2  # it learns
+    by_reference = Simulation(dataclasses.replace(CONFIG, model="my_parts:make_mlp", dataset="my_parts:digits")).run()
+    assert _numbers(by_reference) == _numbers(builtin)
+
+
+def test_the_cli_runs_a_user_cnn_like_the_builtin(user_dir, tmp_path):
+    common = ["--partition", "iid", "--clients", "4", "--rounds", "1", "--batch-size", "32", "--no-progress"]
+    out = {}
+    for label, model in (("builtin", "cnn"), ("user", "my_parts:make_cnn")):
+        run = subprocess.run(
+            [sys.executable, "-m", "pyfedkern", "run", "--model", model, "--dataset", "my_parts:digits", *common,
+             "--out", str(tmp_path / label)],
+            cwd=user_dir, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        assert run.returncode == 0, run.stderr
+        out[label] = [json.loads(line) for line in (tmp_path / label / "metrics.jsonl").read_text().splitlines()]
+    assert _numbers(out["user"]) == _numbers(out["builtin"])
+    assert json.loads((tmp_path / "user" / "config.json").read_text())["model"] == "my_parts:make_cnn"
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        (["--model", "no_such_module:make"], "cannot import module 'no_such_module'"),
+        (["--model", "my_parts:missing"], "has no attribute 'missing'"),
+        (["--model", "my_parts:NOT_CALLABLE"], "NOT_CALLABLE is a int, not callable"),
+        (["--dataset", "my_parts:NOT_CALLABLE"], "dataset 'my_parts:NOT_CALLABLE'"),
+        (["--model", "my_parts:broken"], "the factory broken raised RuntimeError: no GPU here"),
+    ],
+)
+def test_the_cli_refuses_a_bad_module_attr_in_one_line(user_dir, capsys, monkeypatch, option, message):
+    monkeypatch.chdir(user_dir)
+    assert main(["run", "--rounds", "1", "--no-progress", *option]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+# the Python API on data of other shapes -------------------------------------------------------------------------
+
+
+def _blobs(n=240, classes=3, shape=(6,), seed=0):
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, classes, n)
+    x = rng.normal(size=(n, *shape)).astype(np.float32) + y.reshape(-1, *[1] * len(shape))
+    return x, y
+
+
+def test_regression_targets_with_a_user_loss():
+    rng = np.random.default_rng(1)
+    w = rng.normal(size=(5, 2))
+    x = rng.normal(size=(300, 5)).astype(np.float32)
+    y = (x @ w).astype(np.float32)
+    metrics = Experiment(
+        nn.Linear(5, 2), (x[:240], y[:240]), (x[240:], y[240:]), clients="iid", num_clients=6, loss=F.mse_loss,
+        rounds=15, lr=0.1, eval_every=5,
+    ).run()  # fmt: skip
+    assert np.isnan(metrics[-1]["test_acc"]) and "train_loss" in metrics[-1]
+    assert metrics[-1]["test_loss"] < 0.05 * metrics[0]["test_loss"]
+
+
+def test_token_sequences_and_a_map_style_dataset():
+    class Sequences(torch.utils.data.Dataset):
+        def __init__(self, n, seed):
+            g = torch.Generator().manual_seed(seed)
+            self.x = torch.randint(0, 20, (n, 12), generator=g)
+            self.y = (self.x[:, 0] % 4).long()  # the class is the first token mod 4
+
+        def __len__(self):
+            return len(self.y)
+
+        def __getitem__(self, i):
+            return self.x[i], self.y[i]
+
+    class Tagger(nn.Module):
+        def __init__(self, num_classes):
+            super().__init__()
+            self.embed = nn.Embedding(20, 8)
+            self.lstm = nn.LSTM(8, 16, batch_first=True)
+            self.out = nn.Linear(16, num_classes)
+
+        def forward(self, tokens):
+            return self.out(self.lstm(self.embed(tokens).flip(1))[0][:, -1])
+
+    experiment = Experiment(
+        Tagger,
+        Sequences(400, 0),
+        Sequences(100, 1),
+        clients="iid",
+        num_clients=5,
+        rounds=10,
+        local_epochs=3,
+        lr=0.5,
+        batched=False,
+    )
+    assert experiment.parts.data.num_classes == 4 and experiment.parts.data.x_train.dtype == np.int64
+    metrics = experiment.run()
+    assert metrics[-1]["test_acc"] > 0.5
+
+
+def test_index_lists_overlap_only_when_declared_and_an_evaluation_function():
+    x, y = _blobs()
+    lists = [np.arange(0, 100), np.arange(80, 200)]
+    with pytest.raises(ValueError, match=r"clients\[1\] and clients\[0\] both hold sample 80; pass allow_overlap"):
+        Experiment(nn.Linear(6, 3), (x[:200], y[:200]), (x[200:], y[200:]), clients=lists)
+    seen = []
+
+    def evaluate(model, xt, yt):
+        seen.append(model.training)
+        return {"mean_score": model(xt).mean()}
+
+    experiment = Experiment(
+        nn.Linear(6, 3), (x[:200], y[:200]), (x[200:], y[200:]), clients=lists, allow_overlap=True,
+        evaluate=evaluate, rounds=2,
+    )  # fmt: skip
+    assert experiment.config.clients == 2 and experiment.config.partition == "given"
+    assert [len(ix) for ix in experiment.simulation.client_indices] == [100, 120]
+    metrics = experiment.run()
+    assert all("test_mean_score" in m for m in metrics) and seen == [False] * 3
+
+
+def test_per_sample_client_ids_are_natural_clients():
+    x, y = _blobs(n=120)
+    ids = np.repeat([7, 3, 5], 40)
+    experiment = Experiment(nn.Linear(6, 3), (x, y), (x, y), clients=ids, rounds=1)
+    indices = experiment.simulation.client_indices
+    assert [ix.tolist() for ix in indices] == [list(range(40, 80)), list(range(80, 120)), list(range(40))]
+
+
+def test_an_algorithm_instance_and_its_parameters_in_the_config(tmp_path):
+    from pyfedkern.algorithms import make_algorithm
+
+    x, y = _blobs()
+    algorithm = make_algorithm("fedprox", mu=0.25)
+    experiment = Experiment(nn.Linear(6, 3), (x[:200], y[:200]), (x[200:], y[200:]), algorithm=algorithm, rounds=1)
+    experiment.run(tmp_path / "run")
+    stored = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert stored["algorithm"] == "fedprox" and stored["algorithm_params"]["mu"] == 0.25
+
+
+# run options ------------------------------------------------------------------------------------------------------
+
+
+def test_initial_and_train_evaluations_can_be_skipped_or_subsampled():
+    x, y = _blobs()
+    base = {"clients": "iid", "num_clients": 4, "rounds": 2}
+    parts = (nn.Linear(6, 3), (x[:200], y[:200]), (x[200:], y[200:]))
+    full = Experiment(*parts, **base).run()
+    assert {"test_loss", "train_loss"} <= set(full[0])
+    lean = Experiment(*parts, **base, eval_initial=False, eval_train_max=0).run()
+    assert lean[0] == {"round": 0}
+    assert "train_loss" not in lean[-1] and lean[-1]["test_loss"] == full[-1]["test_loss"]
+    sub = Experiment(*parts, **base, eval_test_max=10)
+    assert sub.simulation.x_test.shape[0] == 10
+    assert torch.equal(sub.simulation.x_test, Experiment(*parts, **base, eval_test_max=10).simulation.x_test)
+
+
+def test_clients_sampled_with_replacement():
+    x, y = _blobs()
+    parts = (nn.Linear(6, 3), (x[:200], y[:200]), (x[200:], y[200:]))
+    sim = Experiment(*parts, clients="iid", num_clients=10, sample_with_replacement=True).simulation
+    drawn = [sim.sample_clients(t) for t in range(20)]
+    assert all(len(d) == 10 for d in drawn)
+    assert any(len(np.unique(d)) < 10 for d in drawn)  # a client drawn twice in some round
+    plain = Experiment(*parts, clients="iid", num_clients=10).simulation
+    assert all(np.array_equal(plain.sample_clients(t), np.arange(10)) for t in range(3))
+    for algorithm in ("fedavg", "scaffold"):
+        metrics = Experiment(*parts, clients="iid", num_clients=10, algorithm=algorithm, fraction=0.5,
+                             sample_with_replacement=True, rounds=3).run()  # fmt: skip
+        assert np.isfinite(metrics[-1]["test_loss"]) and metrics[-1]["clients"] == 5
+
+
+def test_a_fixed_batch_order_is_kept_across_rounds():
+    x, y = _blobs()
+    parts = (nn.Linear(6, 3), (x[:200], y[:200]), (x[200:], y[200:]))
+    fixed = Experiment(*parts, clients="iid", num_clients=4, batch_size=8, batch_order="fixed").simulation
+    reshuffled = Experiment(*parts, clients="iid", num_clients=4, batch_size=8).simulation
+
+    def order(sim, t):
+        return np.concatenate(sim.batch_indices(1, t)).tolist()
+
+    assert order(fixed, 0) == order(fixed, 1) == order(fixed, 7)
+    assert order(reshuffled, 0) != order(reshuffled, 1)
+    stacked = next(iter(fixed.stacked_batches([1], 5)))[0][0]  # the batched path follows the same order
+    torch.testing.assert_close(stacked, fixed.client_x[1][torch.as_tensor(order(fixed, 5)[:8])])
+
+
+# bad input, before any training -----------------------------------------------------------------------------------
+
+
+def _refused(error, match, *args, **kwargs):
+    x, y = _blobs()
+    defaults = {"clients": "iid", "num_clients": 4}
+    model = kwargs.pop("model", nn.Linear(6, 3))
+    train = kwargs.pop("train", (x[:200], y[:200]))
+    test = kwargs.pop("test", (x[200:], y[200:]))
+    with pytest.raises(error, match=match) as info:
+        Experiment(model, train, test, **{**defaults, **kwargs}).simulation  # noqa: B018 (building it checks)
+    return info.value
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"model": nn.Linear(6, 2)}, r"model 'Linear': its output \(2, 2\) must score the 3 classes"),
+        ({"model": nn.Linear(5, 3)}, r"model 'Linear' fails on a batch of training samples x \(2, 6\)"),
+        ({"loss": F.mse_loss}, r"loss: fails on the model's output \(2, 3\) and the targets \(2,\)"),
+        ({"loss": lambda out, y: out.sum() * float("nan")}, "loss: is nan"),
+        ({"loss": lambda out, y: torch.tensor(1.0)}, "loss: must return a scalar tensor that depends on"),
+        ({"clients": [[0, 1], [2, 500]]}, r"clients\[1\]: index 500 is out of range for the 200 training samples"),
+        ({"clients": [[0, 1], [-1]]}, r"clients\[1\]: index -1 is out of range"),
+        ({"clients": [[0, 1], []]}, r"clients\[1\] is empty"),
+        ({"clients": [[0, 1, 1]]}, r"clients\[0\] lists a sample twice"),
+        ({"clients": np.zeros(7, np.int64)}, "per-sample client ids must be 200 integers"),
+        ({"num_classes": 2}, r"train: label 2 \(sample \d+\) is outside the 2 classes 0..1"),
+        ({"num_clients": 500}, "clients=500 is more than the 200 training samples"),
+        ({"rounds": 0}, "rounds must be an integer >= 1"),
+        ({"batch_order": "random"}, "batch_order must be one of reshuffle, fixed"),
+    ],
+)
+@pytest.mark.filterwarnings("ignore:Using a target size")  # mse_loss on class labels: the bad input checked here
+def test_bad_input_is_refused_naming_the_argument(kwargs, match):
+    _refused(ValueError, match, **kwargs)
+
+
+def test_non_finite_features_are_refused():
+    x, y = _blobs()
+    x[17, 2] = np.nan
+    _refused(ValueError, r"train: the features hold NaN or inf \(first in sample 17\)", train=(x[:200], y[:200]))
+    x[17, 2], x[203, 0] = 0.0, np.inf
+    _refused(ValueError, r"test: the features hold NaN or inf \(first in sample 3\)", test=(x[200:], y[200:]))
+
+
+def test_a_factory_that_raises_is_reported_with_its_traceback_as_the_cause():
+    def make(num_classes):
+        raise KeyError("width")
+
+    err = _refused(ValueError, r"model 'make': the factory make raised KeyError: 'width'", model=make)
+    assert isinstance(err.__cause__, KeyError) and err.__cause__.__traceback__ is not None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"model": 3}, TypeError, "model must be an nn.Module, a factory"),
+        ({"model": lambda: "not a module"}, TypeError, "the factory returned a str, not an nn.Module"),
+        ({"model": nn.ReLU()}, ValueError, "has no trainable parameters"),
+        ({"train": [1, 2, 3]}, TypeError, "train must be an"),
+        ({"train": (np.zeros((4, 6)), np.zeros(3, np.int64))}, ValueError, "train: x .* one row per sample"),
+        ({"train": (np.zeros((4, 6)), np.array(["a"] * 4))}, TypeError, "train: y must hold numbers"),
+        ({"test": (np.zeros((4, 5), np.float32), np.zeros(4, np.int64))}, ValueError, r"test: samples of shape \(5,\)"),
+        ({"loss": "mse"}, TypeError, "loss must be callable"),
+        ({"learning_rate": 0.1}, TypeError, "unknown setting"),
+        ({"algorithm": "fedsgd"}, ValueError, "fedsgd"),
+    ],
+)
+def test_bad_parts_are_refused(kwargs, error, match):
+    _refused(error, match, **kwargs)
+
+
+# resume -----------------------------------------------------------------------------------------------------------
+
+
+def _linear_without_bias():
+    def linear():  # the same name as the run's factory, another structure
+        return nn.Linear(6, 3, bias=False)
+
+    return linear
+
+
+def test_resume_refuses_a_different_model_data_or_split_naming_it(tmp_path):
+    x, y = _blobs()
+    halves = [np.arange(100), np.arange(100, 200)]
+    settings = {"clients": halves, "rounds": 4, "checkpoint_every": 2}
+
+    def linear():
+        return nn.Linear(6, 3)
+
+    def experiment(model=linear, train=(x[:200], y[:200]), **changes):
+        return Experiment(model, train, (x[200:], y[200:]), **{**settings, **changes})
+
+    full = experiment().run()
+    interrupted = experiment()
+    original = interrupted.algorithm.round
+
+    def crash(t, ctx):
+        if t == 3:
+            raise KeyboardInterrupt
+        return original(t, ctx)
+
+    interrupted.algorithm.round = crash
+    run_dir = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        interrupted.run(run_dir)
+    assert set(json.loads((run_dir / "fingerprint.json").read_text())) == {
+        "model structure", "training data", "test data", "client split"
+    }  # fmt: skip
+    y_changed = y.copy()
+    y_changed[5] = (y_changed[5] + 1) % 3
+    for change, named in (
+        ({"model": _linear_without_bias()}, "the model structure differs"),
+        ({"train": (x[:200], y_changed[:200])}, "the training data differs"),
+        ({"clients": [np.arange(90), np.arange(90, 200)]}, "the client split differs"),
+        ({"model": nn.Linear(6, 3)}, "the config differs in model"),
+    ):
+        with pytest.raises(ValueError, match=named):
+            experiment(**change).run(run_dir, resume=True)
+    resumed = experiment().run(run_dir, resume=True)
+    assert _numbers(resumed) == _numbers(full)
+
+
+def test_the_cli_takes_the_run_options(tmp_path, capsys):
+    out = tmp_path / "run"
+    args = ["run", "--rounds", "2", "--clients", "5", "--no-progress", "--out", str(out), "--eval-initial", "false"]
+    args += ["--eval-train-max", "0", "--eval-test-max", "50", "--sample-with-replacement", "true"]
+    assert main([*args, "--batch-order", "fixed"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["eval_initial"] is False and config["eval_train_max"] == 0 and config["eval_test_max"] == 50
+    assert config["sample_with_replacement"] is True and config["batch_order"] == "fixed"
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[0] == {"round": 0} and "train_loss" not in metrics[-1] and "test_acc" in metrics[-1]
+    assert main(["run", "--batch-order", "sorted", "--rounds", "1", "--no-progress"]) == 2
+    assert "batch_order must be one of reshuffle, fixed" in capsys.readouterr().err
+
+
+def test_the_cli_resume_refuses_changed_data_from_a_module_factory(tmp_path):
+    module = "from pyfedkern.data.datasets import load_dataset\n\n\ndef data():\n    return load_dataset('digits')\n"
+    (tmp_path / "resume_parts.py").write_text(module)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        config = dataclasses.replace(CONFIG, dataset="resume_parts:data", rounds=4, checkpoint_every=2)
+        full = Simulation(config).run()
+        sim = Simulation(config)
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("resume_parts", None)
+    original = sim.algorithm.round
+
+    def crash(t, ctx):
+        if t == 3:
+            raise KeyboardInterrupt
+        return original(t, ctx)
+
+    sim.algorithm.round = crash
+    with pytest.raises(KeyboardInterrupt):
+        sim.run(tmp_path / "run")
+
+    def resume():
+        command = [sys.executable, "-m", "pyfedkern", "run", "--resume", "--out", "run", "--no-progress"]
+        return subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+
+    changed = module.replace("load_dataset('digits')", "load_dataset('digits', split_seed=1)")
+    (tmp_path / "resume_parts.py").write_text(changed)
+    refused = resume()
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1
+    assert "the training data, the test data and the client split differ from the run's" in refused.stderr
+    (tmp_path / "resume_parts.py").write_text(module)
+    resumed = resume()
+    assert resumed.returncode == 0, resumed.stderr
+    stored = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert _numbers(stored) == _numbers(full)
