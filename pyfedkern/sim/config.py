@@ -10,6 +10,7 @@ import dataclasses
 import math
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -252,22 +253,17 @@ def check_data_memory(config: ExperimentConfig, available: int) -> None:
     )
 
 
-def check_model_memory(
-    config: ExperimentConfig, input_shape: tuple[int, ...], num_classes: int, available: int
-) -> None:
-    """ValueError when :data:`MODEL_COPIES` copies of ``config.model`` (built with its model_params for inputs
-    ``input_shape`` on PyTorch's meta device, which allocates nothing) would not fit in ``available`` bytes, saying
-    how many parameters fit."""
+def check_model_memory(config: ExperimentConfig, build: Callable[[], Any], available: int) -> None:
+    """ValueError when :data:`MODEL_COPIES` copies of ``config.model`` (``build()`` on PyTorch's meta device, which
+    allocates nothing) would not fit in ``available`` bytes, saying how many parameters fit."""
     import torch
-
-    from pyfedkern import models
 
     given = ", ".join(f"{k}={_shown(v)}" for k, v in config.model_params.items())
     model = f"model {config.model}{f' with {given}' if given else ''}"
     fits = f"at most about {available // (MODEL_COPIES * DTYPE_BYTES[config.dtype]):,} parameters fit"
     try:
         with torch.device("meta"):
-            module = models.build_model(config.model, input_shape, num_classes, **config.model_params)
+            module = build()
     except RuntimeError:  # a layer of more than 2^63 bytes
         raise ValueError(f"{model} has layers too large for any memory; {fits}") from None
     params = sum(p.numel() for p in module.parameters())

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pyfedkern import models
 from pyfedkern.algorithms import Algorithm, LocalModel, make_algorithm
 from pyfedkern.algorithms.batched import can_batch, choose_path, free_memory, padding_weights
 from pyfedkern.ops import seeded_permutations
@@ -117,9 +118,10 @@ class Simulation:
         #: When set, evaluation uses only test samples with these labels (the classes current clients hold).
         self.eval_labels: np.ndarray | None = None
 
-        check_model_memory(config, data.input_shape, data.num_classes, free_memory(self.device))
-        torch.manual_seed(config.seed)
         spec = parts.model
+        if spec.name in models.MODELS:  # a built-in model's size is checked before it is built (a user's is not)
+            check_model_memory(config, lambda: build_module(spec, data), free_memory(self.device))
+        torch.manual_seed(config.seed)
         module = build_module(spec, data).to(device=self.device, dtype=self.dtype)
         has_accuracy = spec.has_accuracy and data.num_classes is not None
         self.local = LocalModel(

@@ -2,6 +2,7 @@
 the model and a round's minibatch plan that refuse what does not fit and say what does."""
 
 import dataclasses
+import functools
 import re
 
 import numpy as np
@@ -63,9 +64,10 @@ def test_data_that_does_not_fit_says_how_many_clients_do():
 def test_the_model_estimate_counts_the_real_parameters(model, params):
     config = dataclasses.replace(CONFIG, model=model, model_params=params, dtype="float64")
     count = sum(p.numel() for p in models.build_model(model, (1, 8, 8), 10, **params).parameters())
-    check_model_memory(config, (1, 8, 8), 10, 4 * 8 * count)
+    build = functools.partial(models.build_model, model, (1, 8, 8), 10, **params)
+    check_model_memory(config, build, 4 * 8 * count)
     with pytest.raises(ValueError) as err:
-        check_model_memory(config, (1, 8, 8), 10, 4 * 8 * count - 1)
+        check_model_memory(config, build, 4 * 8 * count - 1)
     assert f"has {count:,} parameters; the run holds at least 4 copies" in str(err.value)
     assert f"at most about {count - 1:,} parameters fit" in str(err.value)
 
