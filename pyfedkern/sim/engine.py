@@ -72,7 +72,8 @@ class Simulation:
             config.validate_settings()
         check_device(config.device)
         check_threads(config.threads)
-        check_data_memory(config, free_memory(torch.device("cpu")))  # before the data is made
+        if parts is None:
+            check_data_memory(config, free_memory(torch.device("cpu")))  # before the data is made
         self.config = config
         self.seed = config.seed
         self.device = torch.device(config.device)

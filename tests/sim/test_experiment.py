@@ -322,7 +322,7 @@ def _refused(error, match, *args, **kwargs):
         ({"clients": np.zeros(7, np.int64)}, "per-sample client ids must be 200 integers"),
         ({"num_classes": 2}, r"train: label 2 \(sample \d+\) is outside the 2 classes 0..1"),
         ({"num_clients": 500}, "clients=500 is more than the 200 training samples"),
-        ({"rounds": 0}, "rounds must be an integer >= 1"),
+        ({"rounds": 0}, "rounds must be an integer from 1 to 2\\^63 - 1, got 0"),
         ({"batch_order": "random"}, "batch_order must be one of reshuffle, fixed"),
     ],
 )
