@@ -181,8 +181,8 @@ def test_resume_mid_session_is_exact(tmp_path):
     cfg = config("proposed")
     full = Simulation(cfg).run(tmp_path / "run")
     checkpoints = sorted((tmp_path / "run" / "checkpoints").glob("round_*.pt"))
-    assert [p.name for p in checkpoints] == ["round_000005.pt", "round_000010.pt"]
-    checkpoints[-1].unlink()  # as if interrupted in round 6 to 10 (mid-session 1 and 2)
+    assert [p.name for p in checkpoints] == ["round_000010.pt", "round_000012.pt"]  # the newest two, the last too
+    checkpoints[-1].unlink()  # as if interrupted in round 11 or 12 (mid-session 3)
     (tmp_path / "run" / "summary.json").unlink()  # an interrupted run has no summary
     resumed = Simulation(cfg).run(tmp_path / "run", resume=True)
 
