@@ -1,4 +1,4 @@
-"""Rounds spread over processes (issue 26): FedAvg and SCAFFOLD rounds at 10,000 clients (logreg, mlp) and FedAvg at
+"""Rounds spread over processes: FedAvg and SCAFFOLD rounds at 10,000 clients (logreg, mlp) and FedAvg at
 the largest client count, in 1 and 2 gloo workers (one thread each) and in one process with two threads, in the same
 run; each case records its peak resident memory per rank (``peak_rss_mb_per_rank``). ``--quick``: 200 clients."""
 
