@@ -57,6 +57,7 @@ class LocalModel:
         return loss + self.penalty(self.module) if self.penalty is not None else loss
 
     def predict(self, output: torch.Tensor) -> torch.Tensor:
+        """Predicted labels [B] from a batch's outputs (the model's ``predict`` function, else the argmax)."""
         return self._predict(output) if self._predict is not None else output.argmax(dim=1)
 
     def loss_and_grad(self, x: torch.Tensor, y: torch.Tensor) -> float:
