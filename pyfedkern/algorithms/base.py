@@ -241,8 +241,8 @@ class ClientStore:
     """Per-client state as one [m, d] tensor (zero until written): SCAFFOLD c_i, FedSpeed h_i, FedPBC x_i, ...
 
     One buffer instead of a Python object per client, so thousands of clients cost one allocation. With ``owned``
-    (the clients of one process in a distributed run, :func:`owned_clients`) it holds only their rows; rows are
-    addressed by client id either way (:meth:`rows`, :meth:`take`, :meth:`add_`, :meth:`put_`).
+    (the clients of one process in a distributed run, :func:`~pyfedkern.algorithms.base.owned_clients`) it holds only
+    their rows; rows are addressed by client id either way (:meth:`rows`, :meth:`take`, :meth:`add_`, :meth:`put_`).
     """
 
     def __init__(
@@ -327,10 +327,11 @@ class Algorithm:
     name: ClassVar[str] = ""
     #: Samples per class the engine must hold out of the training data as a labelled public set (FNR-FL).
     public_per_class: ClassVar[int] = 0
-    #: Whether rounds can be spread over processes (pyfedkern.sim.distributed): true for :class:`Algorithm`'s
-    #: :meth:`round` (the participants' updates, then the server step on their sums) when client state lives in a
-    #: :class:`ClientStore` made with ``owned=owned_clients(ctx)``. A subclass that overrides :meth:`round` must set
-    #: it again itself (True when its round still goes through ``ctx.team``), else it runs in one process only.
+    #: Whether rounds can be spread over processes (:mod:`pyfedkern.sim.distributed`), true for
+    #: :meth:`Algorithm.round <pyfedkern.algorithms.base.Algorithm.round>` (the participants' updates, then the
+    #: server step on their sums) when client state lives in a :class:`~pyfedkern.algorithms.base.ClientStore` made
+    #: with ``owned=owned_clients(ctx)``. A subclass that overrides ``round`` must set it again itself (True when its
+    #: round still goes through ``ctx.team``), else it runs in one process only.
     distributed: ClassVar[bool] = True
 
     x: torch.Tensor

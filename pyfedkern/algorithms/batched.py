@@ -354,7 +354,7 @@ def choose_path(ctx: FLContext, rows: int) -> PathChoice:
     Rules first: a model with buffers takes the loop (it cannot be batched); a Flatten/Linear/ReLU chain takes the
     batched path (its hand-written backward is many times faster than the loop). Any other model is measured: one
     local step (gradient and update) of min(rows, :data:`PROBE_ROWS`) clients on their first minibatch of round 0,
-    batched and looped (:func:`_measure_paths`); the faster wins (:func:`faster_path`). The measurement leaves
+    batched and looped (``_measure_paths``); the faster wins (:func:`faster_path`). The measurement leaves
     the model's parameters and torch's random state as it found them, and is kept for the process, per model
     structure, device, dtype, rows, batch shape and thread count, so every simulation of that model in the process
     takes the same path.

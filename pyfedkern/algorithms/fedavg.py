@@ -27,7 +27,7 @@ from pyfedkern.algorithms.base import (
 )
 from pyfedkern.algorithms.batched import BatchedLocal, Step
 
-#: torch.nn.utils.clip_grad_norm_'s ε, which FL-Simulator's clients use: the factor is min(1, M/(‖g‖ + ε))
+#: ``torch.nn.utils.clip_grad_norm_``'s ε, which FL-Simulator's clients use: the factor is min(1, M/(‖g‖ + ε))
 CLIP_EPS = 1e-6
 
 
@@ -51,7 +51,7 @@ def add_weighted_models(sums: RoundSums, updates: ClientUpdates, name: str = "mo
 
 
 def clip_by_norm_(g: torch.Tensor, max_norm: float) -> torch.Tensor:
-    """g ← g·min(1, M/(‖g‖ + 1e-6)) in place (torch.nn.utils.clip_grad_norm_'s rule, M = ``max_norm``): one norm
+    """g ← g·min(1, M/(‖g‖ + 1e-6)) in place (``torch.nn.utils.clip_grad_norm_``'s rule, M = ``max_norm``): one norm
     for a [d] vector, one per row of a [k, d] tensor (each client clips its own gradient). Returns g."""
     norm = torch.linalg.vector_norm(g, dim=-1, keepdim=True)
     return g.mul_(torch.clamp(max_norm / (norm + CLIP_EPS), max=1.0))
@@ -62,9 +62,9 @@ Terms = Callable[[torch.Tensor, Any], None]
 
 def step_direction(terms: Terms | None, decay: float, clip_norm: float | None) -> Terms:
     """The local step direction as the ``correction`` of :func:`~pyfedkern.algorithms.local_sgd` (called as
-    ``(g, x)``, g and x [d]) or of :meth:`BatchedLocal.sgd_` (``(g, step)``, g [rows, d]), both run with
-    ``weight_decay=0``: g (the loss gradient) gains the algorithm's ``terms`` in place, is clipped to norm
-    ``clip_norm`` when that is not None, and gains ``decay``·x.
+    ``(g, x)``, g and x [d]) or of :meth:`~pyfedkern.algorithms.batched.BatchedLocal.sgd_` (``(g, step)``, g
+    [rows, d]), both run with ``weight_decay=0``: g (the loss gradient) gains the algorithm's ``terms`` in place, is
+    clipped to norm ``clip_norm`` when that is not None, and gains ``decay``·x.
 
     This is FL-Simulator's order: its clients put the algorithm's terms into the loss, clip the gradient with
     ``clip_grad_norm_`` and let ``SGD(weight_decay=decay)`` add decay·x after the clip.

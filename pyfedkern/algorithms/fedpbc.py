@@ -276,7 +276,7 @@ class FedAvgLinks(_LinkAlgorithm):
         ops.weighted_delta_(self.x, models, w, self.server_lr * scale)
 
     def shared_update(self, t: int, ctx: FLContext, team: Any, active: np.ndarray) -> torch.Tensor:
-        """:meth:`server_update` of a round spread over processes (``ctx.team``, :mod:`pyfedkern.sim.distributed`):
+        """``server_update`` of a round spread over processes (``ctx.team``, :mod:`pyfedkern.sim.distributed`):
         this process trains its own ON clients, the team adds up Σ w_i·(x_i − x) over all of them, every process
         takes the step; returns every ON client's loss."""
         mine = team.mine(active)

@@ -216,7 +216,7 @@ def _int_arg(value: float, what: str, minimum: int) -> int:
     return int(value)
 
 
-#: Defaults of synthetic:α,β,clients,dim,classes.
+#: The defaults of ``synthetic:α,β,clients,dim,classes``.
 SYNTHETIC_DEFAULTS = (1.0, 1.0, 30.0, 60.0, 10.0)
 
 

@@ -89,8 +89,8 @@ class ExperimentConfig:
         """Raise ValueError for invalid settings, before any work starts (no data is loaded).
 
         More clients than training samples is caught here for datasets whose size is known without loading them
-        (digits, synthetic, quadratic), and otherwise by :class:`Simulation` right after loading. A
-        ``module:factory`` model or dataset is imported only when the simulation is built.
+        (digits, synthetic, quadratic), and otherwise by :class:`~pyfedkern.sim.engine.Simulation` right after
+        loading. A ``module:factory`` model or dataset is imported only when the simulation is built.
         """
         from pyfedkern import models
         from pyfedkern.data import datasets, partitions

@@ -146,7 +146,7 @@ class Simulation:
         self._timers: dict[str, float] = {}
         #: The ranks this run is spread over (FLContext.team; pyfedkern.sim.distributed): one process by default.
         self.team = Team()
-        #: Processes of this run sharing the device's memory (FLContext.device_sharers): the local ranks on a CPU.
+        #: Processes of this run sharing the device's memory (``FLContext.device_sharers``), the local ranks on a CPU.
         self.device_sharers = local_world_size() if self.device.type == "cpu" else 1
 
     # FLContext -------------------------------------------------------------------------------------------

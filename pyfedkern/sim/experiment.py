@@ -138,7 +138,8 @@ class Experiment:
         self, out_dir: str | Path | None = None, *, resume: bool = False, progress: bool = False
     ) -> list[dict[str, Any]]:
         """Run (or, with ``resume``, continue the interrupted run in ``out_dir``); return the per-round metrics
-        (see :meth:`Simulation.run`). Resuming needs the same settings, model structure, data and split."""
+        (see :meth:`~pyfedkern.sim.engine.Simulation.run`). Resuming needs the same settings, model structure, data
+        and split."""
         return self.simulation.run(out_dir, resume=resume, progress=progress)
 
 
