@@ -121,7 +121,10 @@ class Simulation:
 
         spec = parts.model
         if spec.name in models.MODELS:  # a built-in model's size is checked before it is built (a user's is not)
-            check_model_memory(config, lambda: build_module(spec, data), free_memory(self.device))
+            shape, classes = tuple(data.input_shape), data.num_classes
+            check_model_memory(
+                config, lambda: spec.factory(input_shape=shape, num_classes=classes), free_memory(self.device)
+            )
         torch.manual_seed(config.seed)
         module = build_module(spec, data).to(device=self.device, dtype=self.dtype)
         has_accuracy = spec.has_accuracy and data.num_classes is not None
