@@ -190,9 +190,14 @@ _SUBCLASS_SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.parametrize("order", ["tagged,plain,tagged", "plain,tagged", "parameter,tagged,plain"])
-def test_a_tensor_subclass_is_accepted_whether_or_not_it_is_the_first_tensor_seen(order):
-    proc = subprocess.run(
-        [sys.executable, "-c", _SUBCLASS_SCRIPT, order], capture_output=True, text=True, timeout=120, check=False
+def test_a_tensor_subclass_is_accepted_whether_or_not_it_is_the_first_tensor_seen(order, tmp_path):
+    proc = subprocess.run(  # in tmp_path: `python -c` would import a source checkout in the cwd, not the built package
+        [sys.executable, "-c", _SUBCLASS_SCRIPT, order],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == [[0.0, 1.0, 2.0, 3.0]] * len(order.split(","))

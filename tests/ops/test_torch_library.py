@@ -388,7 +388,7 @@ def test_centred_gram_matches_reference_for_stacks_lists_and_a_large_mean():
     torch.testing.assert_close(ops.centred_gram(single), reference.centred_gram(single), rtol=1e-9, atol=1e-6)
 
 
-def test_compiling_works_when_pyfedkern_is_imported_before_torch():
+def test_compiling_works_when_pyfedkern_is_imported_before_torch(tmp_path):
     """The operators exist from ``import pyfedkern.ops`` on: a trace never has to register them."""
     import subprocess
     import sys
@@ -400,4 +400,4 @@ def test_compiling_works_when_pyfedkern_is_imported_before_torch():
         "u, w = torch.ones(2, 3), torch.tensor([1.0, 2.0])\n"
         "assert f(u, w).tolist() == [3.0, 3.0, 3.0]\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300, cwd=tmp_path)  # not a checkout in the cwd

@@ -19,12 +19,15 @@ import numpy as np
 import pytest
 import torch
 
+import pyfedkern
 from pyfedkern.algorithms import ALGORITHMS, ClientStore, algorithm_class
 from pyfedkern.sim import distributed
 from pyfedkern.sim.distributed import Team, place_clients
 from pyfedkern.sim.engine import WORK_PER_THREAD, ExperimentConfig, Simulation, threads_for_work
 
-ROOT = Path(__file__).resolve().parents[2]
+#: The folder holding the pyfedkern that runs these tests (the installed one, or a checkout on PYTHONPATH): the
+#: subprocesses import the same one, and run there so that a source checkout's cwd is not imported instead.
+ROOT = Path(pyfedkern.__file__).resolve().parents[1]
 BASE = ExperimentConfig(
     dataset="digits",
     partition="dirichlet:0.5",
@@ -223,7 +226,7 @@ def test_torchrun_equals_one_process_for_every_algorithm(tmp_path, ranks):
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     out = tmp_path / "out.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
-    command += [str(ROOT / "tests/sim/distributed_cases.py"), str(tmp_path / "cases.json"), str(out)]
+    command += [str(Path(__file__).with_name("distributed_cases.py")), str(tmp_path / "cases.json"), str(out)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env(), cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(out.read_text())
