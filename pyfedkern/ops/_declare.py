@@ -62,6 +62,11 @@ _grad_enabled = torch.is_grad_enabled
 _Tensor = torch.Tensor
 
 
+def accumulation_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype a torch formula accumulates a tensor of t's dtype in: float64 for float64, else float32."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
 def is_tensor(x: Any) -> bool:
     """Whether x is a torch tensor."""
     return isinstance(x, _Tensor)

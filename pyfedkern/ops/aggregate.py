@@ -177,18 +177,12 @@ def _weighted_sum_backward(ctx: Any, grad: Any) -> tuple[Any, Any]:
     updates, weights = ctx.saved_tensors
     grad_updates = grad_weights = None
     if ctx.needs_input_grad[0]:
-        w = weights.to(device=grad.device, dtype=_acc_dtype(grad))
+        w = weights.to(device=grad.device, dtype=_declare.accumulation_dtype(grad))
         grad_updates = (w[:, None] * grad.to(w.dtype)).to(updates.dtype)
     if ctx.needs_input_grad[1]:
-        acc = _acc_dtype(grad)
+        acc = _declare.accumulation_dtype(grad)
         grad_weights = (updates.to(acc) @ grad.to(acc)).to(device=weights.device, dtype=weights.dtype)
     return grad_updates, grad_weights
-
-
-def _acc_dtype(t: Any) -> Any:
-    import torch
-
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
 @_declare.declare(

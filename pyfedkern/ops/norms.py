@@ -181,7 +181,7 @@ def _class_norms_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
 def _class_norms_backward(ctx: Any, g_norms: Any, g_sum: Any, g_mean: Any, *_: Any) -> tuple:
     """∂/∂f_r = (g_norms[r] + g_sum[y_r] + g_mean[y_r]/n_{y_r})·f_r/‖f_r‖ (0 for an all-zero row)."""
     features, labels, counts = ctx.saved_tensors
-    acc = _torch_acc(features)
+    acc = _declare.accumulation_dtype(features)
     grad_norms = None if g_norms is None else g_norms.to(acc).contiguous()
     class_coef = None
     if g_sum is not None or g_mean is not None:
@@ -194,12 +194,6 @@ def _class_norms_backward(ctx: Any, g_norms: Any, g_sum: Any, g_mean: Any, *_: A
         return None, None, None, None
     backward = _declare.torch_op("class_feature_norms_backward")
     return backward(features, labels, ctx.num_classes, grad_norms, class_coef), None, None, None
-
-
-def _torch_acc(t: Any) -> Any:
-    import torch
-
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
 @_declare.declare(
@@ -281,7 +275,7 @@ def _row_norms_setup(ctx: Any, inputs: tuple, output: Any) -> None:
 
 def _row_norms_backward(ctx: Any, grad: Any) -> Any:
     x, norms = ctx.saved_tensors
-    acc = _torch_acc(x)
+    acc = _declare.accumulation_dtype(x)
     n = norms.to(acc)
     scale = (grad.to(acc) / n.masked_fill(n == 0, 1)).masked_fill(n == 0, 0)
     return (x.to(acc) * scale[:, None]).to(x.dtype)
