@@ -8,7 +8,8 @@ Shakespeare task, pyfedkern's local-training paths against each other and agains
   per round, no evaluation. Cases: "pyfedkern (engine's choice)" (the path :func:`~pyfedkern.algorithms.batched.
   choose_path` takes, measured once when the case is built), "pyfedkern per-client loop" (``batched=False``),
   "pyfedkern batched" (``batched=True``), "pfl 0.6" when ``pfl`` is installed (its ``SimulatedBackend`` with
-  ``FederatedAveraging`` on the same arrays and users, torch model; an optional peer), and the machine's limits:
+  ``FederatedAveraging`` on the same arrays, users and initial model, in a child process of its own: an optional
+  peer), and the machine's limits:
   "limit:gemm" (a float32 GEMM of 1,024³) and "limit:conv batch 10" (forward and backward of the CNN's second
   convolution, 86 % of its multiply-adds, on a batch of 10). Flops: a round's forward and backward of 2,500 images
   (3 × 2 × 16.8 M × 2,500 ≈ 252 GFLOP), so the report gives each case's GFLOP/s next to the limits'.
@@ -18,24 +19,31 @@ Shakespeare task, pyfedkern's local-training paths against each other and agains
   (:class:`~pyfedkern.models.CharLSTM`: embedding 8, two LSTM layers of 256), 10 clients a round, one local epoch
   of batch 10, lr 0.8; the same pyfedkern cases.
 
-The rounds run on :class:`ArrayContext`, an :class:`~pyfedkern.algorithms.FLContext` over in-memory arrays whose
-clients own consecutive slices of the data; each timed call is the next round of one long run.
+pyfedkern's rounds run in the engine (:func:`array_simulation`: an :class:`~pyfedkern.Experiment` on in-memory
+arrays whose clients own consecutive slices of the data), as a user's run does, its allocator setting included
+(``pyfedkern._runtime.retain_freed_memory``); pfl's run in a child process with the allocator's defaults, as
+its users run it. Each timed call is the next round of one long run.
 """
 
 from __future__ import annotations
 
-import contextlib
+import collections
+import functools
 import itertools
 import math
+import multiprocessing
 import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch import nn
 
 from pyfedkern.benchmarks.common import Case
+
+if TYPE_CHECKING:
+    from pyfedkern.sim.engine import Simulation
 
 THREADS = (1, 2)
 CIFAR = {"users": 1000, "per_user": 50, "per_round": 50, "batch": 10, "lr": 0.1}
@@ -46,96 +54,43 @@ QUICK_SHAKESPEARE = {"users": 40, "per_round": 4, "batch": 10, "lr": 0.8, "lengt
 SIMPLE_CNN_MACS = 30 * 30 * 32 * 27 + 28 * 28 * 64 * 288 + 12544 * 128 + 128 * 10
 
 
-class ArrayContext:
-    """An :class:`~pyfedkern.algorithms.FLContext` over in-memory arrays: client c owns samples
-    ``offsets[c]:offsets[c + 1]`` of x [n, ...] and y [n]; FedAvg-style settings (no momentum or weight decay).
+def array_simulation(
+    module: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    sizes: np.ndarray,
+    *,
+    per_round: int,
+    batch_size: int,
+    lr: float,
+    local_epochs: float = 1.0,
+    batched: bool | None = None,
+    seed: int = 0,
+) -> Simulation:
+    """The engine (an :class:`~pyfedkern.Experiment`'s simulation) running FedAvg on in-memory arrays: client c owns
+    the ``sizes[c]`` samples after those of clients 0..c-1 of x [n, ...] and y [n]; ``per_round`` clients a round,
+    pfl's fixed batch order, no evaluation before the rounds, the module's dtype. ``batched`` None lets the engine
+    choose the path (:func:`~pyfedkern.algorithms.batched.choose_path`)."""
+    from pyfedkern.sim.experiment import Experiment
 
-    Minibatches: each epoch a seeded permutation of the client's samples (stream (seed, 2, t, c, epoch)), cut into
-    batches of ``batch_size`` (the last one shorter); ``order="fixed"`` keeps one permutation per client. Rounds
-    sample ``per_round`` clients without replacement (stream (seed, 1, t)). ``batched`` None lets
-    :func:`~pyfedkern.algorithms.batched.choose_path` pick the path at the first round, as the engine does.
-    """
-
-    def __init__(
-        self,
-        module: nn.Module,
-        x: torch.Tensor,
-        y: torch.Tensor,
-        sizes: np.ndarray,
-        *,
-        per_round: int,
-        batch_size: int,
-        lr: float,
-        local_epochs: float = 1.0,
-        seed: int = 0,
-        batched: bool | None = None,
-    ) -> None:
-        from pyfedkern.algorithms import LocalModel
-
-        sizes = np.asarray(sizes, dtype=np.int64)
-        if x.shape[0] != y.shape[0] or x.shape[0] != int(sizes.sum()) or np.any(sizes < 1):
-            raise ValueError(f"x and y must hold sum(sizes) = {int(sizes.sum())} samples, every client at least one")
-        self.local = LocalModel(module)
-        self.x, self.y = x, y
-        self.client_sizes = sizes
-        self.offsets = np.concatenate([[0], np.cumsum(sizes)])
-        self.num_clients = len(sizes)
-        self.per_round = min(int(per_round), self.num_clients)
-        self.device = x.device
-        self.batch_size, self.local_epochs, self.local_steps = batch_size, local_epochs, None
-        self.momentum = self.weight_decay = 0.0
-        self.client_chunk = None
-        self.sample_input = x[0]
-        self.seed = seed
-        self._lr = lr
-        self._batched = batched
-
-    @property
-    def batched(self) -> bool:
-        """The configured path, or the one :func:`~pyfedkern.algorithms.batched.choose_path` measures faster."""
-        if self._batched is None:
-            from pyfedkern.algorithms.batched import choose_path
-
-            self._batched = choose_path(self, self.per_round).batched
-        return self._batched
-
-    def lr(self, t: int) -> float:
-        return self._lr
-
-    def rng(self, *keys: int) -> np.random.Generator:
-        return np.random.default_rng([self.seed, *(int(k) for k in keys)])
-
-    @contextlib.contextmanager
-    def timer(self, category: str) -> Iterator[None]:
-        yield
-
-    def sample_clients(self, t: int) -> np.ndarray:
-        return np.sort(self.rng(1, t).choice(self.num_clients, self.per_round, replace=False))
-
-    def batches(
-        self,
-        cid: int,
-        t: int,
-        *,
-        epochs: float | None = None,
-        steps: int | None = None,
-        order: str = "reshuffle",
-        drop_last: bool = False,
-        batch_size: int | None = None,
-    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        n = int(self.client_sizes[cid])
-        size = min(batch_size or self.batch_size, n)
-        per_epoch = n // size if drop_last else -(-n // size)
-        if steps is None:
-            work = (self.local_epochs if epochs is None else epochs) * n / size
-            steps = int(math.floor(work + 1e-9) if drop_last else math.ceil(work - 1e-9))
-        first = int(self.offsets[cid])
-        for step in range(steps):
-            epoch, b = divmod(step, per_epoch)
-            keys = (3, cid) if order == "fixed" else (2, t, cid, epoch)
-            perm = self.rng(*keys).permutation(n)[b * size : (b + 1) * size]
-            idx = torch.as_tensor(first + perm, device=self.device)
-            yield self.x[idx], self.y[idx]
+    bounds = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+    clients = [list(range(a, b)) for a, b in itertools.pairwise(bounds)]
+    dtype = next(module.parameters()).dtype
+    return Experiment(
+        module,
+        (x, y),
+        (x[:batch_size], y[:batch_size]),
+        clients=clients,
+        fraction=per_round / len(clients),
+        batch_size=batch_size,
+        lr=lr,
+        local_epochs=local_epochs,
+        batched=batched,
+        seed=seed,
+        eval_initial=False,
+        batch_order="fixed",
+        dtype="float64" if dtype == torch.float64 else "float32",
+    ).simulation
 
 
 def cifar_shaped(users: int, per_user: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
@@ -167,21 +122,60 @@ def shakespeare_shaped(
     return torch.from_numpy(text[:, :-1].copy()), torch.from_numpy(text[:, -1].copy()), sizes
 
 
-def fedavg_rounds(ctx: ArrayContext, threads: int) -> Callable[[], torch.Tensor]:
-    """A callable running the next FedAvg round on ``ctx`` with ``threads`` CPU threads; returns the global model.
-    The path choice (when ``ctx.batched`` is None) is made here, under the same thread count, before any timing."""
-    from pyfedkern.algorithms.fedavg import FedAvg
+@functools.cache
+def task(name: str, quick: bool) -> tuple[Callable[[], nn.Module], tuple[torch.Tensor, torch.Tensor, np.ndarray], dict]:
+    """(model factory (seeded: the same initial model at every call), (x, y, sizes), settings) of the "cifar" or
+    "text" task; the data is generated once per process."""
+    from pyfedkern import models
+
+    if name == "cifar":
+        settings = QUICK_CIFAR if quick else CIFAR
+        data = cifar_shaped(settings["users"], settings["per_user"])
+        shape, classes, kwargs = (3, 32, 32), 10, {}
+        model = "simple_cnn"
+    else:
+        settings = QUICK_SHAKESPEARE if quick else SHAKESPEARE
+        data = shakespeare_shaped(settings["users"], settings["length"], settings["vocab"])
+        shape, classes, kwargs = (settings["length"],), settings["vocab"], {"hidden": settings.get("hidden", 256)}
+        model = "lstm"
+
+    def factory() -> nn.Module:
+        torch.manual_seed(0)
+        return models.build_model(model, shape, classes, **kwargs)
+
+    return factory, data, settings
+
+
+def task_simulation(name: str, quick: bool, batched: bool | None) -> Simulation:
+    """The engine on task ``name`` (:func:`task`, :func:`array_simulation`)."""
+    factory, data, settings = task(name, quick)
+    return array_simulation(
+        factory(),
+        *data,
+        per_round=settings["per_round"],
+        batch_size=settings["batch"],
+        lr=settings["lr"],
+        batched=batched,
+    )
+
+
+def fedavg_rounds(sim: Simulation, threads: int) -> Callable[[], torch.Tensor]:
+    """A callable running the next FedAvg round of ``sim`` with ``threads`` CPU threads, as the engine runs it (its
+    allocator setting, ``pyfedkern._runtime.retain_freed_memory``); returns the global model. The engine's
+    path choice (when not forced) is made here, under the same thread count, before any timing."""
+    from pyfedkern._runtime import retain_freed_memory
     from pyfedkern.sim.engine import _cpu_threads
 
-    algo = FedAvg()
-    algo.setup(ctx, ctx.local.flat.data.clone())
+    retain_freed_memory()
+    algo = sim.algorithm
+    algo.setup(sim, sim.initial_vector)
     rounds = itertools.count()
     with _cpu_threads(threads):
-        ctx.batched  # noqa: B018 (the engine's choice, measured now rather than in a timed round)
+        sim.batched  # noqa: B018 (the engine's choice, measured now rather than in a timed round)
 
     def run() -> torch.Tensor:
         with _cpu_threads(threads):
-            algo.round(next(rounds), ctx)
+            algo.round(next(rounds), sim)
         return algo.global_model()
 
     return run
@@ -221,32 +215,33 @@ class _PflModule(nn.Module):
 
 
 class PflRounds:
-    """pfl-research (``pfl`` 0.6) running FedAvg on an :class:`ArrayContext`'s users and a copy of its initial
-    model: ``SimulatedBackend`` over a ``FederatedDataset`` (one pfl ``Dataset`` per user, the same samples),
-    ``FederatedAveraging``, ``PyTorchModel`` with local SGD and central SGD of step 1 (plain model averaging);
-    one local epoch of the context's batch size (pfl's fixed batch order), ``per_round`` users a round drawn by
-    pfl's ``minimize_reuse`` sampler, no evaluation. :meth:`round` runs the next central iteration."""
+    """pfl-research (``pfl`` 0.6) running FedAvg on task ``name`` (:func:`task`; the same users, samples and initial
+    model as pyfedkern's cases): ``SimulatedBackend`` over a ``FederatedDataset`` (one pfl ``Dataset`` per user),
+    ``FederatedAveraging``, ``PyTorchModel`` with local SGD and central SGD of step 1 (plain model averaging); one
+    local epoch of the task's batch size (pfl's fixed batch order), no evaluation. :meth:`round` runs the next
+    central iteration on the given users (pyfedkern's participants of the same round, so that both train on the
+    same amount of data)."""
 
-    def __init__(self, ctx: ArrayContext) -> None:
-        import copy
+    def __init__(self, name: str, quick: bool) -> None:
         from dataclasses import replace
 
         from pfl.aggregate.simulate import SimulatedBackend
         from pfl.algorithm import FederatedAveraging, NNAlgorithmParams
         from pfl.data.dataset import Dataset
         from pfl.data.federated_dataset import FederatedDataset
-        from pfl.data.sampling import get_user_sampler
         from pfl.hyperparam import NNTrainHyperParams
         from pfl.model.pytorch import PyTorchModel
 
-        module = _PflModule(copy.deepcopy(ctx.local.module))
-        offsets = ctx.offsets
+        factory, (x, y, sizes), settings = task(name, quick)
+        module = _PflModule(factory())
+        offsets = np.concatenate([[0], np.cumsum(sizes)])
 
         def user(uid: int) -> Dataset:
             a, b = int(offsets[uid]), int(offsets[uid + 1])
-            return Dataset(raw_data=[ctx.x[a:b], ctx.y[a:b]], user_id=str(uid))
+            return Dataset(raw_data=[x[a:b], y[a:b]], user_id=str(uid))
 
-        users = FederatedDataset(user, get_user_sampler("minimize_reuse", list(range(ctx.num_clients))))
+        self._queue: collections.deque[int] = collections.deque()
+        users = FederatedDataset(user, self._queue.popleft)
         self._backend = SimulatedBackend(training_data=users, val_data=users)
         self._model = PyTorchModel(
             module, local_optimizer_create=torch.optim.SGD, central_optimizer=torch.optim.SGD(module.parameters(), 1.0)
@@ -254,50 +249,90 @@ class PflRounds:
         self._params = NNAlgorithmParams(
             central_num_iterations=0,
             evaluation_frequency=1 << 30,
-            train_cohort_size=ctx.per_round,
+            train_cohort_size=settings["per_round"],
             val_cohort_size=None,
         )
         self._train = NNTrainHyperParams(
-            local_num_epochs=1, local_learning_rate=ctx.lr(0), local_batch_size=ctx.batch_size
+            local_num_epochs=1, local_learning_rate=settings["lr"], local_batch_size=settings["batch"]
         )
         self._algorithm = FederatedAveraging()
         self._replace = replace
 
-    def round(self) -> nn.Module:
-        """Run the next round (pfl's loop stops after one more central iteration); returns the central model."""
+    def round(self, users: list[int]) -> nn.Module:
+        """Run the next round on ``users`` (pfl's loop stops after one more central iteration); returns the central
+        model."""
+        self._queue.extend(users)
         self._params = self._replace(self._params, central_num_iterations=self._params.central_num_iterations + 1)
         self._algorithm.run(self._params, self._backend, self._model, self._train, send_metrics_to_platform=False)
         return self._model.pytorch_model
 
 
-def pfl_rounds(ctx: ArrayContext, threads: int) -> Callable[[], nn.Module]:
-    """A callable running the next pfl round (:class:`PflRounds`) on ``ctx``'s task with ``threads`` CPU threads."""
-    from pyfedkern.sim.engine import _cpu_threads
+def _pfl_worker(conn: Any, name: str, quick: bool, threads: int) -> None:
+    """The child process of :class:`PflProcess`: builds :class:`PflRounds`, then runs a round per request."""
+    import traceback
 
-    rounds = PflRounds(ctx)
+    multiprocessing.current_process().name = "MainProcess"  # pfl sets up its (one-process) context only there
+    try:
+        torch.set_num_threads(threads)
+        rounds = PflRounds(name, quick)
+        conn.send("ready")
+        while (users := conn.recv()) is not None:
+            rounds.round(users)
+            conn.send("done")
+    except EOFError:  # the parent has gone
+        return
+    except Exception:  # reported to the parent, which raises it
+        conn.send(traceback.format_exc())
 
-    def run() -> nn.Module:
-        with _cpu_threads(threads):
-            return rounds.round()
 
-    return run
+class PflProcess:
+    """:class:`PflRounds` in a child process with ``threads`` CPU threads: pfl as its users run it, with the C
+    allocator's defaults (pyfedkern's engine changes them in its own process). Calling it runs the next round, on
+    the participants pyfedkern's engine draws for that round, and waits for it (a pipe message each way,
+    microseconds against seconds of training)."""
+
+    def __init__(self, name: str, quick: bool, threads: int) -> None:
+        self._participants = task_simulation(name, quick, False).sample_clients
+        self._rounds = itertools.count()
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self._process = context.Process(target=_pfl_worker, args=(child, name, quick, threads), daemon=True)
+        self._process.start()
+        child.close()
+        self._expect("ready")
+
+    def _expect(self, word: str) -> None:
+        try:
+            reply = self._conn.recv()
+        except EOFError:
+            raise RuntimeError(f"the pfl process died (exit code {self._process.exitcode})") from None
+        if reply != word:
+            raise RuntimeError(f"the pfl process failed:\n{reply}")
+
+    def __call__(self) -> None:
+        self._conn.send(self._participants(next(self._rounds)).tolist())
+        self._expect("done")
 
 
 PATHS = {"pyfedkern (engine's choice)": None, "pyfedkern per-client loop": False, "pyfedkern batched": True}
 
 
-def _task_cases(group: str, build: Callable[[bool | None], ArrayContext], flops: int) -> list[Case]:
+def _task_cases(group: str, name: str, quick: bool, flops: int) -> list[Case]:
     out = []
     for threads in THREADS:
         name_group = f"{group} t={threads}"
-        for name, batched in PATHS.items():
+        for label, batched in PATHS.items():
             out.append(
-                Case(name_group, name, lambda b=batched, t=threads: fedavg_rounds(build(b), t), flops=flops, rounds=3)
+                Case(
+                    name_group,
+                    label,
+                    lambda b=batched, t=threads: fedavg_rounds(task_simulation(name, quick, b), t),
+                    flops=flops,
+                    rounds=3,
+                )
             )
         if pfl_available():
-            out.append(
-                Case(name_group, "pfl 0.6", lambda t=threads: pfl_rounds(build(False), t), flops=flops, rounds=3)
-            )
+            out.append(Case(name_group, "pfl 0.6", lambda t=threads: PflProcess(name, quick, t), flops=flops, rounds=3))
     return out
 
 
@@ -334,42 +369,13 @@ def cases(quick: bool = False, device: str = "cpu") -> list[Case]:
     """The CIFAR-10-shaped and Shakespeare-shaped groups at 1 and 2 threads (CPU only)."""
     if device != "cpu":
         return []
-    from pyfedkern import models
-
     cifar = QUICK_CIFAR if quick else CIFAR
-    data: dict[str, Any] = {}
-
-    def cifar_ctx(batched: bool | None) -> ArrayContext:
-        if "cifar" not in data:
-            data["cifar"] = cifar_shaped(cifar["users"], cifar["per_user"])
-        torch.manual_seed(0)
-        module = models.build_model("simple_cnn", (3, 32, 32), 10)
-        return ArrayContext(
-            module,
-            *data["cifar"],
-            per_round=cifar["per_round"],
-            batch_size=cifar["batch"],
-            lr=cifar["lr"],
-            batched=batched,
-        )
-
-    text = QUICK_SHAKESPEARE if quick else SHAKESPEARE
-
-    def text_ctx(batched: bool | None) -> ArrayContext:
-        if "text" not in data:
-            data["text"] = shakespeare_shaped(text["users"], text["length"], text["vocab"])
-        torch.manual_seed(0)
-        module = models.build_model("lstm", (text["length"],), text["vocab"], hidden=text.get("hidden", 256))
-        return ArrayContext(
-            module, *data["text"], per_round=text["per_round"], batch_size=text["batch"], lr=text["lr"], batched=batched
-        )
-
-    samples = cifar["per_round"] * cifar["per_user"]
     out = _task_cases(
         f"engine_models cifar10-shaped {cifar['users']}×{cifar['per_user']} simple_cnn fedavg "
         f"{cifar['per_round']}/round B=10 cpu",
-        cifar_ctx,
-        flops=6 * SIMPLE_CNN_MACS * samples,
+        "cifar",
+        quick,
+        flops=6 * SIMPLE_CNN_MACS * cifar["per_round"] * cifar["per_user"],
     )
     for threads in THREADS:
         group = out[-1].group.rsplit(" t=", 1)[0] + f" t={threads}"
@@ -377,9 +383,11 @@ def cases(quick: bool = False, device: str = "cpu") -> list[Case]:
             Case(group, "limit:gemm", lambda t=threads: _gemm_limit(t), flops=2 * 1024**3),
             Case(group, "limit:conv batch 10", lambda t=threads: _conv_limit(t), flops=6 * 10 * 28 * 28 * 64 * 288),
         ]
+    text = QUICK_SHAKESPEARE if quick else SHAKESPEARE
     out += _task_cases(
         f"engine_models shakespeare-shaped {text['users']} users lstm fedavg {text['per_round']}/round B=10 cpu",
-        text_ctx,
+        "text",
+        quick,
         flops=0,
     )
     return out

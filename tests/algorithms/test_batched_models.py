@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import platform
+import sys
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pyfedkern import models
-from pyfedkern.algorithms import batched
+from pyfedkern.algorithms import LocalModel, batched
 from pyfedkern.algorithms.batched import BatchedLocal, choose_path, faster_path
 from pyfedkern.algorithms.fedavg import FedAvg
-from pyfedkern.benchmarks.engine_models import ArrayContext, shakespeare_shaped
+from pyfedkern.benchmarks.engine_models import array_simulation, shakespeare_shaped
 from pyfedkern.sim.engine import ExperimentConfig, Simulation, _cpu_threads
 
 SIZES = np.array([7, 3, 12, 5, 9], dtype=np.int64)  # unequal: rows stop at different steps, batches are padded
@@ -61,11 +64,11 @@ TASKS = {  # name: (model factory, data)
 }
 
 
-def _context(task: str, batched_flag: bool | None) -> ArrayContext:
+def _context(task: str, batched_flag: bool | None) -> Simulation:
     factory, data = TASKS[task]
     torch.manual_seed(0)
     x, y = data()
-    return ArrayContext(
+    return array_simulation(
         factory().double(),
         x,
         y,
@@ -78,7 +81,7 @@ def _context(task: str, batched_flag: bool | None) -> ArrayContext:
     )
 
 
-def _rounds(ctx: ArrayContext, rounds: int = 2) -> tuple[torch.Tensor, float]:
+def _rounds(ctx: Simulation, rounds: int = 2) -> tuple[torch.Tensor, float]:
     algo = FedAvg()
     x0 = ctx.local.flat.data.clone()
     algo.setup(ctx, x0)
@@ -141,10 +144,12 @@ def test_choose_path_follows_its_measurement_once_per_model_structure(loop_faste
 def test_rules_decide_without_measuring(monkeypatch, fresh_choices):
     monkeypatch.setattr(batched, "_measure_paths", lambda *args: pytest.fail("measured"))
     x, y = _images((2, 8, 8), 4)
-    mlp = ArrayContext(models.build_model("mlp", (2, 8, 8), 4).double(), x, y, SIZES, per_round=5, batch_size=4, lr=0.1)
+    mlp = array_simulation(
+        models.build_model("mlp", (2, 8, 8), 4).double(), x, y, SIZES, per_round=5, batch_size=4, lr=0.1
+    )
     assert choose_path(mlp, 5).batched is True
     norm = nn.Sequential(nn.Flatten(), nn.Linear(128, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 4)).double()
-    with_buffers = ArrayContext(norm, x, y, SIZES, per_round=5, batch_size=4, lr=0.1)
+    with_buffers = array_simulation(norm, x, y, SIZES, per_round=5, batch_size=4, lr=0.1)
     choice = choose_path(with_buffers, 5)
     assert choice.batched is False and "buffers" in choice.reason and choice.seconds is None
 
@@ -152,7 +157,7 @@ def test_rules_decide_without_measuring(monkeypatch, fresh_choices):
 def test_measuring_leaves_the_model_and_the_random_state_unchanged(fresh_choices):
     torch.manual_seed(0)
     x, y = _images((3, 8, 8), 5)
-    ctx = ArrayContext(
+    ctx = array_simulation(
         models.build_model("simple_cnn", (3, 8, 8), 5).double(), x, y, SIZES, per_round=5, batch_size=4, lr=0.1
     )
     before = ctx.local.flat.data.clone()
@@ -209,3 +214,26 @@ def test_shakespeare_shaped_text_follows_its_description():
     assert sizes.min() >= 2 and sizes.max() <= 400 and len(sizes) == 30
     assert int(x.min()) >= 0 and int(x.max()) < 9 and int(y.max()) < 9
     assert torch.equal(shakespeare_shaped(30, 12, 9, seed=1)[0], x)  # seeded
+
+
+def test_conv_models_train_on_channels_last_batches_with_the_same_gradient():
+    x, y = _images((3, 8, 8), 5)
+    conv = LocalModel(models.build_model("simple_cnn", (3, 8, 8), 5, dropout=False).double())
+    assert conv.layout(x).is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous(
+        memory_format=torch.channels_last
+    )
+    mlp = LocalModel(models.build_model("mlp", (3, 8, 8), 5).double())
+    assert mlp.layout(x) is x
+    loss = conv.loss_and_grad(x, y)
+    expected = torch.autograd.grad(F.cross_entropy(conv.module(x), y), list(conv.module.parameters()))
+    assert loss == pytest.approx(float(F.cross_entropy(conv.module(x), y)), rel=1e-12)
+    torch.testing.assert_close(conv.flat.grad, torch.cat([g.reshape(-1) for g in expected]), rtol=1e-10, atol=1e-12)
+
+
+def test_the_engine_keeps_freed_memory_unless_told_not_to(monkeypatch):
+    from pyfedkern import _runtime
+
+    applied = _runtime.retain_freed_memory.__wrapped__()
+    assert applied is (sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc")
+    monkeypatch.setenv("PYFEDKERN_RETAIN_FREED_MEMORY", "0")
+    assert _runtime.retain_freed_memory.__wrapped__() is False
