@@ -870,7 +870,7 @@ def client_train(config: Any, cid: int, server_round: int, content: RecordDict, 
     """
     from pyfedkern.algorithms import make_algorithm
     from pyfedkern.algorithms.base import local_sgd
-    from pyfedkern.sim.engine import _cpu_threads
+    from pyfedkern.sim.engine import _cpu_threads, threads_for_work
 
     if config.algorithm not in CLIENT_ALGORITHMS:
         raise ValueError(f"algorithm {config.algorithm!r} has no Flower client; choose one of {CLIENT_ALGORITHMS}")
@@ -884,7 +884,7 @@ def client_train(config: Any, cid: int, server_round: int, content: RecordDict, 
         else make_algorithm(config.algorithm, **config.algorithm_params)
     )
     received = content.array_records.get("arrays", ArrayRecord())
-    threads = config.threads or (1 if sim.local.dim < 1_000_000 else torch.get_num_threads())
+    threads = config.threads or threads_for_work(sim.batch_size * sim.local.dim, torch.get_num_threads())
     with _cpu_threads(threads):
         if config.algorithm == "fedpbc":
             adopt = bool(content.config_records["config"].get("pbc-adopt", True))
