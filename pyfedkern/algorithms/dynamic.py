@@ -224,7 +224,6 @@ class DistillationLocal:
         local = self._local
         local.module.train()
         local.flat.zero_grad()
-        x = local.layout(x)
         out = local.module(x)
         loss = local.objective(out, y)
         with torch.no_grad():

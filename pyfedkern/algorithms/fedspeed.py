@@ -496,7 +496,7 @@ class FedSpeed(Algorithm):
         for xb, yb in ctx.batches(cid, t, epochs=ctx.local_epochs, steps=ctx.local_steps):
 
             def closure(xb: torch.Tensor = xb, yb: torch.Tensor = yb) -> torch.Tensor:
-                loss = local.objective(local.module(local.layout(xb)), yb)
+                loss = local.objective(local.module(xb), yb)
                 loss.backward()
                 return loss
 

@@ -18,12 +18,7 @@ from pyfedkern.flat import FlatParameters
 
 
 class LocalModel:
-    """A module whose parameters and gradients are views of flat [d] buffers ``flat.data`` / ``flat.grad``.
-
-    A module with 2-D convolutions trains on the CPU with its image batches in channels-last layout (NHWC), in which
-    oneDNN's convolutions and torch's max-pooling run faster (pooling several times faster); its parameters keep
-    their layout, and the results differ only by rounding.
-    """
+    """A module whose parameters and gradients are views of flat [d] buffers ``flat.data`` / ``flat.grad``."""
 
     def __init__(
         self,
@@ -42,7 +37,6 @@ class LocalModel:
         self.penalty = penalty
         self._predict = predict
         self.has_accuracy = has_accuracy
-        self.channels_last = any(isinstance(m, nn.Conv2d) for m in module.modules())
 
     @property
     def dim(self) -> int:
@@ -52,13 +46,6 @@ class LocalModel:
     def load_(self, vector: torch.Tensor) -> None:
         """Make the model's parameters equal to a flat [d] vector."""
         self.flat.load_(vector)
-
-    def layout(self, x: torch.Tensor) -> torch.Tensor:
-        """A training batch in the memory layout the module runs fastest on (channels-last images for a
-        convolutional module on the CPU; otherwise ``x`` itself)."""
-        if self.channels_last and x.dim() == 4 and x.device.type == "cpu":
-            return x.contiguous(memory_format=torch.channels_last)
-        return x
 
     def data_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Mean loss of a batch's outputs."""
@@ -77,7 +64,7 @@ class LocalModel:
         """Set ``flat.grad`` to the gradient of the objective on one batch; return the objective's value."""
         self.module.train()
         self.flat.zero_grad()
-        loss = self.objective(self.module(self.layout(x)), y)
+        loss = self.objective(self.module(x), y)
         loss.backward()
         return float(loss.detach())
 

@@ -8,8 +8,8 @@ Shakespeare task, pyfedkern's local-training paths against each other and agains
   per round, no evaluation. Cases: "pyfedkern (engine's choice)" (the path :func:`~pyfedkern.algorithms.batched.
   choose_path` takes, measured once when the case is built), "pyfedkern per-client loop" (``batched=False``),
   "pyfedkern batched" (``batched=True``), "pfl 0.6" when ``pfl`` is installed (its ``SimulatedBackend`` with
-  ``FederatedAveraging`` on the same arrays, users and initial model, in a child process of its own: an optional
-  peer), and the machine's limits:
+  ``FederatedAveraging`` on the same arrays, initial model and participants: an optional peer), and the machine's
+  limits:
   "limit:gemm" (a float32 GEMM of 1,024³) and "limit:conv batch 10" (forward and backward of the CNN's second
   convolution, 86 % of its multiply-adds, on a batch of 10). Flops: a round's forward and backward of 2,500 images
   (3 × 2 × 16.8 M × 2,500 ≈ 252 GFLOP), so the report gives each case's GFLOP/s next to the limits'.
@@ -20,9 +20,8 @@ Shakespeare task, pyfedkern's local-training paths against each other and agains
   of batch 10, lr 0.8; the same pyfedkern cases.
 
 pyfedkern's rounds run in the engine (:func:`array_simulation`: an :class:`~pyfedkern.Experiment` on in-memory
-arrays whose clients own consecutive slices of the data), as a user's run does, its allocator setting included
-(``pyfedkern._runtime.retain_freed_memory``); pfl's run in a child process with the allocator's defaults, as
-its users run it. Each timed call is the next round of one long run.
+arrays whose clients own consecutive slices of the data), as a user's run does; pfl trains the participants the
+engine draws for the same round. Each timed call is the next round of one long run.
 """
 
 from __future__ import annotations
@@ -31,7 +30,6 @@ import collections
 import functools
 import itertools
 import math
-import multiprocessing
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -160,13 +158,10 @@ def task_simulation(name: str, quick: bool, batched: bool | None) -> Simulation:
 
 
 def fedavg_rounds(sim: Simulation, threads: int) -> Callable[[], torch.Tensor]:
-    """A callable running the next FedAvg round of ``sim`` with ``threads`` CPU threads, as the engine runs it (its
-    allocator setting, ``pyfedkern._runtime.retain_freed_memory``); returns the global model. The engine's
-    path choice (when not forced) is made here, under the same thread count, before any timing."""
-    from pyfedkern._runtime import retain_freed_memory
+    """A callable running the next FedAvg round of ``sim`` with ``threads`` CPU threads; returns the global model.
+    The engine's path choice (when not forced) is made here, under the same thread count, before any timing."""
     from pyfedkern.sim.engine import _cpu_threads
 
-    retain_freed_memory()
     algo = sim.algorithm
     algo.setup(sim, sim.initial_vector)
     rounds = itertools.count()
@@ -267,51 +262,20 @@ class PflRounds:
         return self._model.pytorch_model
 
 
-def _pfl_worker(conn: Any, name: str, quick: bool, threads: int) -> None:
-    """The child process of :class:`PflProcess`: builds :class:`PflRounds`, then runs a round per request."""
-    import traceback
+def pfl_rounds(name: str, quick: bool, threads: int) -> Callable[[], nn.Module]:
+    """A callable running the next pfl round (:class:`PflRounds`) of task ``name`` with ``threads`` CPU threads, on
+    the participants pyfedkern's engine draws for that round."""
+    from pyfedkern.sim.engine import _cpu_threads
 
-    multiprocessing.current_process().name = "MainProcess"  # pfl sets up its (one-process) context only there
-    try:
-        torch.set_num_threads(threads)
-        rounds = PflRounds(name, quick)
-        conn.send("ready")
-        while (users := conn.recv()) is not None:
-            rounds.round(users)
-            conn.send("done")
-    except EOFError:  # the parent has gone
-        return
-    except Exception:  # reported to the parent, which raises it
-        conn.send(traceback.format_exc())
+    rounds = PflRounds(name, quick)
+    participants = task_simulation(name, quick, False).sample_clients
+    count = itertools.count()
 
+    def run() -> nn.Module:
+        with _cpu_threads(threads):
+            return rounds.round(participants(next(count)).tolist())
 
-class PflProcess:
-    """:class:`PflRounds` in a child process with ``threads`` CPU threads: pfl as its users run it, with the C
-    allocator's defaults (pyfedkern's engine changes them in its own process). Calling it runs the next round, on
-    the participants pyfedkern's engine draws for that round, and waits for it (a pipe message each way,
-    microseconds against seconds of training)."""
-
-    def __init__(self, name: str, quick: bool, threads: int) -> None:
-        self._participants = task_simulation(name, quick, False).sample_clients
-        self._rounds = itertools.count()
-        context = multiprocessing.get_context("spawn")
-        self._conn, child = context.Pipe()
-        self._process = context.Process(target=_pfl_worker, args=(child, name, quick, threads), daemon=True)
-        self._process.start()
-        child.close()
-        self._expect("ready")
-
-    def _expect(self, word: str) -> None:
-        try:
-            reply = self._conn.recv()
-        except EOFError:
-            raise RuntimeError(f"the pfl process died (exit code {self._process.exitcode})") from None
-        if reply != word:
-            raise RuntimeError(f"the pfl process failed:\n{reply}")
-
-    def __call__(self) -> None:
-        self._conn.send(self._participants(next(self._rounds)).tolist())
-        self._expect("done")
+    return run
 
 
 PATHS = {"pyfedkern (engine's choice)": None, "pyfedkern per-client loop": False, "pyfedkern batched": True}
@@ -332,7 +296,7 @@ def _task_cases(group: str, name: str, quick: bool, flops: int) -> list[Case]:
                 )
             )
         if pfl_available():
-            out.append(Case(name_group, "pfl 0.6", lambda t=threads: PflProcess(name, quick, t), flops=flops, rounds=3))
+            out.append(Case(name_group, "pfl 0.6", lambda t=threads: pfl_rounds(name, quick, t), flops=flops, rounds=3))
     return out
 
 

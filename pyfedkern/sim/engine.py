@@ -26,7 +26,6 @@ import numpy as np
 import torch
 
 from pyfedkern import models
-from pyfedkern._runtime import retain_freed_memory
 from pyfedkern.algorithms import Algorithm, LocalModel, make_algorithm
 from pyfedkern.algorithms.batched import can_batch, choose_path, free_memory, padding_weights
 from pyfedkern.ops import seeded_permutations
@@ -424,8 +423,6 @@ class Simulation:
         if out_dir is not None:
             writing = self.team.first(lambda: RunWriter(out_dir, self.config.to_dict(), resume=resume))
         threads = self.config.threads or self.auto_threads()
-        if self.device.type == "cpu":
-            retain_freed_memory()
         with _cpu_threads(threads), writing or contextlib.nullcontext() as writer:  # the lock held to the end
             return self._run(out_dir is not None, writer, resume, progress)
 

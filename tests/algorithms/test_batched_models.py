@@ -5,17 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import platform
-import sys
 
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pyfedkern import models
-from pyfedkern.algorithms import LocalModel, batched
+from pyfedkern.algorithms import batched
 from pyfedkern.algorithms.batched import BatchedLocal, choose_path, faster_path
 from pyfedkern.algorithms.fedavg import FedAvg
 from pyfedkern.benchmarks.engine_models import array_simulation, shakespeare_shaped
@@ -214,26 +211,3 @@ def test_shakespeare_shaped_text_follows_its_description():
     assert sizes.min() >= 2 and sizes.max() <= 400 and len(sizes) == 30
     assert int(x.min()) >= 0 and int(x.max()) < 9 and int(y.max()) < 9
     assert torch.equal(shakespeare_shaped(30, 12, 9, seed=1)[0], x)  # seeded
-
-
-def test_conv_models_train_on_channels_last_batches_with_the_same_gradient():
-    x, y = _images((3, 8, 8), 5)
-    conv = LocalModel(models.build_model("simple_cnn", (3, 8, 8), 5, dropout=False).double())
-    assert conv.layout(x).is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous(
-        memory_format=torch.channels_last
-    )
-    mlp = LocalModel(models.build_model("mlp", (3, 8, 8), 5).double())
-    assert mlp.layout(x) is x
-    loss = conv.loss_and_grad(x, y)
-    expected = torch.autograd.grad(F.cross_entropy(conv.module(x), y), list(conv.module.parameters()))
-    assert loss == pytest.approx(float(F.cross_entropy(conv.module(x), y)), rel=1e-12)
-    torch.testing.assert_close(conv.flat.grad, torch.cat([g.reshape(-1) for g in expected]), rtol=1e-10, atol=1e-12)
-
-
-def test_the_engine_keeps_freed_memory_unless_told_not_to(monkeypatch):
-    from pyfedkern import _runtime
-
-    applied = _runtime.retain_freed_memory.__wrapped__()
-    assert applied is (sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc")
-    monkeypatch.setenv("PYFEDKERN_RETAIN_FREED_MEMORY", "0")
-    assert _runtime.retain_freed_memory.__wrapped__() is False
