@@ -187,7 +187,8 @@ class FedPBC(_LinkAlgorithm):
         self.clients.data.copy_(x0.expand_as(self.clients.data))
         self.present: np.ndarray | None = None
         # spread over processes, x̄^t is combined each round (no process holds every x_i)
-        self.team_mean = x0.clone() if owned_clients(ctx) is not None else None
+        team = getattr(ctx, "team", None)
+        self.team_mean = x0.clone() if team is not None and team.size > 1 else None
 
     def round(self, t: int, ctx: FLContext) -> RoundStats:
         present = self.present_clients(ctx)

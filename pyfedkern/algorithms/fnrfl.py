@@ -419,11 +419,8 @@ class FNRFL(FedAvg):
         where = dict(zip(own_ids.tolist(), ((c, r) for c, u in enumerate(chunks) for r in range(len(u))), strict=True))
         ids = own_ids
         if team is not None and team.size > 1:
-            K = _num_classes(ctx.local.module)
-            ids, stats = (
-                np.asarray(clients, dtype=np.int64),
-                self._shared_statistics(t, team, K, clients, own_ids, stats),
-            )
+            stats = self._shared_statistics(t, team, _num_classes(ctx.local.module), clients, own_ids, stats)
+            ids = np.asarray(clients, dtype=np.int64)
         # positions in ids in ascending client id: selection ties go to the lower id
         by_id = np.argsort(ids, kind="stable")
         accuracies = np.array([s.accuracy for s in stats])[by_id]

@@ -294,10 +294,12 @@ def test_torchrun_equals_one_process_for_every_algorithm(tmp_path, ranks):
     check_cases(run_cases(tmp_path, list(CASES), ranks), list(CASES), ranks)
 
 
-def test_four_ranks_equal_one_process(tmp_path):
-    """4 gloo ranks on a few logistic-regression clients (some ranks own one client or none of a round's)."""
+@pytest.mark.parametrize("ranks", [1, 4])
+def test_one_and_four_ranks_equal_one_process(tmp_path, ranks):
+    """1 gloo rank (a process group of one) and 4 (some own one client, or none of a round's participants), on a few
+    logistic-regression clients."""
     names = ["scaffold-one", "fedspeed-all", "fedpbc", "mifa", "fnrfl"]
-    check_cases(run_cases(tmp_path, names, 4), names, 4)
+    check_cases(run_cases(tmp_path, names, ranks), names, ranks)
 
 
 def test_workers_launch_writes_once_and_equals_one_process(tmp_path):
