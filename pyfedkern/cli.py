@@ -341,7 +341,7 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
     if args.workers is not None and not launched:
         distributed.check_workers(args.workers, config.device)
     if workers > 1:
-        distributed.check_algorithm(config.algorithm)
+        distributed.check_algorithm(config.algorithm, config.algorithm_params)
         try:
             return distributed.launch_workers(workers, args.argv)
         except distributed.ChildFailedWorkers as err:

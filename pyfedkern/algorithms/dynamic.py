@@ -286,7 +286,9 @@ class DynamicInit(Algorithm):
             restarted each session.
     """
 
-    distributed = False  # its round needs every client at once: one process only
+    # its rounds (footprint rounds included) are its host's, which go through ctx.team; its own state (pilot mean,
+    # history, teacher) is built from global models, the same on every process
+    distributed = True
 
     name = "dynamic"
     host: str = "fedavg"

@@ -38,7 +38,16 @@ import numpy as np
 import torch
 
 from pyfedkern import ops
-from pyfedkern.algorithms.base import Algorithm, ClientStore, FLContext, RoundStats, RoundSums, local_sgd, mean_loss
+from pyfedkern.algorithms.base import (
+    Algorithm,
+    ClientStore,
+    FLContext,
+    RoundStats,
+    RoundSums,
+    local_sgd,
+    mean_loss,
+    owned_clients,
+)
 from pyfedkern.algorithms.batched import batched_local_sgd_, client_chunks, use_batched
 
 _LINK_SEED = 811  # purpose key of the link model's seed stream
@@ -77,8 +86,6 @@ class _LinkAlgorithm(Algorithm):
         delta: floor δ of every p_i.
         link_probs: explicit probabilities instead (m values, or g values for g equal contiguous client groups).
     """
-
-    distributed = False  # its round needs every client at once: one process only
 
     links: str = "bernoulli"
     gamma: float = 0.3
@@ -164,20 +171,31 @@ class FedPBC(_LinkAlgorithm):
 
     ``global_model()`` is the server model x^t (the paper's x_PS); ``mean_model()`` is x̄^t, the mean of all client
     models, which the theory covers. Each round logs ``active`` (|A^t|) and ``consensus_dist`` = ‖x^t − x̄^t‖₂.
+    Spread over processes (``ctx.team``), each process keeps and trains the models of the clients it owns, and the
+    processes add up their sums of the ON clients' models (for x^t) and of the OFF ones (for x̄^t).
     """
 
     name = "fedpbc"
+    distributed = True  # its round goes through ctx.team
 
     def setup(self, ctx: FLContext, x0: torch.Tensor) -> None:
         super().setup(ctx, x0)
         self.setup_links(ctx)
-        self.clients = ClientStore(ctx.num_clients, x0.numel(), device=x0.device, dtype=x0.dtype)
+        self.clients = ClientStore(
+            ctx.num_clients, x0.numel(), device=x0.device, dtype=x0.dtype, owned=owned_clients(ctx)
+        )
         self.clients.data.copy_(x0.expand_as(self.clients.data))
         self.present: np.ndarray | None = None
+        # spread over processes, x̄^t is combined each round (no process holds every x_i)
+        team = getattr(ctx, "team", None)
+        self.team_mean = x0.clone() if team is not None and team.size > 1 else None
 
     def round(self, t: int, ctx: FLContext) -> RoundStats:
         present = self.present_clients(ctx)
         self.present = present
+        team = getattr(ctx, "team", None)
+        if team is not None and team.size > 1:
+            return self.shared_round(t, ctx, team, present)
         store = self.clients.data
         if len(present) == store.shape[0]:
             losses = self.train_(ctx, t, store, present)
@@ -199,18 +217,61 @@ class FedPBC(_LinkAlgorithm):
             extras={"active": float(len(active)), "consensus_dist": gap},
         )
 
+    def shared_round(self, t: int, ctx: FLContext, team: Any, present: np.ndarray) -> RoundStats:
+        """The round spread over processes (``ctx.team``, :mod:`pyfedkern.sim.distributed`): this process trains
+        its own present clients, the team adds up Σ_{A^t} x_i and Σ_{present∖A^t} x_i over every process, and every
+        process sets x^t = Σ_{A^t} x_i / |A^t| and broadcasts it to its own ON clients."""
+        mine = team.mine(present)
+        rows = self.clients.rows(mine)
+        models = self.clients.data.index_select(0, rows)
+        losses = self.train_(ctx, t, models, mine)
+        active = self.uplinks(t, present)
+        with ctx.timer("aggregation"):
+            on = np.isin(mine, active)
+            sums = RoundSums()
+            for name, part in (("on", on), ("off", ~on)):
+                if part.any():
+                    sums.add(name, models[torch.as_tensor(part, device=models.device)], np.ones(int(part.sum())))
+            sums, losses, _ = team.combine(t, sums, [losses], 0)
+            if len(active):
+                self.x.copy_(sums.vector("on")).mul_(1.0 / len(active))
+                models[torch.as_tensor(on, device=models.device)] = self.x
+            self.clients.data.index_copy_(0, rows, models)
+            off = sums.vector("off")
+            total = self.x * len(active) if off is None else ops.weighted_sum([off, self.x], [1.0, len(active)])
+            self.team_mean = total.mul_(1.0 / max(len(present), 1))
+        d = int(self.x.numel())
+        return RoundStats(
+            clients=active,
+            local_loss=mean_loss(losses),
+            upload_floats=len(active) * d,
+            download_floats=len(active) * d,
+            extras={
+                "active": float(len(active)),
+                "consensus_dist": float(torch.linalg.vector_norm(self.x - self.team_mean)),
+            },
+        )
+
     def mean_model(self) -> torch.Tensor:
-        """x̄^t = (1/m)·Σ_i x_i^t over the clients present in the last round (all before the first), [d]."""
+        """x̄^t = (1/m)·Σ_i x_i^t over the clients present in the last round (all before the first), [d]. Spread over
+        processes: the x̄^t combined in the last round."""
+        if self.team_mean is not None:
+            return self.team_mean
         if self.present is None or len(self.present) == self.clients.data.shape[0]:
             return self.clients.mean()
         return self.clients.data[torch.as_tensor(self.present, device=self.x.device)].mean(0)
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "clients": self.clients.data}
+        state = {**super().state_dict(), "clients": self.clients.data}
+        if self.team_mean is not None:
+            state["team_mean"] = self.team_mean
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.clients.data.copy_(state["clients"])
+        if self.team_mean is not None:
+            self.team_mean = state["team_mean"].to(self.x.device).clone()
 
 
 @dataclass
@@ -225,7 +286,7 @@ class FedAvgLinks(_LinkAlgorithm):
     """
 
     name = "fedavg-links"
-    distributed = True  # its round spreads over processes (shared_update); MIFA's does not
+    distributed = True  # its round spreads over processes (shared_update)
     server_lr: float = 1.0
 
     def __post_init__(self) -> None:
@@ -377,14 +438,15 @@ class FedAU(FedAvgLinks):
 class MIFA(FedAvgLinks):
     """MIFA: the server keeps U_i, the latest Δ_i of every client (0 until its first report);
     x ← x + η_g·(1/m)·Σ_{i=1..m} U_i every round, stale entries included (raw Δ, as the FedAU reference code).
-    The sum and m run over the present clients; a client that leaves has its U_i dropped.
+    The sum and m run over the present clients; a client that leaves has its U_i dropped. Spread over processes
+    (``ctx.team``), each process keeps the U_i of the clients it owns and the running sum of those, and the processes
+    add up their running sums for the step.
 
     Args:
         resum_every: re-sum the running Σ U_i from all m rows every this many rounds (float32 drift).
     """
 
     name = "mifa"
-    distributed = False  # its server step reads every client's memory
     resum_every: int = 100
 
     def __post_init__(self) -> None:
@@ -394,8 +456,10 @@ class MIFA(FedAvgLinks):
 
     def setup(self, ctx: FLContext, x0: torch.Tensor) -> None:
         super().setup(ctx, x0)
-        self.memory = ClientStore(ctx.num_clients, x0.numel(), device=x0.device, dtype=x0.dtype)
-        self.total = torch.zeros_like(self.x)
+        owned = owned_clients(ctx)
+        self.memory = ClientStore(ctx.num_clients, x0.numel(), device=x0.device, dtype=x0.dtype, owned=owned)
+        self.held = np.arange(ctx.num_clients, dtype=np.int64) if owned is None else owned  # the clients of memory
+        self.total = torch.zeros_like(self.x)  # Σ U_i over the clients of memory
         self.checked_present: np.ndarray | None = None  # the client set whose departures were last dropped
 
     def drop_departed(self) -> bool:
@@ -404,9 +468,10 @@ class MIFA(FedAvgLinks):
         if self.checked_present is not None and np.array_equal(self.checked_present, self.present):
             return False
         self.checked_present = self.present
-        gone = torch.as_tensor(np.setdiff1d(np.arange(self.memory.data.shape[0]), self.present), device=self.x.device)
-        if gone.numel() == 0:
+        gone = np.setdiff1d(self.held, self.present)
+        if gone.size == 0:
             return False
+        gone = self.memory.rows(gone)
         rows = self.memory.data.index_select(0, gone)
         if not bool(rows.any()):
             return False
@@ -419,6 +484,30 @@ class MIFA(FedAvgLinks):
         # the op divides the sum by all memory rows; the average runs over the present clients
         lr = self.server_lr * (self.memory.data.shape[0] / max(len(self.present), 1))
         ops.mifa_update_(self.x, self.memory.data, self.total, updates, active, lr, resum=resum)
+
+    def shared_update(self, t: int, ctx: FLContext, team: Any, active: np.ndarray) -> torch.Tensor:
+        """The step of a round spread over processes (``ctx.team``): this process trains its own ON clients and
+        updates their U_i and its running Σ U_i (re-summed from its rows when due), the team adds up the processes'
+        sums, every process takes the step; returns every ON client's loss."""
+        mine = team.mine(active)
+        models, losses = self.local_models(ctx, t, mine)
+        with ctx.timer("aggregation"):
+            resum = self.drop_departed() or (t + 1) % self.resum_every == 0
+            if len(mine):
+                rows = self.memory.rows(mine)
+                deltas = models.sub_(self.x)
+                ones = np.ones(len(mine))
+                stale = ops.weighted_sum(self.memory.data.index_select(0, rows), ones)
+                ops.weighted_sum([self.total, ops.weighted_sum(deltas, ones), stale], [1.0, 1.0, -1.0], out=self.total)
+                self.memory.data.index_copy_(0, rows, deltas)
+            if resum and len(self.held):
+                ops.weighted_sum(self.memory.data, np.ones(len(self.held)), out=self.total)
+            sums = RoundSums()
+            sums.vectors["total"] = self.total
+            sums, losses, _ = team.combine(t, sums, [losses], 0)
+            lr = self.server_lr / max(len(self.present), 1)
+            ops.weighted_sum([self.x, sums.vector("total")], [1.0, lr], out=self.x)
+        return losses[0]
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "memory": self.memory.data, "total": self.total}

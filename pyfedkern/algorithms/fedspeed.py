@@ -25,7 +25,15 @@ import numpy as np
 import torch
 
 from pyfedkern import ops
-from pyfedkern.algorithms.base import Algorithm, ClientStore, FLContext, RoundStats, mean_loss
+from pyfedkern.algorithms.base import (
+    Algorithm,
+    ClientStore,
+    FLContext,
+    RoundStats,
+    RoundSums,
+    mean_loss,
+    owned_clients,
+)
 from pyfedkern.algorithms.batched import BatchedLocal, client_chunks, use_batched
 
 RHO_MODES = ("normalized", "raw")
@@ -322,6 +330,9 @@ class FedSpeed(Algorithm):
     + wd·x]; then h_i += x_K − x^t and the upload x̂_i = x_K + h_i is added straight into the server's running sum.
     Server: x^{t+1} = mean over the S participants of x̂_i (``corr_avg="active"``, Algorithm 1) or
     mean_S(x_K) + mean over all m clients of h_i (``corr_avg="all"``, the reference code, via a running Σ_m h_i).
+    Spread over processes (``ctx.team``), each process trains the participants it owns, keeps the h_i of its own
+    clients and the running sum of those h_i, and the processes add up their sums of uploads (and of h_i) for the
+    server step.
     Both means are plain 1/S (and 1/m) means, as in Algorithm 1 and in FedDyn; FedAvg, FedProx, SCAFFOLD and FedSAM
     weight their participants by |D_i| instead. So the special cases (perturbation alone = FedSAM, prox alone =
     FedProx, no switch = FedAvg) equal those baselines only when the clients have equal sizes; otherwise they equal
@@ -340,7 +351,7 @@ class FedSpeed(Algorithm):
         corr_avg: "active" or "all".
     """
 
-    distributed = False  # its round needs every client at once: one process only
+    distributed = True  # its round goes through ctx.team
 
     name = "fedspeed"
     lam: float = 10.0
@@ -370,10 +381,13 @@ class FedSpeed(Algorithm):
             raise ValueError(f"{self.name}: local momentum is not part of the algorithm; set momentum to 0")
         self.num_clients = int(ctx.num_clients)
         d = self.x.numel()
+        owned = owned_clients(ctx)
         self.h_store = (
-            ClientStore(ctx.num_clients, d, device=self.x.device, dtype=self.x.dtype) if self.use_correction else None
+            ClientStore(ctx.num_clients, d, device=self.x.device, dtype=self.x.dtype, owned=owned)
+            if self.use_correction
+            else None
         )
-        self.h_total = torch.zeros_like(self.x)
+        self.h_total = torch.zeros_like(self.x)  # Σ h_i over the clients of h_store (this process's, when spread)
         self._acc = torch.zeros_like(self.x)
         module = ctx.local.module
         self.optimizer = FedSpeedOptimizer(
@@ -393,24 +407,34 @@ class FedSpeed(Algorithm):
 
     def round(self, t: int, ctx: FLContext) -> RoundStats:
         clients = self.participants(t, ctx)
+        team = getattr(ctx, "team", None)
+        own = clients if team is None else team.mine(clients)
         self._acc.zero_()
         opt = self.optimizer
         opt.param_groups[0]["lr"] = ctx.lr(t)
         opt.param_groups[0]["weight_decay"] = ctx.weight_decay
         weight = 1.0 / len(clients) if len(clients) else 0.0
         losses: list[torch.Tensor] = []
-        for chunk in client_chunks(ctx, clients, self.state_rows_per_client(ctx)):
+        for chunk in client_chunks(ctx, own, self.state_rows_per_client(ctx)):
             with ctx.timer("local"):
                 if use_batched(ctx):
                     losses.append(self._batched_clients(t, chunk, ctx, weight))
                 else:
                     losses.append(self._looped_clients(t, chunk, ctx, weight))
         with ctx.timer("aggregation"):
+            sums = RoundSums()  # the sums of this process's clients: uploads/S and, for "all", Σ h_i
+            sums.vectors["upload"] = self._acc
+            if self.corr_avg == "all":
+                sums.vectors["h_total"] = self.h_total
+            if team is not None:
+                sums, losses, _ = team.combine(t, sums, losses, 0)
             if len(clients):
                 if self.corr_avg == "all":
-                    ops.weighted_sum([self._acc, self.h_total], [1.0, 1.0 / self.num_clients], out=self.x)
+                    ops.weighted_sum(
+                        [sums.vector("upload"), sums.vector("h_total")], [1.0, 1.0 / self.num_clients], out=self.x
+                    )
                 else:
-                    self.x.copy_(self._acc)
+                    self.x.copy_(sums.vector("upload"))
         return RoundStats(
             clients=np.asarray(clients, dtype=np.int64),
             local_loss=mean_loss(losses),
@@ -444,7 +468,10 @@ class FedSpeed(Algorithm):
         :func:`~pyfedkern.ops.fedspeed_update_`, then :func:`~pyfedkern.ops.fedspeed_round_end_` over the rows."""
         run = BatchedLocal(ctx, t, clients)
         x = run.start(self.x)
-        h = self.h_store.data[run.index] if self.use_correction else None
+        rows = h = None
+        if self.use_correction:
+            rows = self.h_store.rows(run.clients)
+            h = self.h_store.data.index_select(0, rows)
         prox = self.use_prox
         anchor = None
         if prox:  # D = h_i − x^t (h_i = 0 without the correction)
@@ -480,7 +507,7 @@ class FedSpeed(Algorithm):
                 include_h=not reference_server,
                 h_sum=self.h_total if reference_server else None,
             )
-            self.h_store.data.index_copy_(0, run.index, h)
+            self.h_store.data.index_copy_(0, rows, h)
         else:
             self._acc.add_(ops.weighted_sum(x, np.full(len(run), weight)))
         return run.losses()

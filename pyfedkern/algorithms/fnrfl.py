@@ -212,7 +212,7 @@ class FNRFL(FedAvg):
             "authors" (over every other participant, refined ones included, as the authors' code).
     """
 
-    distributed = False  # its round needs every client at once: one process only
+    distributed = True  # its round goes through ctx.team (see round)
 
     name = "fnrfl"
     lam: float = 0.01
@@ -394,13 +394,19 @@ class FNRFL(FedAvg):
         return x, (reg_sum / max(step, 1)).cpu().numpy()
 
     def round(self, t: int, ctx: FLContext) -> RoundStats:
+        """One round (see the module docstring). Spread over processes (``ctx.team``), each process trains and
+        measures the participants it owns, the processes share every participant's public-set statistics (F_i,
+        present labels, A_i: 2K + 1 numbers each), each takes the same selection, refines the selected clients it
+        owns, and the team adds up the model sums for the server step."""
         clients = self.participants(t, ctx)
+        team = getattr(ctx, "team", None)
+        own = clients if team is None else team.mine(clients)
         _split_model(ctx.local.module)
         batched = use_batched(ctx)
         chunks: list[ClientUpdates] = []
         stats: list[PublicStats] = []
         with ctx.timer("local"):
-            for chunk in client_chunks(ctx, clients, 2):
+            for chunk in client_chunks(ctx, own, 2):
                 updates = self.client_updates(t, chunk, ctx)
                 chunks.append(updates)
                 models = updates.vectors["model"]
@@ -408,50 +414,80 @@ class FNRFL(FedAvg):
                     stats += self.batched_public_statistics(models, ctx)
                 else:
                     stats += [self.public_statistics(models[r], ctx) for r in range(len(updates))]
-        # every row as (chunk, row), in ascending client id: selection ties go to the lower id
-        ids = np.concatenate([u.clients for u in chunks]) if chunks else np.zeros(0, dtype=np.int64)
-        where = [(c, r) for c, u in enumerate(chunks) for r in range(len(u))]
+        # this process's rows as (chunk, row) by client id
+        own_ids = np.concatenate([u.clients for u in chunks]) if chunks else np.zeros(0, dtype=np.int64)
+        where = dict(zip(own_ids.tolist(), ((c, r) for c, u in enumerate(chunks) for r in range(len(u))), strict=True))
+        ids = own_ids
+        if team is not None and team.size > 1:
+            stats = self._shared_statistics(t, team, _num_classes(ctx.local.module), clients, own_ids, stats)
+            ids = np.asarray(clients, dtype=np.int64)
+        # positions in ids in ascending client id: selection ties go to the lower id
         by_id = np.argsort(ids, kind="stable")
         accuracies = np.array([s.accuracy for s in stats])[by_id]
         chosen = by_id[select_lowest(accuracies, selection_count(len(clients), self.p))]
-        reg_values = np.zeros(0)
+        sums = RoundSums()
         if chosen.size:
             target_sums, target_counts, deltas = round_targets(stats, chosen, self.delta_rule)
-            starts = torch.stack([chunks[where[k][0]].vectors["model"][where[k][1]] for k in chosen])
-            with ctx.timer("local"):
-                if batched:
-                    targets = (target_sums, target_counts)
-                    refined, reg_values = self.batched_refine(t, ids[chosen], starts, ctx, targets, deltas)
-                else:
-                    results = [
-                        self.refine(t, int(ids[k]), starts[j], ctx, (target_sums[j], target_counts[j]), deltas[j])
-                        for j, k in enumerate(chosen)
-                    ]
-                    refined = torch.stack([model for model, _, _ in results]) if results else starts
-                    reg_values = np.array([reg for _, _, reg in results])
-            for j, k in enumerate(chosen):
-                c, r = where[k]
-                chunks[c].vectors["model"][r] = refined[j]
+            mine = [j for j, k in enumerate(chosen) if int(ids[k]) in where]  # rows of the chosen this process has
+            refine_ids = ids[chosen[mine]]
+            spots = [where[int(cid)] for cid in refine_ids]
+            if mine:
+                starts = torch.stack([chunks[c].vectors["model"][r] for c, r in spots])
+                with ctx.timer("local"):
+                    if batched:
+                        targets = (target_sums[mine], target_counts[mine])
+                        refined, reg_values = self.batched_refine(t, refine_ids, starts, ctx, targets, deltas[mine])
+                    else:
+                        results = [
+                            self.refine(t, int(cid), starts[j], ctx, (target_sums[i], target_counts[i]), deltas[i])
+                            for j, (i, cid) in enumerate(zip(mine, refine_ids, strict=True))
+                        ]
+                        refined = torch.stack([model for model, _, _ in results])
+                        reg_values = np.array([reg for _, _, reg in results])
+                for j, (c, r) in enumerate(spots):
+                    chunks[c].vectors["model"][r] = refined[j]
+                sums.add_scalar("fnr_reg", float(np.sum(reg_values)))
+        losses = [u.losses for u in chunks]
         with ctx.timer("aggregation"):
-            sums = RoundSums()
             for updates in chunks:
                 self.accumulate(t, sums, updates, ctx)
+            if team is not None:
+                sums, losses, _ = team.combine(t, sums, losses, 0)
             if len(clients):
                 self.server_step(t, sums, ctx)
         P = int(self.x.numel())
         K = int(stats[0].class_mean.numel()) if stats else 0
         return RoundStats(
             clients=np.asarray(clients, dtype=np.int64),
-            local_loss=mean_loss([u.losses for u in chunks]) if chunks else float("nan"),
+            local_loss=mean_loss(losses) if losses else float("nan"),
             upload_floats=len(clients) * (P + K + 1) + len(chosen) * P,
             download_floats=len(clients) * P + len(chosen) * K,
             extras={
                 "fnr_refined": float(len(chosen)),
                 "fnr_public_acc_mean": float(accuracies.mean()) if len(accuracies) else float("nan"),
                 "fnr_public_acc_min": float(accuracies.min()) if len(accuracies) else float("nan"),
-                "fnr_reg": float(np.mean(reg_values)) if len(reg_values) else float("nan"),
+                "fnr_reg": sums.scalar("fnr_reg") / len(chosen) if len(chosen) else float("nan"),
             },
         )
+
+    def _shared_statistics(
+        self, t: int, team: Any, K: int, clients: np.ndarray, own_ids: np.ndarray, stats: list[PublicStats]
+    ) -> list[PublicStats]:
+        """Every participant's statistics in ``clients``' order, from each process's own (``stats`` of ``own_ids``,
+        K classes): a [k, 2K + 1] float64 table (F, present, A per row) in which each process fills the rows of its
+        own clients; the team's sum of the tables adds only zeros to each entry, so every entry arrives exactly."""
+        table = torch.zeros(len(clients), 2 * K + 1, dtype=torch.float64, device=self.x.device)
+        if len(own_ids):
+            position = {int(cid): i for i, cid in enumerate(clients)}
+            index = torch.as_tensor([position[int(cid)] for cid in own_ids], device=table.device)
+            accuracies = torch.tensor([[s.accuracy] for s in stats], dtype=torch.float64, device=table.device)
+            means = torch.stack([s.class_mean for s in stats]).to(table)
+            present = torch.stack([s.present for s in stats]).to(table)
+            table.index_copy_(0, index, torch.cat([means, present, accuracies], dim=1))
+        sums = RoundSums()
+        sums.vectors["fnr_public_stats"] = table
+        table = team.combine(t, sums, [], 0)[0].vector("fnr_public_stats")
+        return [PublicStats(row[:K], row[K : 2 * K].bool(), float(row[2 * K])) for row in table]
 
 
 def _empty_target(like: PublicStats) -> tuple[torch.Tensor, torch.Tensor]:

@@ -299,15 +299,21 @@ def spreads(cls: type) -> bool:
     return bool(cls.distributed) and flag_owner <= round_owner
 
 
-def check_algorithm(name: str) -> None:
-    """ValueError unless the algorithm ``name`` can spread its rounds over processes (:func:`spreads`)."""
+def check_algorithm(name: str, params: dict[str, Any] | None = None) -> None:
+    """ValueError unless the algorithm ``name`` with hyper-parameters ``params`` can spread its rounds over processes
+    (:func:`spreads`): it, and the algorithm it wraps when it has a ``host`` hyper-parameter (``dynamic``)."""
     from pyfedkern.algorithms import algorithm_class
 
-    if not spreads(algorithm_class(name)):
-        raise ValueError(
-            f"algorithm {name!r} runs in one process only (its round needs every client at once); "
-            "run it without --workers or torchrun"
-        )
+    names = [name]
+    host = algorithm_class(name).hyperparameters().get("host")
+    if host is not None:
+        names.append((params or {}).get("host", host.default))
+    for each in names:
+        if not spreads(algorithm_class(each)):
+            raise ValueError(
+                f"algorithm {each!r} runs in one process only (its round does not go through ctx.team); "
+                "run it without --workers or torchrun"
+            )
 
 
 def launch_workers(workers: int, argv: list[str]) -> int:
@@ -359,7 +365,7 @@ def run_distributed(
     place the clients, run, leave the group. Every rank returns the same per-round metrics."""
     from pyfedkern.sim.engine import Simulation
 
-    check_algorithm(config.algorithm)
+    check_algorithm(config.algorithm, config.algorithm_params)
     device = rank_device(config.device)
     init_process_group(device)
     try:

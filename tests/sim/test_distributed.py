@@ -1,6 +1,7 @@
 """Rounds spread over processes (pyfedkern.sim.distributed) against the one-process run they replace: placement,
-sharded client state, the threads rule, torchrun and ``--workers`` launches (gloo, 2 and 3 processes), a rank killed
-mid-run and resumed, resume refused with another number of workers, and the start-up error of an unreachable rank."""
+sharded client state, the threads rule, torchrun and ``--workers`` launches (gloo, 2, 3 and 4 processes), runs
+stopped and resumed on the same processes, a rank killed mid-run and resumed, resume refused with another number of
+workers, and the start-up error of an unreachable rank."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ BASE = ExperimentConfig(
     seed=3,
     threads=1,
 )
-# every algorithm whose rounds spread over processes, with options that change its local step, links or server state
+# every algorithm (all spread over processes), with options that change its local step, links or server state
 CASES = {
     "fedavg": ("fedavg", {"server_lr": 0.8}, 0.5),
     "fedprox": ("fedprox", {"mu": 0.1}, 0.0),
@@ -55,16 +56,41 @@ CASES = {
     "grab": ("grab", {}, 0.0),
     "bherd-fednova": ("bherd-fednova", {"alpha": 0.5}, 0.0),
     "bherd-scaffold": ("bherd-scaffold", {"alpha": 0.5}, 0.0),
-    "scaffold-one": ("scaffold", {}, 0.0),  # one participant a round: the other ranks have nothing to add
+    "scaffold-one": ("scaffold", {}, 0.0),
     "fedavg-links": ("fedavg-links", {"server_lr": 0.9, "link_probs": (0.6,)}, 0.0),
     "fedavg-all": ("fedavg-all", {"links": "markov"}, 0.0),
     "fedavg-known-p": ("fedavg-known-p", {"links": "cyclic", "cycle_length": 2}, 0.0),
     "fedau": ("fedau", {"cutoff": 2, "link_probs": (0.5,)}, 0.0),
+    "fedspeed": ("fedspeed", {"alpha": 0.5}, 0.0),
+    "fedspeed-all": ("fedspeed", {"corr_avg": "all", "ref_compat": True}, 0.0),  # Σ_m h_i of every process's clients
+    "fedpbc": ("fedpbc", {}, 0.5),
+    "mifa": ("mifa", {"resum_every": 2, "server_lr": 0.9}, 0.0),
+    "fnrfl": ("fnrfl", {"p": 0.5, "public_size": 5, "refine_epochs": 1.0}, 0.0),
+    "dynamic": ("dynamic", {"host": "scaffold", "sessions": 3, "session_rounds": 1}, 0.0),
+    # clients leave and arrive (session groups) under a host that keeps every client's memory; distillation
+    "dynamic-mifa": ("dynamic", {"host": "mifa", "method": "continuous", "sessions": 3, "session_rounds": 1}, 0.0),
 }
+# fields of a case's config other than BASE's
+CONFIGS = {
+    "scaffold-one": {"fraction": 0.15},  # one participant a round: the other ranks have nothing to add
+    "dynamic": {"partition": "groups:0,0.5", "clients": 8},
+    "dynamic-mifa": {"partition": "groups:0,0.5", "clients": 8},
+}
+# stopped after the next-to-last round and resumed on the same ranks (from every rank's checkpointed state)
+RESUMED = {"fedspeed", "fedspeed-all", "fedpbc", "mifa", "fnrfl", "dynamic", "dynamic-mifa"}
 # BHerd's family records gradients in float32 buffers (also in float64 runs): its herding sees float32 rounding, so
 # a client trained in another batch (other rows beside it) may differ in the last float32 bit
 FLOAT32_BUFFERS = {"bherd", "bherd-fednova", "bherd-scaffold"}
-STATEFUL = {"scaffold": "client_c", "scaffold-one": "client_c", "feddyn": "h_store", "bherd-scaffold": "client_c"}
+STATEFUL = {
+    "scaffold": "client_c",
+    "scaffold-one": "client_c",
+    "feddyn": "h_store",
+    "bherd-scaffold": "client_c",
+    "fedspeed": "h_store",
+    "fedspeed-all": "h_store",
+    "fedpbc": "clients",
+    "mifa": "memory",
+}
 
 
 def case_config(name: str) -> ExperimentConfig:
@@ -77,7 +103,7 @@ def case_config(name: str) -> ExperimentConfig:
         momentum=momentum,
         model=model,
         model_params={"hidden": [8]} if model == "mlp" else {},
-        fraction=0.15 if name == "scaffold-one" else BASE.fraction,
+        **CONFIGS.get(name, {}),
     )
 
 
@@ -191,18 +217,27 @@ def test_one_process_team_is_the_identity():
     assert team.gather("x") == ["x"] and team.scatter(["y"]) == "y" and team.first(lambda: 5) == 5
 
 
-def test_every_distributed_algorithm_is_tested_here():
-    plain = {name for name in ALGORITHMS if distributed.spreads(algorithm_class(name))}
-    assert plain == {algorithm for algorithm, _, _ in CASES.values()}
-    with pytest.raises(ValueError, match="one process only"):
-        distributed.check_algorithm("fedpbc")
+class OwnRound(algorithm_class("fedavg")):
+    """An algorithm of a user's own with a round of its own: not spread unless it says so."""
 
-    class OwnRound(algorithm_class("fedavg")):
-        def round(self, t, ctx):  # a round of its own: not spread unless it says so
-            return super().round(t, ctx)
+    def round(self, t, ctx):
+        return super().round(t, ctx)
 
+
+def test_every_algorithm_spreads_and_is_tested_here(monkeypatch):
+    assert all(distributed.spreads(algorithm_class(name)) for name in ALGORITHMS)
+    assert set(ALGORITHMS) == {algorithm for algorithm, _, _ in CASES.values()}
+    for name in ALGORITHMS:
+        distributed.check_algorithm(name)
+
+    monkeypatch.setitem(ALGORITHMS, "own-round", f"{__name__}:OwnRound")
     assert not distributed.spreads(OwnRound)
-    OwnRound.distributed = True
+    with pytest.raises(ValueError, match="'own-round' runs in one process only"):
+        distributed.check_algorithm("own-round")
+    with pytest.raises(ValueError, match="'own-round' runs in one process only"):  # as the host of a wrapper
+        distributed.check_algorithm("dynamic", {"host": "own-round"})
+    distributed.check_algorithm("dynamic", {"host": "fedpbc"})
+    monkeypatch.setattr(OwnRound, "distributed", True)
     assert distributed.spreads(OwnRound)
 
 
@@ -218,28 +253,53 @@ def test_check_workers_refuses_what_cannot_run():
 # Several processes --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("ranks", [2, 3])
-def test_torchrun_equals_one_process_for_every_algorithm(tmp_path, ranks):
-    """Every distributed algorithm on 2 and 3 gloo ranks (torchrun) gives the one-process metrics to 1e-12 in
-    float64, reruns with the same ranks are bit-identical, and each rank stores only its own clients' state."""
-    cases = {name: case_config(name).to_dict() for name in CASES}
-    (tmp_path / "cases.json").write_text(json.dumps(cases))
+def run_cases(tmp_path: Path, names: list[str], ranks: int) -> dict:
+    """The cases ``names`` run by distributed_cases.py on ``ranks`` gloo processes (torchrun): per case the metrics
+    of two runs (and of a stopped and resumed one for RESUMED cases) and what each rank held."""
+    cases = {name: case_config(name).to_dict() for name in names}
+    spec = {"cases": cases, "resumed": sorted(RESUMED & set(names)), "runs": str(tmp_path / "runs")}
+    (tmp_path / "cases.json").write_text(json.dumps(spec))
     out = tmp_path / "out.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
     command += [str(Path(__file__).with_name("distributed_cases.py")), str(tmp_path / "cases.json"), str(out)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env(), cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(out.read_text())
-    for name in CASES:
+    return json.loads(out.read_text())
+
+
+def check_cases(results: dict, names: list[str], ranks: int) -> None:
+    """Every case's runs equal the one-process run (float64: 1e-12), reruns are bit-identical, each client is owned
+    by one rank and each rank's client stores hold its own clients' rows only."""
+    for name in names:
         sim = Simulation(case_config(name))
         want = sim.run()
         first, second = results[name]["runs"]
-        assert_close(first, want, rel=1e-6 if name in FLOAT32_BUFFERS else 1e-12)
+        rel = 1e-6 if name in FLOAT32_BUFFERS else 1e-12
+        assert_close(first, want, rel=rel)
         assert numbers(first) == numbers(second), name  # bit-identical rerun
+        if name in RESUMED:
+            assert_close(results[name]["resumed"], want, rel=rel)
         owned = [set(r["owned"]) for r in results[name]["ranks"]]
+        assert len(owned) == ranks
         assert set().union(*owned) == set(range(sim.num_clients)) and sum(map(len, owned)) == sim.num_clients
         if name in STATEFUL:
             assert [r["stores"][STATEFUL[name]] for r in results[name]["ranks"]] == [len(o) for o in owned]
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_torchrun_equals_one_process_for_every_algorithm(tmp_path, ranks):
+    """Every algorithm on 2 and 3 gloo ranks (torchrun) gives the one-process metrics to 1e-12 in float64, also when
+    stopped and resumed; reruns with the same ranks are bit-identical; each rank stores only its own clients'
+    state."""
+    check_cases(run_cases(tmp_path, list(CASES), ranks), list(CASES), ranks)
+
+
+@pytest.mark.parametrize("ranks", [1, 4])
+def test_one_and_four_ranks_equal_one_process(tmp_path, ranks):
+    """1 gloo rank (a process group of one) and 4 (some own one client, or none of a round's participants), on a few
+    logistic-regression clients."""
+    names = ["scaffold-one", "fedspeed-all", "fedpbc", "mifa", "fnrfl"]
+    check_cases(run_cases(tmp_path, names, ranks), names, ranks)
 
 
 def test_workers_launch_writes_once_and_equals_one_process(tmp_path):
@@ -339,7 +399,6 @@ def test_workers_refusals_are_one_line_errors(tmp_path):
     for args, said in [
         (["--workers", "0"], "--workers must be an integer >= 1"),
         (["--workers", str(cores + 1)], "CPU cores"),
-        (["--workers", "2", "--algorithm", "fedpbc"], "one process only"),
     ]:
         done = cli("run", "--rounds", "1", "--no-progress", *args, timeout=60)
         assert done.returncode == 2 and said in done.stderr and done.stderr.count("\n") == 1, done.stderr
@@ -362,8 +421,8 @@ def test_unreachable_rendezvous_names_the_address(tmp_path):
 def test_cuda_world_size_one_through_nccl(tmp_path):
     """On a GPU: one rank through NCCL (the CUDA path of the collectives) equals the one-process CUDA run."""
     config = dataclasses.replace(case_config("scaffold"), device="cuda", threads=None)
-    cases = {"scaffold": config.to_dict()}
-    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    spec = {"cases": {"scaffold": config.to_dict()}, "resumed": [], "runs": str(tmp_path / "runs")}
+    (tmp_path / "cases.json").write_text(json.dumps(spec))
     out = tmp_path / "out.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1"]
     script = Path(__file__).with_name("distributed_cases.py")
