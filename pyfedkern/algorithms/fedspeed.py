@@ -33,14 +33,17 @@ CORR_AVG = ("active", "all")
 
 
 def check_fedspeed_params(*, lam: float | None, rho: float, alpha: float, eps: float, rho_mode: str) -> None:
-    """ValueError for λ ≤ 0, ρ < 0, α ∉ [0, 1], ε < 0 or an unknown rho_mode (all must be finite)."""
-    if lam is not None and not (math.isfinite(lam) and lam > 0):
+    """ValueError for λ ≤ 0, ρ < 0, α ∉ [0, 1], ε < 0 or an unknown rho_mode (all must be finite).
+
+    Chained comparisons instead of ``math.isfinite`` (NaN fails them too), so that ``torch.compile`` traces the check
+    of a compiled step when Dynamo has made a hyperparameter symbolic."""
+    if lam is not None and not 0 < lam < math.inf:
         raise ValueError(f"lam (λ) must be finite and > 0, got {lam}")
-    if not (math.isfinite(rho) and rho >= 0):
+    if not 0 <= rho < math.inf:
         raise ValueError(f"rho must be finite and >= 0, got {rho}")
-    if not (math.isfinite(alpha) and 0 <= alpha <= 1):
+    if not 0 <= alpha <= 1:
         raise ValueError(f"alpha must be in [0, 1], got {alpha}")
-    if not (math.isfinite(eps) and eps >= 0):
+    if not 0 <= eps < math.inf:
         raise ValueError(f"eps must be finite and >= 0, got {eps}")
     if rho_mode not in RHO_MODES:
         raise ValueError(f"rho_mode must be one of {RHO_MODES}, got {rho_mode!r}")
