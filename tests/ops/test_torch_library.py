@@ -275,6 +275,9 @@ def _cnn(dtype: torch.dtype = torch.float64) -> torch.nn.Module:
     ).to(dtype)
 
 
+needs_traced_backward = pytest.mark.skipif(
+    not hasattr(torch._dynamo.config, "trace_autograd_ops"), reason="this torch cannot put backward() into a graph"
+)
 MODELS = {"mlp": (_mlp, (6,)), "cnn": (_cnn, (2, 8, 8))}  # factory, shape of one sample
 OPTIMIZERS = {  # FedSpeed with every term; SAM is the optimizer without prox and correction (λ = None, α = 1)
     "fedspeed": dict(lr=0.1, rho=0.05, alpha=0.7, lam=5.0, weight_decay=1e-3),
@@ -342,6 +345,7 @@ def _assert_same_training(got: dict, expected: dict, tol: float, keys=("losses",
             torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=key)
 
 
+@needs_traced_backward
 @pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
 @pytest.mark.parametrize("model_name", list(MODELS))
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -356,6 +360,7 @@ def test_compiled_optimizer_step_is_one_graph_equal_to_eager(model_name, opt_nam
     _assert_same_training(got, expected, 1e-12 if dtype == torch.float64 else 1e-6)
 
 
+@needs_traced_backward
 @pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
 @pytest.mark.parametrize("model_name", [m if m == "mlp" else pytest.param(m, marks=pytest.mark.slow) for m in MODELS])
 def test_compiled_optimizer_step_under_inductor_equals_eager(model_name, opt_name):
@@ -367,6 +372,7 @@ def test_compiled_optimizer_step_under_inductor_equals_eager(model_name, opt_nam
     _assert_same_training(got, expected, 1e-5)
 
 
+@needs_traced_backward
 @pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
 def test_training_step_and_optimizer_step_have_no_graph_breaks(opt_name):
     """explain() of the whole training step (closure included) and of ``opt.step()`` alone (ρ = 0, gradients from
@@ -391,6 +397,7 @@ def test_compiled_step_with_graph_breaks_at_backward_equals_eager():
     _assert_same_training(got, expected, 1e-12)
 
 
+@needs_traced_backward
 def test_compiled_step_after_model_zero_grad_equals_eager():
     """``model.zero_grad()`` sets every ``.grad`` to None; the compiled step still gathers the gradients into its flat
     buffers and gives the eager parameters and losses. (Dynamo does not write back the ``.grad`` rebinding of a
