@@ -85,11 +85,12 @@ def torch_flat_step(loss: Callable) -> Callable:
 
 
 def optimizer_step(factory: Callable[[], torch.nn.Module], inputs: dict, device: str, compiled: bool) -> Callable:
-    """``FedSpeedOptimizer.step(closure)`` on a fresh ``factory()`` model (the same initial x), eager or compiled."""
+    """``FedSpeedOptimizer.step(closure)`` on a fresh ``factory()`` model (the same initial x and, to rounding, the
+    same D = h − x^t as the other cases), eager or compiled; the step returns the flat parameters."""
     torch.manual_seed(0)
     model = factory().to(device)
     opt = FedSpeedOptimizer(model.parameters(), lr=LR, rho=RHO, alpha=ALPHA, lam=1 / PROX, weight_decay=WD, eps=EPS)
-    opt.begin_round()
+    opt.begin_round(h=inputs["anchor"] + opt.flat_params)
     xb, yb = inputs["xb"], inputs["yb"]
 
     def step() -> torch.Tensor:
@@ -98,7 +99,8 @@ def optimizer_step(factory: Callable[[], torch.nn.Module], inputs: dict, device:
             loss.backward()
             return loss
 
-        return opt.step(closure)
+        opt.step(closure)
+        return opt.flat_params
 
     if not compiled:
         return step
