@@ -508,3 +508,17 @@ def test_compiling_works_when_pyfedkern_is_imported_before_torch(tmp_path):
         "assert f(u, w).tolist() == [3.0, 3.0, 3.0]\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300, cwd=tmp_path)  # not a checkout in the cwd
+
+
+def test_registered_in_place_operators_bump_the_versions_of_what_they_write():
+    """Called as registered operators, in-place ops give every tensor they write (optional ones included, passed by
+    position or by name) a new version; the read-only inputs keep theirs."""
+    x, g = torch.randn(5, dtype=torch.float64), torch.randn(5, dtype=torch.float64)
+    out, norm = torch.empty_like(x), torch.empty(1, dtype=torch.float64)
+    before = (x._version, g._version, out._version, norm._version)
+    torch.ops.pyfedkern.sam_perturb(x, g, 0.1, 1e-7, True, out, norm)
+    assert (x._version, g._version) == before[:2] and out._version > before[2] and norm._version > before[3]
+    version = out._version
+    torch.ops.pyfedkern.accumulate_(acc=out, update=g, weight=0.5, weight_tensor=None)
+    assert out._version > version
+    torch.testing.assert_close(out, x + 0.1 * g / (g.norm() + 1e-7) + 0.5 * g, rtol=1e-12, atol=1e-12)
