@@ -41,14 +41,17 @@ CORR_AVG = ("active", "all")
 
 
 def check_fedspeed_params(*, lam: float | None, rho: float, alpha: float, eps: float, rho_mode: str) -> None:
-    """ValueError for λ ≤ 0, ρ < 0, α ∉ [0, 1], ε < 0 or an unknown rho_mode (all must be finite)."""
-    if lam is not None and not (math.isfinite(lam) and lam > 0):
+    """ValueError for λ ≤ 0, ρ < 0, α ∉ [0, 1], ε < 0 or an unknown rho_mode (all must be finite).
+
+    Chained comparisons instead of ``math.isfinite`` (NaN fails them too), so that ``torch.compile`` traces the check
+    of a compiled step when Dynamo has made a hyperparameter symbolic."""
+    if lam is not None and not 0 < lam < math.inf:
         raise ValueError(f"lam (λ) must be finite and > 0, got {lam}")
-    if not (math.isfinite(rho) and rho >= 0):
+    if not 0 <= rho < math.inf:
         raise ValueError(f"rho must be finite and >= 0, got {rho}")
-    if not (math.isfinite(alpha) and 0 <= alpha <= 1):
+    if not 0 <= alpha <= 1:
         raise ValueError(f"alpha must be in [0, 1], got {alpha}")
-    if not (math.isfinite(eps) and eps >= 0):
+    if not 0 <= eps < math.inf:
         raise ValueError(f"eps must be finite and >= 0, got {eps}")
     if rho_mode not in RHO_MODES:
         raise ValueError(f"rho_mode must be one of {RHO_MODES}, got {rho_mode!r}")
@@ -134,7 +137,11 @@ class FedSpeedOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         if len(self.param_groups) != 1:
             raise ValueError("FedSpeedOptimizer takes one parameter group (one fused update for the whole model)")
-        self._params: list[torch.Tensor] = list(self.param_groups[0]["params"])
+        # The step reads its group through this reference: under torch.compile, reading ``param_groups`` makes
+        # Dynamo mark the parameters as static inputs, and a backward() traced in the same graph then drops their
+        # gradients (torch 2.13).
+        self._hyper = self.param_groups[0]
+        self._params: list[torch.Tensor] = list(self._hyper["params"])
         if len({p.dtype for p in self._params}) != 1 or len({p.device for p in self._params}) != 1:
             raise ValueError("all parameters must share one dtype and one device")
         self.rho_mode = rho_mode
@@ -151,11 +158,17 @@ class FedSpeedOptimizer(torch.optim.Optimizer):
         self._g1_views = _views(self._g1, self._params)
         self._perturbed: torch.Tensor | None = None
         self._g2: torch.Tensor | None = None
+        if rho > 0:
+            self._second_buffers()  # here rather than in a (possibly compiled) step
         self._external_h: torch.Tensor | None = None
         self._bind(self._x_views, self._g1_views)
         self.state[self._params[0]].update(
             {"h": torch.zeros_like(base), "x_round": torch.zeros_like(base), "in_round": False}
         )
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)  # load_state_dict() replaces the group dict
+        self._hyper = self.param_groups[0]
 
     # buffers -------------------------------------------------------------------------------------------
 
@@ -174,31 +187,43 @@ class FedSpeedOptimizer(torch.optim.Optimizer):
         return self.state[self._params[0]]
 
     def _bind(self, data_views: list[torch.Tensor], grad_views: list[torch.Tensor]) -> None:
-        for p, v, g in zip(self._params, data_views, grad_views, strict=True):
+        for p, v in zip(self._params, data_views, strict=True):
             p.data = v
+        self._bind_grads(grad_views)
+
+    def _bind_grads(self, grad_views: list[torch.Tensor]) -> None:
+        for p, g in zip(self._params, grad_views, strict=True):
             p.grad = g
 
     def _sync_params(self) -> None:
-        """Copy parameters whose data was replaced (p.data = ...) back into the flat buffer."""
+        """Copy parameters whose data was replaced (p.data = ...) back into the flat buffer.
+
+        Skipped inside ``torch.compile``: Dynamo cannot compare data pointers, so a compiled step relies on the
+        binding that the constructor, ``begin_round``, ``end_round`` and every eager step restore."""
+        if torch.compiler.is_compiling():
+            return
         for p, v in zip(self._params, self._x_views, strict=True):
             if p.data.data_ptr() != v.data_ptr():
                 v.copy_(p.data)
                 p.data = v
 
     def _gather(self, views: list[torch.Tensor]) -> None:
-        """Make every p.grad the view of the bound flat buffer (copying gradients that autograd put elsewhere)."""
+        """Make every p.grad the view of the bound flat buffer (copying gradients that autograd put elsewhere).
+
+        Autograd accumulates into a bound view in place, so ``p.grad`` is then the view object itself (an identity
+        test, which Dynamo traces, unlike a data-pointer comparison)."""
         for p, v in zip(self._params, views, strict=True):
             if p.grad is None:
                 v.zero_()
                 p.grad = v
-            elif p.grad.data_ptr() != v.data_ptr():
+            elif p.grad is not v:
                 v.copy_(p.grad)
                 p.grad = v
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the flat gradient buffer the parameters are bound to (``.grad`` stays bound to it)."""
         first = self._params[0].grad
-        second = self._g2 is not None and first is not None and first.data_ptr() == self._g2_views[0].data_ptr()
+        second = self._g2 is not None and first is self._g2_views[0]
         buffer, views = (self._g2, self._g2_views) if second else (self._g1, self._g1_views)
         buffer.zero_()
         for p, v in zip(self._params, views, strict=True):
@@ -216,7 +241,7 @@ class FedSpeedOptimizer(torch.optim.Optimizer):
         self._external_h = h
         state = self._state
         state["x_round"].copy_(self._x)
-        if self.param_groups[0]["lam"] is not None:
+        if self._hyper["lam"] is not None:
             if "anchor" not in state:
                 state["anchor"] = torch.empty_like(self._x)
             ops.weighted_sum([self.h, self._x], [1.0, -1.0], out=state["anchor"])  # D = h − x^t
@@ -239,7 +264,7 @@ class FedSpeedOptimizer(torch.optim.Optimizer):
         self._sync_params()
         if acc is None:
             acc = torch.zeros_like(self._x)
-        if self.correction and self.param_groups[0]["lam"] is not None:
+        if self.correction and self._hyper["lam"] is not None:
             ops.fedspeed_round_end_(
                 self.h, self._x, state["x_round"], acc=acc, acc_weight=acc_weight, include_h=include_h, h_sum=h_sum
             )
@@ -268,7 +293,7 @@ class FedSpeedOptimizer(torch.optim.Optimizer):
         each call). With ρ > 0 it is called twice: at x and at x̆. Without a closure (only when ρ = 0) the
         gradients already in ``.grad`` are used.
         """
-        group = self.param_groups[0]
+        group = self._hyper
         rho, alpha, lam = group["rho"], group["alpha"], group["lam"]
         check_fedspeed_params(lam=lam, rho=rho, alpha=alpha, eps=group["eps"], rho_mode=self.rho_mode)
         perturb = rho > 0
@@ -284,29 +309,13 @@ class FedSpeedOptimizer(torch.optim.Optimizer):
                 self._gather(self._g1_views)
         else:
             with torch.no_grad():
-                self._bind(self._x_views, self._g1_views)
+                self._bind_grads(self._g1_views)  # the data is bound already (_sync_params)
                 self._g1.zero_()
             with torch.enable_grad():
                 loss = closure()
             with torch.no_grad():
                 self._gather(self._g1_views)
-        with torch.no_grad():
-            g2 = self._g1
-            if perturb:
-                x_pert, x_pert_views, g2, g2_views = self._second_buffers()
-                ops.sam_perturb(
-                    self._x, self._g1, rho, eps=group["eps"], normalize=self.rho_mode == "normalized", out=x_pert
-                )
-                self._bind(x_pert_views, g2_views)
-                g2.zero_()
-        if perturb:
-            try:
-                with torch.enable_grad():
-                    closure()
-                with torch.no_grad():
-                    self._gather(g2_views)
-            finally:
-                self._bind(self._x_views, self._g1_views)
+        g2 = self._g2_at_perturbed_point(closure, group) if perturb else self._g1
         with torch.no_grad():
             ops.fedspeed_update_(
                 self._x,
@@ -319,7 +328,41 @@ class FedSpeedOptimizer(torch.optim.Optimizer):
                 weight_decay=group["weight_decay"],
                 clip_norm=self.clip_norm,
             )
+        if torch.compiler.is_compiling() and isinstance(loss, torch.Tensor):
+            loss = loss.detach()  # its graph was consumed by backward(): a compiled function cannot return it
         return loss
+
+    def _g2_at_perturbed_point(self, closure: Callable[[], Any], group: dict[str, Any]) -> torch.Tensor:
+        """Call the closure at x̆ = x + ρ·g1/(‖g1‖ + ε) with the gradients bound to the second buffer; that buffer.
+
+        Eager, the parameters are rebound to views of the buffer holding x̆. Inside ``torch.compile`` x̆ is
+        written into x itself and x is restored bit for bit afterwards (AOTAutograd cannot trace rebinding the
+        parameters to views of another buffer); the results are the same."""
+        x_pert, x_pert_views, g2, g2_views = self._second_buffers()
+        normalize = self.rho_mode == "normalized"
+        compiling = torch.compiler.is_compiling()
+        with torch.no_grad():
+            if compiling:
+                saved = self._x.clone()
+                ops.sam_perturb(saved, self._g1, group["rho"], eps=group["eps"], normalize=normalize, out=self._x)
+                self._bind_grads(g2_views)
+            else:
+                ops.sam_perturb(self._x, self._g1, group["rho"], eps=group["eps"], normalize=normalize, out=x_pert)
+                self._bind(x_pert_views, g2_views)
+            g2.zero_()
+        try:
+            with torch.enable_grad():
+                closure()
+            with torch.no_grad():
+                self._gather(g2_views)
+        finally:
+            with torch.no_grad():
+                if compiling:
+                    self._x.copy_(saved)
+                    self._bind_grads(self._g1_views)
+                else:
+                    self._bind(self._x_views, self._g1_views)
+        return g2
 
 
 @dataclass

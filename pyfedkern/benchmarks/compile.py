@@ -8,7 +8,10 @@ x ← x − η[(1−α)g1 + αg2 + c·(x + D) + wd·x]. Per model (an MLP and a 
   ``ops.fedspeed_update_`` (in the compiled step: the registered operators, with forward and backward compiled
   around them);
 - ``torch flat eager`` / ``torch flat compiled``: the same update in torch ops on the flat buffers (the ``torch
-  flat`` peer of the fedspeed family), compiled by inductor together with the rest of the step.
+  flat`` peer of the fedspeed family), compiled by inductor together with the rest of the step;
+- ``FedSpeedOptimizer eager`` / ``FedSpeedOptimizer compiled``: the same step as a user's training loop takes it,
+  ``opt.step(closure)`` on the model itself (its parameters views of the optimizer's flat buffer; the closure's
+  forward and backward compiled into the step's graph with ``trace_autograd_ops``).
 
 The compiled functions are compiled and warmed up when a case is built, outside the timing.
 """
@@ -21,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from pyfedkern import ops
+from pyfedkern.algorithms.fedspeed import FedSpeedOptimizer
 from pyfedkern.benchmarks.common import Case, InputCache
 
 RHO, LR, PROX, WD, ALPHA, EPS = 0.05, 0.01, 0.1, 1e-3, 0.9375, 1e-7
@@ -80,6 +84,33 @@ def torch_flat_step(loss: Callable) -> Callable:
     return step
 
 
+def optimizer_step(factory: Callable[[], torch.nn.Module], inputs: dict, device: str, compiled: bool) -> Callable:
+    """``FedSpeedOptimizer.step(closure)`` on a fresh ``factory()`` model (the same initial x and, to rounding, the
+    same D = h − x^t as the other cases), eager or compiled; the step returns the flat parameters."""
+    torch.manual_seed(0)
+    model = factory().to(device)
+    opt = FedSpeedOptimizer(model.parameters(), lr=LR, rho=RHO, alpha=ALPHA, lam=1 / PROX, weight_decay=WD, eps=EPS)
+    opt.begin_round(h=inputs["anchor"] + opt.flat_params)
+    xb, yb = inputs["xb"], inputs["yb"]
+
+    def step() -> torch.Tensor:
+        def closure() -> torch.Tensor:
+            loss = F.cross_entropy(model(xb), yb)
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+        return opt.flat_params
+
+    if not compiled:
+        return step
+    compiled_step = torch.compile(step, fullgraph=True)
+    with torch._dynamo.config.patch(trace_autograd_ops=True):  # backward() in the graph; needed while tracing only
+        compiled_step()
+        compiled_step()
+    return compiled_step
+
+
 def cases(quick: bool = False, device: str = "cpu") -> list[Case]:
     """One group per model on ``device`` (the same sizes with ``quick``: they are small already)."""
     cache = InputCache()
@@ -124,5 +155,17 @@ def cases(quick: bool = False, device: str = "cpu") -> list[Case]:
             Case(group, "pyfedkern compiled", lambda i=inputs: make(i, pyfedkern_step, True), device=device),
             Case(group, "torch flat eager", lambda i=inputs: make(i, torch_flat_step, False), device=device),
             Case(group, "torch flat compiled", lambda i=inputs: make(i, torch_flat_step, True), device=device),
+            Case(
+                group,
+                "FedSpeedOptimizer eager",
+                lambda f=factory, i=inputs: optimizer_step(f, i(), device, False),
+                device=device,
+            ),
+            Case(
+                group,
+                "FedSpeedOptimizer compiled",
+                lambda f=factory, i=inputs: optimizer_step(f, i(), device, True),
+                device=device,
+            ),
         ]
     return out

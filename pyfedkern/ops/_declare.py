@@ -113,16 +113,44 @@ def torch_op(name: str) -> Any:
     return getattr(torch.ops.pyfedkern, name)
 
 
+_LIBRARY: list[torch.library.Library] = []  # keeps the registrations alive
+
+
 def register() -> None:
-    """Register every declared op as ``torch.ops.pyfedkern.<name>`` (pyfedkern.ops does it once, at import)."""
+    """Register every declared op as ``torch.ops.pyfedkern.<name>`` (pyfedkern.ops does it once, at import).
+
+    The low-level ``torch.library`` API, so that the dispatcher calls the native entry point itself: in-place ops add
+    one small kernel that bumps the version counters of what they write, differentiable ops their autograd formula.
+    (``torch.library.custom_op`` wraps every call in Python layers for autograd, version counters and Dynamo that
+    cost several times the native call, which a compiled training step pays at every step.)"""
+    lib = torch.library.Library("pyfedkern", "FRAGMENT")
+    _LIBRARY.append(lib)
     for decl in DECLARED.values():
-        op = torch.library.custom_op(
-            f"pyfedkern::{decl.name}",
-            decl.native,
-            mutates_args=decl.mutates,
-            device_types=("cpu", "cuda"),
-            schema=decl.schema,
-        )
-        op.register_fake(decl.fake)
+        qualname = f"pyfedkern::{decl.name}"
+        lib.define(decl.name + decl.schema)
+        native = torch._disable_dynamo(decl.native)  # a kernel run while Dynamo compiles is not traced into
+        lib.impl(decl.name, native, "CPU")
+        lib.impl(decl.name, native, "CUDA")
+        torch.library.register_fake(qualname, decl.fake, lib=lib)
+        op = torch_op(decl.name).default  # also lists the op in dir(torch.ops.pyfedkern)
+        if decl.mutates:
+            lib.impl(decl.name, _version_bump(op), "ADInplaceOrView", with_keyset=True)
         if decl.backward is not None:
-            op.register_autograd(decl.backward, setup_context=decl.setup_context)
+            torch.library.register_autograd(qualname, decl.backward, setup_context=decl.setup_context, lib=lib)
+
+
+def _version_bump(op: Any) -> Callable[..., Any]:
+    """The ADInplaceOrView kernel of the in-place op ``op``: bump the version counter of every tensor its schema
+    marks as written (as torch's own in-place ops do), then run the op's kernel below that key."""
+    written = [(i, a.name) for i, a in enumerate(op._schema.arguments) if a.alias_info and a.alias_info.is_write]
+    below = torch._C._after_ADInplaceOrView_keyset
+    increment_version = torch.autograd.graph.increment_version
+
+    def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
+        for i, name in written:
+            t = args[i] if i < len(args) else kwargs.get(name)
+            if t is not None:
+                increment_version(t)
+        return op.redispatch(keyset & below, *args, **kwargs)
+
+    return kernel

@@ -319,6 +319,27 @@ def test_optimizer_state_dict_round_trip():
     assert torch.equal(opt2.h, opt.h) and torch.count_nonzero(opt.h) > 0
 
 
+def test_optimizer_steps_with_the_hyperparameters_of_a_loaded_state_dict():
+    """load_state_dict() replaces the param group: the step reads the loaded lr (0 here, so x does not move)."""
+    torch.manual_seed(5)
+    model = nn.Linear(3, 2)
+    opt = FedSpeedOptimizer(model.parameters(), lr=0.1, rho=0.1, lam=5.0)
+    state = opt.state_dict()
+    state["param_groups"][0]["lr"] = 0.0
+    opt.load_state_dict(state)
+    x0 = opt.flat_params.clone()
+    xb, yb = torch.randn(6, 3), torch.randint(0, 2, (6,))
+
+    def closure():
+        loss = nn.functional.cross_entropy(model(xb), yb)
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    assert opt.param_groups[0]["lr"] == 0.0
+    assert torch.equal(opt.flat_params, x0)
+
+
 # bad input -----------------------------------------------------------------------------------------------
 
 
