@@ -260,9 +260,21 @@ def init_process_group(device: str) -> None:
 
 def init_team(sim: Any) -> ProcessTeam:
     """The team of an initialised process group for the simulation ``sim``: every client placed by its planned steps
-    under the run's local training settings (the same on every rank)."""
+    under the run's local training settings (the same on every rank), and every rank on rank 0's training path
+    (:func:`share_path_choice`)."""
     steps = sim.planned_steps(np.arange(sim.num_clients, dtype=np.int64))
-    return ProcessTeam(place_clients(steps, dist.get_world_size()), sim.device)
+    team = ProcessTeam(place_clients(steps, dist.get_world_size()), sim.device)
+    share_path_choice(sim, team)
+    return team
+
+
+def share_path_choice(sim: Any, team: Team) -> None:
+    """When the engine measures which training path is faster (``config.batched`` None), make every rank take rank
+    0's choice: each rank measures (at the same time, so none waits long) and rank 0's answer is sent to all, as two
+    processes' timings can disagree and ranks on different paths would not train alike."""
+    if sim.config.batched is None:
+        choice = sim.batched
+        sim.batched = team.scatter([choice] * team.size if team.rank == 0 else None)
 
 
 def close_process_group() -> None:

@@ -22,8 +22,9 @@ import torch
 
 import pyfedkern
 from pyfedkern.algorithms import ALGORITHMS, ClientStore, algorithm_class
-from pyfedkern.sim import distributed
-from pyfedkern.sim.distributed import Team, place_clients
+from pyfedkern.algorithms.batched import PathChoice
+from pyfedkern.sim import distributed, engine
+from pyfedkern.sim.distributed import Team, place_clients, share_path_choice
 from pyfedkern.sim.engine import WORK_PER_THREAD, ExperimentConfig, Simulation, threads_for_work
 
 #: The folder holding the pyfedkern that runs these tests (the installed one, or a checkout on PYTHONPATH): the
@@ -208,6 +209,26 @@ def test_threads_rule_follows_the_work_of_a_step(monkeypatch):
         before = torch.get_num_threads()
         run.run()
         assert seen[-1] == want and torch.get_num_threads() == before  # applied inside the run only
+
+
+def test_ranks_take_rank_zero_s_measured_path(monkeypatch):
+    class RankOne(Team):  # rank 1 of 2, sent rank 0's choice by scatter
+        rank, size = 1, 2
+
+        def __init__(self, sent):
+            self.sent = sent
+
+        def scatter(self, items):
+            assert items is None  # only rank 0 gives the items
+            return self.sent
+
+    sim = Simulation(dataclasses.replace(BASE, model="logreg", rounds=1, batched=None))
+    monkeypatch.setattr(engine, "choose_path", lambda ctx, rows: PathChoice(True, "measured here"))
+    share_path_choice(sim, RankOne(False))
+    assert sim.batched is False  # rank 0's choice, not this rank's own measurement
+    forced = Simulation(dataclasses.replace(BASE, model="logreg", rounds=1, batched=True))
+    share_path_choice(forced, RankOne(False))  # a path the config forces is not measured, so not shared
+    assert forced.batched is True
 
 
 def test_one_process_team_is_the_identity():
