@@ -19,15 +19,18 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import itertools
 import os
 import resource
 import socket
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 from pyfedkern.benchmarks.common import Case
 from pyfedkern.benchmarks.engine import round_config
+from pyfedkern.sim.engine import Simulation
 
 ALGORITHMS = ("fedavg", "scaffold")
 CLIENTS, QUICK_CLIENTS = 10_000, 200
@@ -43,11 +46,14 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _serve(rank: int, world: int, port: int, config: Any, commands: list, answers: Any) -> None:
+def _serve(
+    rank: int, world: int, port: int, build: Callable[[], Any], threads: int, device: str, commands: list, answers: Any
+) -> None:
     """Process ``rank``: with ``world`` >= 1 join a gloo/NCCL group of that size (``world`` 0: one plain process),
-    build the simulation, run one round per "round" command, answer with its peak resident memory, until "stop"."""
+    build the simulation (``build()``), run one round per "round" command with ``threads`` CPU threads, answer with
+    its peak resident memory, until "stop"."""
     from pyfedkern.sim import distributed
-    from pyfedkern.sim.engine import Simulation, _cpu_threads
+    from pyfedkern.sim.engine import _cpu_threads
 
     if world:
         os.environ.update(
@@ -60,18 +66,21 @@ def _serve(rank: int, world: int, port: int, config: Any, commands: list, answer
                 "MASTER_PORT": str(port),
             }
         )
-        distributed.init_process_group(distributed.rank_device(config.device))
+        distributed.init_process_group(distributed.rank_device(device))
     try:
-        sim = Simulation(config)
-        if world:
-            sim.team = distributed.init_team(sim)
+        with _cpu_threads(threads):
+            sim = build()
+            if world:
+                sim.team = distributed.init_team(sim)  # the engine's path choice too, under the timed thread count
+            else:
+                sim.batched  # noqa: B018 (the engine's path choice, made now rather than in a timed round)
         algo = sim.algorithm
         algo.setup(sim, sim.initial_vector)
         rounds = itertools.count()
-        with _cpu_threads(config.threads or 1):
+        with _cpu_threads(threads):
             while commands[rank].get() == "round":
                 algo.round(next(rounds), sim)
-                if config.device.startswith("cuda"):
+                if sim.device.type == "cuda":
                     import torch
 
                     torch.cuda.synchronize()
@@ -81,11 +90,13 @@ def _serve(rank: int, world: int, port: int, config: Any, commands: list, answer
 
 
 class WorkerRounds:
-    """Processes (torch.multiprocessing, spawn) running rounds of ``config``: ``workers`` ranks of one process group,
-    or with ``workers`` 0 one plain process (the one-process engine); each :meth:`round` call runs the next round in
-    all of them and waits for every answer. ``peak_mb``: each process's peak resident memory (MiB)."""
+    """Processes (torch.multiprocessing, spawn) running rounds of the simulation on ``device`` that ``build()`` makes
+    (a picklable callable: ``functools.partial(Simulation, config)``, a module-level function) with ``threads`` CPU
+    threads each: ``workers`` ranks of one process group, or with ``workers`` 0 one plain process (the one-process
+    engine); each :meth:`round` call runs the next round in all of them and waits for every answer. ``peak_mb``: each
+    process's peak resident memory (MiB)."""
 
-    def __init__(self, config: Any, workers: int) -> None:
+    def __init__(self, build: Callable[[], Any], workers: int, threads: int = 1, device: str = "cpu") -> None:
         import torch.multiprocessing as mp
 
         context = mp.get_context("spawn")
@@ -93,7 +104,7 @@ class WorkerRounds:
         self._answers = context.SimpleQueue()
         self._processes = mp.start_processes(
             _serve,
-            args=(workers, _free_port(), config, self._commands, self._answers),
+            args=(workers, _free_port(), build, threads, device, self._commands, self._answers),
             nprocs=max(workers, 1),
             join=False,
             start_method="spawn",
@@ -126,15 +137,21 @@ PEAKS: dict[str, list[float]] = {}
 _running: list[WorkerRounds] = []  # the processes of the case being timed (one case's at a time: memory)
 
 
-def _rounds(config: Any, workers: int, key: str):
+def worker_rounds(
+    build: Callable[[], Any], workers: int, threads: int = 1, device: str = "cpu", key: str | None = None
+) -> Callable[[], None]:
+    """A callable running the next round of :class:`WorkerRounds` (``build``, ``workers``, ``threads``, ``device``);
+    the processes of the previous call's case are stopped first (memory). With ``key``, each round records the
+    processes' peak memory in ``PEAKS[key]``."""
     while _running:
         _running.pop().close()
-    rounds = WorkerRounds(config, workers)
+    rounds = WorkerRounds(build, workers, threads, device)
     _running.append(rounds)
 
     def run() -> None:
         rounds.round()
-        PEAKS[key] = list(rounds.peak_mb)
+        if key is not None:
+            PEAKS[key] = list(rounds.peak_mb)
 
     return run
 
@@ -159,5 +176,13 @@ def cases(quick: bool = False, device: str = "cpu") -> list[Case]:
             }
         for name, (cfg, workers) in runs.items():
             key = f"{group} | {name}"
-            out.append(Case(group, name, lambda c=cfg, w=workers, k=key: _rounds(c, w, k), device=device))
+            build = functools.partial(Simulation, cfg)
+            out.append(
+                Case(
+                    group,
+                    name,
+                    lambda b=build, c=cfg, w=workers, k=key: worker_rounds(b, w, c.threads, device, k),
+                    device=device,
+                )
+            )
     return out

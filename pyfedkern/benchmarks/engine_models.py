@@ -7,7 +7,9 @@ Shakespeare task, pyfedkern's local-training paths against each other and agains
   multiply-adds a sample, dropout on), 50 clients a round, one local epoch of batch 10 (5 steps), lr 0.1; seconds
   per round, no evaluation. Cases: "pyfedkern (engine's choice)" (the path :func:`~pyfedkern.algorithms.batched.
   choose_path` takes, measured once when the case is built), "pyfedkern per-client loop" (``batched=False``),
-  "pyfedkern batched" (``batched=True``), "pfl 0.6" when ``pfl`` is installed (its ``SimulatedBackend`` with
+  "pyfedkern batched" (``batched=True``), at 2 threads "pyfedkern 2 workers × 1 thread" (the engine's choice
+  spread over two gloo processes of one thread each, as ``pyfedkern run --workers 2`` does: the same two cores used
+  as processes), "pfl 0.6" when ``pfl`` is installed (its ``SimulatedBackend`` with
   ``FederatedAveraging`` on the same arrays, initial model and participants: an optional peer), and the machine's
   limits:
   "limit:gemm" (a float32 GEMM of 1,024³) and "limit:conv batch 10" (forward and backward of the CNN's second
@@ -39,6 +41,7 @@ import torch
 from torch import nn
 
 from pyfedkern.benchmarks.common import Case
+from pyfedkern.benchmarks.distributed import worker_rounds
 
 if TYPE_CHECKING:
     from pyfedkern.sim.engine import Simulation
@@ -291,6 +294,17 @@ def _task_cases(group: str, name: str, quick: bool, flops: int) -> list[Case]:
                     name_group,
                     label,
                     lambda b=batched, t=threads: fedavg_rounds(task_simulation(name, quick, b), t),
+                    flops=flops,
+                    rounds=3,
+                )
+            )
+        if threads > 1:  # the same cores as processes: one worker per thread, each with one thread
+            build = functools.partial(task_simulation, name, quick, None)
+            out.append(
+                Case(
+                    name_group,
+                    f"pyfedkern {threads} workers × 1 thread",
+                    lambda b=build, t=threads: worker_rounds(b, t),
                     flops=flops,
                     rounds=3,
                 )
