@@ -139,10 +139,11 @@ def test_engine_round_peers_compute_the_same_round():
 
 
 def test_engine_models_cases_compute_the_same_rounds():
-    """The engine_models groups hold the three pyfedkern paths (and pfl when installed) at 1 and 2 threads with the
-    GEMM and convolution limits for the CNN; the Shakespeare-shaped round (no dropout) is the same on every path,
-    and the engine's choice there is one of the two paths."""
-    from pyfedkern.benchmarks import engine_models
+    """The engine_models groups hold the three pyfedkern paths (and pfl when installed) at 1 and 2 threads, two
+    worker processes at 2 threads, and the GEMM and convolution limits for the CNN; the Shakespeare-shaped round (no
+    dropout) is the same on every path, and the engine's choice there is one of the two paths; the workers run
+    rounds in two processes."""
+    from pyfedkern.benchmarks import distributed, engine_models
 
     cases = engine_models.cases(quick=True)
     groups = dict.fromkeys(c.group for c in cases)
@@ -151,12 +152,21 @@ def test_engine_models_cases_compute_the_same_rounds():
     for group in groups:
         names = {c.name for c in cases if c.group == group}
         limits = {"limit:gemm", "limit:conv batch 10"} if "simple_cnn" in group else set()
-        assert names == paths | limits, group
+        workers = {"pyfedkern 2 workers × 1 thread"} if group.endswith("t=2") else set()
+        assert names == paths | limits | workers, group
     text = next(g for g in groups if "lstm" in g and g.endswith("t=1"))
     results = {c.name: _flat(c.make()()) for c in cases if c.group == text and c.name in engine_models.PATHS}
     ours = results.pop("pyfedkern per-client loop")
     for name, value in results.items():
         np.testing.assert_allclose(value, ours, rtol=1e-4, atol=1e-5, err_msg=name)
+    spread = next(c for c in cases if c.name.endswith("workers × 1 thread") and "lstm" in c.group)
+    run = spread.make()
+    try:
+        for _ in range(2):
+            peaks = run()
+            assert len(peaks) == 2 and min(peaks) > 0  # both ranks answered the round
+    finally:
+        distributed.stop_workers()
 
 
 def test_a_groups_limits_are_timed_before_and_after_its_cases_and_the_faster_kept(monkeypatch):

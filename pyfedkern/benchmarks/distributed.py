@@ -137,21 +137,27 @@ PEAKS: dict[str, list[float]] = {}
 _running: list[WorkerRounds] = []  # the processes of the case being timed (one case's at a time: memory)
 
 
-def worker_rounds(
-    build: Callable[[], Any], workers: int, threads: int = 1, device: str = "cpu", key: str | None = None
-) -> Callable[[], None]:
-    """A callable running the next round of :class:`WorkerRounds` (``build``, ``workers``, ``threads``, ``device``);
-    the processes of the previous call's case are stopped first (memory). With ``key``, each round records the
-    processes' peak memory in ``PEAKS[key]``."""
+def stop_workers() -> None:
+    """Stop the processes of the last :func:`worker_rounds` call (if any)."""
     while _running:
         _running.pop().close()
+
+
+def worker_rounds(
+    build: Callable[[], Any], workers: int, threads: int = 1, device: str = "cpu", key: str | None = None
+) -> Callable[[], list[float]]:
+    """A callable running the next round of :class:`WorkerRounds` (``build``, ``workers``, ``threads``, ``device``)
+    and returning each process's peak resident memory (MiB); the processes of the previous call's case are stopped
+    first (memory). With ``key``, each round also records the peaks in ``PEAKS[key]``."""
+    stop_workers()
     rounds = WorkerRounds(build, workers, threads, device)
     _running.append(rounds)
 
-    def run() -> None:
+    def run() -> list[float]:
         rounds.round()
         if key is not None:
             PEAKS[key] = list(rounds.peak_mb)
+        return list(rounds.peak_mb)
 
     return run
 
