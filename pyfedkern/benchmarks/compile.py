@@ -6,7 +6,7 @@ x ← x − η[(1−α)g1 + αg2 + c·(x + D) + wd·x]. Per model (an MLP and a 
 
 - ``pyfedkern eager`` / ``pyfedkern compiled``: the perturbation and the update are ``ops.sam_perturb`` and
   ``ops.fedspeed_update_`` (in the compiled step: the registered operators, with forward and backward compiled
-  around them);
+  around them; on the CPU inductor generates the two ops' code from their lowerings, docs/torch.md);
 - ``torch flat eager`` / ``torch flat compiled``: the same update in torch ops on the flat buffers (the ``torch
   flat`` peer of the fedspeed family), compiled by inductor together with the rest of the step;
 - ``FedSpeedOptimizer eager`` / ``FedSpeedOptimizer compiled``: the same step as a user's training loop takes it,

@@ -11,10 +11,18 @@ The public op keeps its direct path in eager mode and takes the registered opera
 inside ``torch.compile``/``torch.export`` (``traced``), and, for a differentiable op, when a torch input
 requires grad with grad mode on (:func:`use_operator`). A non-differentiable op refuses such inputs
 (:func:`refuse_grad`) instead of returning a result detached from the graph.
+
+An op may also declare an inductor lowering: the same math built from inductor's own lowerings, so that the
+inductor backend of ``torch.compile`` fuses it with the torch code around it (the FedSpeed step's update into
+the kernels that assemble the gradients) instead of calling the opaque kernel. The operator still appears in the
+traced graph (``torch.export``, ``aot_eager`` and the graph inductor receives all hold it); the lowering only
+changes the code inductor generates for it, and hands the call back to the kernel where it does not apply.
 """
 
 from __future__ import annotations
 
+import functools
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +33,9 @@ import torch
 @dataclass(frozen=True)
 class OpDecl:
     """One op: ``torch.ops.pyfedkern.<name>`` with ``schema``, run by ``native`` (the checked direct path) on CPU
-    and CUDA tensors, traced with ``fake``; differentiable through ``backward`` when given."""
+    and CUDA tensors, traced with ``fake``; differentiable through ``backward`` when given; ``lowering(*args)``
+    (the schema's arguments as inductor IR) builds the op from inductor's lowerings and returns True, or returns
+    False to leave the call to the kernel."""
 
     name: str
     schema: str
@@ -34,6 +44,7 @@ class OpDecl:
     mutates: tuple[str, ...] = ()
     setup_context: Callable[..., Any] | None = None
     backward: Callable[..., Any] | None = None
+    lowering: Callable[..., bool] | None = None
 
 
 DECLARED: dict[str, OpDecl] = {}
@@ -47,11 +58,12 @@ def declare(
     mutates: tuple[str, ...] = (),
     setup_context: Callable[..., Any] | None = None,
     backward: Callable[..., Any] | None = None,
+    lowering: Callable[..., bool] | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator of an op's native entry point (arguments as in ``schema``): records the op's declaration."""
 
     def record(native: Callable[..., Any]) -> Callable[..., Any]:
-        DECLARED[name] = OpDecl(name, schema, native, fake, mutates, setup_context, backward)
+        DECLARED[name] = OpDecl(name, schema, native, fake, mutates, setup_context, backward, lowering)
         return native
 
     return record
@@ -131,7 +143,8 @@ def register() -> None:
         native = torch._disable_dynamo(decl.native)  # a kernel run while Dynamo compiles is not traced into
         lib.impl(decl.name, native, "CPU")
         lib.impl(decl.name, native, "CUDA")
-        torch.library.register_fake(qualname, decl.fake, lib=lib)
+        fake = decl.fake if decl.lowering is None else _registering_lowerings(decl.fake)
+        torch.library.register_fake(qualname, fake, lib=lib)
         op = torch_op(decl.name).default  # also lists the op in dir(torch.ops.pyfedkern)
         if decl.mutates:
             lib.impl(decl.name, _version_bump(op), "ADInplaceOrView", with_keyset=True)
@@ -154,3 +167,38 @@ def _version_bump(op: Any) -> Callable[..., Any]:
         return op.redispatch(keyset & below, *args, **kwargs)
 
     return kernel
+
+
+_lowered = False  # whether inductor has the declared lowerings
+
+
+def _registering_lowerings(fake: Callable[..., Any]) -> Callable[..., Any]:
+    """``fake`` that first hands inductor the declared lowerings, once inductor is loaded. Every compilation runs
+    the fake functions (AOTAutograd's trace inside inductor's compile_fx among them) before inductor lowers the
+    graph, and pyfedkern never imports inductor itself (seconds of import time) just for this."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not _lowered and "torch._inductor.lowering" in sys.modules:
+            _register_lowerings()
+        return fake(*args, **kwargs)
+
+    return run
+
+
+def _register_lowerings() -> None:
+    """Register each declared lowering with inductor, falling back to the op's kernel where it returns False."""
+    global _lowered
+    from torch._inductor import lowering as inductor
+
+    for decl in DECLARED.values():
+        if decl.lowering is not None:
+            op = torch_op(decl.name).default
+            kernel = inductor.fallback_handler(op, add_to_fallback_set=False)
+            inductor.register_lowering(op, type_promotion_kind=None)(
+                functools.partial(_lower_or_call, decl.lowering, kernel)
+            )
+    _lowered = True
+
+
+def _lower_or_call(lowering: Callable[..., bool], kernel: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return None if lowering(*args, **kwargs) else kernel(*args, **kwargs)

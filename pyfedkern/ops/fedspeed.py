@@ -23,6 +23,7 @@ term to the [d] accumulators ``acc`` and ``h_sum``, in row order.
 
 from __future__ import annotations
 
+import math
 from typing import Any, TypeVar
 
 from pyfedkern import _arrays
@@ -431,11 +432,79 @@ def _check_fake_shapes(**tensors: Any) -> None:
             raise ValueError(f"{name} has shape {shape}, expected {first} (the shape of {first_name})")
 
 
+# Inductor lowerings (CPU, float32/float64, the common forms): the kernels' formulas in the kernels' order and
+# accumulation dtype, built from inductor's lowerings so that inductor fuses them with the kernels producing the
+# gradients. Any other call (CUDA, other dtypes, rows, clipping, a norm output, an argument the op would refuse)
+# returns False and runs the kernel, which checks its arguments as in eager code.
+
+
+def _lowerable(tensors: tuple[Any, ...], scalars: tuple[float, ...]) -> bool:
+    """Whether the IR ``tensors`` are all CPU tensors of one float32/float64 dtype and ``scalars`` finite >= 0."""
+    import torch
+
+    dtype = tensors[0].get_dtype()
+    return (
+        dtype in (torch.float32, torch.float64)
+        and all(t.get_device().type == "cpu" and t.get_dtype() == dtype for t in tensors)
+        and all(math.isfinite(v) and v >= 0.0 for v in scalars)
+    )
+
+
+def _lower_sam_perturb(x, grad, rho, eps, normalize, out, norm_out) -> bool:
+    """out = x + s·grad, s = ρ/(‖grad‖₂ + ε) (0 when that is 0) with the norm summed in float64, or s = ρ."""
+    import torch
+    from torch._inductor.lowering import lowerings as lower
+
+    aten, prims = torch.ops.aten, torch.ops.prims
+    if norm_out is not None or len(x.get_size()) != 1 or not _lowerable((x, grad, out), (rho, eps)):
+        return False
+    if normalize:
+        g64 = lower[prims.convert_element_type.default](grad, torch.float64)
+        norm = lower[aten.sqrt.default](lower[aten.sum.default](lower[aten.pow.Tensor_Scalar](g64, 2)))  # one load
+        denom = lower[aten.add.Tensor](norm, eps)
+        s = lower[aten.where.self](lower[aten.gt.Scalar](denom, 0.0), lower[aten.div.Tensor](rho, denom), 0.0)
+        s = lower[prims.convert_element_type.default](s, x.get_dtype())
+    else:
+        s = rho
+    lower[aten.copy_.default](out, lower[aten.add.Tensor](x, lower[aten.mul.Tensor](grad, s)))
+    return True
+
+
+def _lower_fedspeed_update(x, g2, lr, g1, alpha, anchor, prox_coef, weight_decay, clip_norm, norm_out) -> bool:
+    """x ← x − lr·[(1−α)g1 + αg2 + c·D + (c + wd)·x] (g1 read only when α < 1, D only when c > 0)."""
+    import torch
+    from torch._inductor.lowering import lowerings as lower
+
+    aten = torch.ops.aten
+    read_g1, read_anchor = alpha < 1.0, prox_coef > 0.0
+    if (
+        clip_norm is not None
+        or norm_out is not None
+        or alpha > 1.0
+        or (read_g1 and g1 is None)
+        or (read_anchor and anchor is None)
+    ):
+        return False
+    tensors = (x, g2, *([g1] if read_g1 else []), *([anchor] if read_anchor else []))
+    if not _lowerable(tensors, (lr, alpha, prox_coef, weight_decay)):
+        return False
+    mul, add = lower[aten.mul.Tensor], lower[aten.add.Tensor]
+    v = mul(g2, alpha)
+    if read_g1:
+        v = add(mul(g1, 1.0 - alpha), v)
+    if read_anchor:
+        v = add(v, mul(anchor, prox_coef))
+    step = mul(add(v, mul(x, prox_coef + weight_decay)), lr)
+    lower[aten.copy_.default](x, lower[aten.sub.Tensor](x, step))
+    return True
+
+
 @_declare.declare(
     "sam_perturb",
     "(Tensor x, Tensor grad, float rho, float eps, bool normalize, Tensor(a!) out, Tensor(b!)? norm_out) -> ()",
     fake=lambda x, grad, rho, eps, normalize, out, norm_out: _check_fake_shapes(x=x, grad=grad, out=out),
     mutates=("out", "norm_out"),
+    lowering=_lower_sam_perturb,
 )
 def _sam_perturb_native(x: Any, grad: Any, rho: float, eps: float, normalize: bool, out: Any, norm_out: Any) -> None:
     _sam_perturb(x, grad, rho, eps=eps, normalize=normalize, out=out, norm_out=norm_out)
@@ -447,6 +516,7 @@ def _sam_perturb_native(x: Any, grad: Any, rho: float, eps: float, normalize: bo
     "float weight_decay, float? clip_norm, Tensor(b!)? norm_out) -> ()",
     fake=lambda x, g2, lr, g1, alpha, anchor, *_: _check_fake_shapes(x=x, g2=g2, g1=g1, anchor=anchor),
     mutates=("x", "norm_out"),
+    lowering=_lower_fedspeed_update,
 )
 def _fedspeed_update_native(
     x: Any,

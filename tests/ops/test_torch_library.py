@@ -439,6 +439,103 @@ def test_compiled_sam_step_equals_eager(backend):
     assert torch._dynamo.explain(_sam_step)(x0.clone(), xb, yb, model).graph_break_count == 0
 
 
+# Inductor's lowerings of the FedSpeed step's ops (CPU) ----------------------------------------------------------
+
+_KERNEL_CALLS = ("torch.ops.pyfedkern.sam_perturb.default(", "torch.ops.pyfedkern.fedspeed_update_.default(")
+
+
+def _perturb_then_update(x, g1, g2, anchor, out, lr=0.1, rho=0.05, clip_norm=None):
+    """x̆ = sam_perturb(x, g1) written to ``out``, then FedSpeed's update of x with every term; (x̆, x)."""
+    ops.sam_perturb(x, g1 * 1.5, rho, out=out)  # a computed gradient: inductor fuses its producer with the ops
+    ops.fedspeed_update_(
+        x, g2 + 0.0, lr, g1=g1, alpha=0.7, anchor=anchor, prox_coef=0.2, weight_decay=1e-3, clip_norm=clip_norm
+    )
+    return out, x
+
+
+def _step_inputs(dtype: torch.dtype, d: int = 37) -> tuple:
+    gen = torch.Generator().manual_seed(3)
+    return (*[torch.randn(d, generator=gen, dtype=dtype) for _ in range(4)], torch.empty(d, dtype=dtype))
+
+
+def _run_inductor(fn: Callable, args: tuple, **kwargs) -> tuple:
+    """(fn's results compiled by inductor, the generated code) on clones of ``args``; no code cached from before."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *a: fn(*a, **kwargs), backend="inductor", fullgraph=True)
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        got, code = run_and_get_code(compiled, *[a.clone() for a in args])
+    return got, "\n".join(code)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_inductor_fuses_sam_perturb_and_fedspeed_update_on_the_cpu(dtype):
+    """On the CPU inductor generates the two ops' code itself (they fuse with the torch code that computes their
+    inputs; the generated code calls neither operator), while the graph it is given holds the operators; the
+    results equal the kernels' (eager) to rounding."""
+    args = _step_inputs(dtype)
+    expected = _perturb_then_update(*[a.clone() for a in args])
+    got, code = _run_inductor(_perturb_then_update, args)
+    assert not any(call in code for call in _KERNEL_CALLS)
+    tol = 1e-12 if dtype == torch.float64 else 1e-6
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=tol, atol=tol)
+    graphs = []
+
+    def keep_graph(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(_perturb_then_update, backend=keep_graph, fullgraph=True)(*[a.clone() for a in args])
+    targets = {str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"}
+    assert {"pyfedkern.sam_perturb", "pyfedkern.fedspeed_update_"} <= targets
+
+
+def test_inductor_lowering_matches_the_kernel_in_edge_cases():
+    """A zero gradient with eps = 0 (scale 0: x̆ = x, no division by zero), ρ = 0 and lr = 0 give the kernels'
+    results under the lowering too."""
+    x, g1, _, _, out = _step_inputs(torch.float64)
+    zero = torch.zeros_like(g1)
+
+    def f(x, g, out, rho, lr):
+        ops.sam_perturb(x, g, rho, eps=0.0, out=out)
+        ops.fedspeed_update_(x, g, lr, weight_decay=1e-3)
+        return out, x
+
+    for g, rho, lr in ((zero, 0.05, 0.1), (g1, 0.0, 0.0)):
+        expected = f(x.clone(), g, out.clone(), rho, lr)
+        got, code = _run_inductor(f, (x, g, out), rho=rho, lr=lr)
+        assert not any(call in code for call in _KERNEL_CALLS)
+        for a, b in zip(got, expected, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_inductor_leaves_other_calls_to_the_kernels():
+    """Where the lowering does not apply (a clipped update, a norm output, half precision) the generated code calls
+    the operator and the results are the kernels' exactly; an argument the kernel refuses (lr < 0) still raises
+    its ValueError from compiled code."""
+    args = _step_inputs(torch.float32)
+    expected = _perturb_then_update(*[a.clone() for a in args], clip_norm=0.5)
+    got, code = _run_inductor(_perturb_then_update, args, clip_norm=0.5)
+    assert _KERNEL_CALLS[1] in code and _KERNEL_CALLS[0] not in code
+    torch.testing.assert_close(got[1], expected[1], rtol=1e-6, atol=1e-6)  # g1 * 1.5 and g2 + 0 are inductor's
+
+    x, g = (t.to(torch.float16) for t in args[:2])
+    got, code = _run_inductor(lambda x, g: ops.sam_perturb(x, g, 0.05), (x, g))
+    assert _KERNEL_CALLS[0] in code
+    assert torch.equal(got, ops.sam_perturb(x, g, 0.05))
+
+    norm = torch.empty(1)
+    got, code = _run_inductor(lambda x, g, n: (ops.sam_perturb(x, g, 0.05, norm_out=n), n), (*args[:2], norm))
+    assert _KERNEL_CALLS[0] in code
+    torch.testing.assert_close(got[1], args[1].norm().reshape(1), rtol=1e-6, atol=0)
+
+    with pytest.raises(ValueError, match="lr"):
+        _run_inductor(_perturb_then_update, args, lr=-1.0)
+
+
 def test_export_traces_the_operators():
     def f(u, w):
         return ops.weighted_sum(u, w) * 2
