@@ -1,8 +1,10 @@
 """The benchmark cases compute what they claim (every peer of a group gives pyfedkern's result) and report ratios."""
 
+import functools
 import os
 
 import numpy as np
+import pytest
 import torch
 
 import pyfedkern
@@ -141,9 +143,8 @@ def test_engine_round_peers_compute_the_same_round():
 def test_engine_models_cases_compute_the_same_rounds():
     """The engine_models groups hold the three pyfedkern paths (and pfl when installed) at 1 and 2 threads, two
     worker processes at 2 threads, and the GEMM and convolution limits for the CNN; the Shakespeare-shaped round (no
-    dropout) is the same on every path, and the engine's choice there is one of the two paths; the workers run
-    rounds in two processes."""
-    from pyfedkern.benchmarks import distributed, engine_models
+    dropout) is the same on every path, and the engine's choice there is one of the two paths."""
+    from pyfedkern.benchmarks import engine_models
 
     cases = engine_models.cases(quick=True)
     groups = dict.fromkeys(c.group for c in cases)
@@ -159,12 +160,17 @@ def test_engine_models_cases_compute_the_same_rounds():
     ours = results.pop("pyfedkern per-client loop")
     for name, value in results.items():
         np.testing.assert_allclose(value, ours, rtol=1e-4, atol=1e-5, err_msg=name)
-    spread = next(c for c in cases if c.name.endswith("workers × 1 thread") and "lstm" in c.group)
-    run = spread.make()
+
+
+def test_worker_rounds_raise_a_failing_worker_s_error_instead_of_waiting():
+    """A worker process that fails (here: building its simulation) makes the round raise, naming the rank."""
+    from pyfedkern.benchmarks import distributed
+    from pyfedkern.sim.engine import Simulation
+
+    run = distributed.worker_rounds(functools.partial(Simulation, "not a config"), 1)
     try:
-        for _ in range(2):
-            peaks = run()
-            assert len(peaks) == 2 and min(peaks) > 0  # both ranks answered the round
+        with pytest.raises(RuntimeError, match="rank 0"):
+            run()
     finally:
         distributed.stop_workers()
 

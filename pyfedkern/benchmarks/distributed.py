@@ -24,8 +24,10 @@ import itertools
 import os
 import resource
 import socket
+import traceback
 from collections.abc import Callable
 from dataclasses import replace
+from queue import Empty
 from typing import Any
 
 from pyfedkern.benchmarks.common import Case
@@ -55,19 +57,19 @@ def _serve(
     from pyfedkern.sim import distributed
     from pyfedkern.sim.engine import _cpu_threads
 
-    if world:
-        os.environ.update(
-            {
-                "RANK": str(rank),
-                "WORLD_SIZE": str(world),
-                "LOCAL_RANK": str(rank),
-                "LOCAL_WORLD_SIZE": str(world),
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-            }
-        )
-        distributed.init_process_group(distributed.rank_device(device))
     try:
+        if world:
+            os.environ.update(
+                {
+                    "RANK": str(rank),
+                    "WORLD_SIZE": str(world),
+                    "LOCAL_RANK": str(rank),
+                    "LOCAL_WORLD_SIZE": str(world),
+                    "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(port),
+                }
+            )
+            distributed.init_process_group(distributed.rank_device(device))
         with _cpu_threads(threads):
             sim = build()
             if world:
@@ -85,6 +87,9 @@ def _serve(
 
                     torch.cuda.synchronize()
                 answers.put((rank, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
+    except Exception:
+        answers.put((rank, traceback.format_exc()))  # the parent raises it instead of waiting for an answer
+        raise
     finally:
         distributed.close_process_group()
 
@@ -101,7 +106,7 @@ class WorkerRounds:
 
         context = mp.get_context("spawn")
         self._commands = [context.SimpleQueue() for _ in range(max(workers, 1))]
-        self._answers = context.SimpleQueue()
+        self._answers = context.Queue()
         self._processes = mp.start_processes(
             _serve,
             args=(workers, _free_port(), build, threads, device, self._commands, self._answers),
@@ -113,11 +118,26 @@ class WorkerRounds:
         atexit.register(self.close)
 
     def round(self) -> None:
+        """Run the next round in every process; a RuntimeError with the worker's traceback (or exit code) when one
+        fails or dies instead of answering."""
         for queue in self._commands:
             queue.put("round")
-        for _ in self._commands:
-            rank, peak = self._answers.get()
-            self.peak_mb[rank] = peak
+        waiting = len(self._commands)
+        while waiting:
+            try:
+                rank, answer = self._answers.get(timeout=1.0)
+            except Empty:
+                dead = [(r, p.exitcode) for r, p in enumerate(self._processes.processes) if p.exitcode is not None]
+                if dead:
+                    raise RuntimeError(
+                        "benchmark workers exited during a round: "
+                        + ", ".join(f"rank {r} (exit code {code})" for r, code in dead)
+                    ) from None
+                continue
+            if isinstance(answer, str):
+                raise RuntimeError(f"benchmark worker rank {rank} failed:\n{answer}")
+            self.peak_mb[rank] = answer
+            waiting -= 1
 
     def close(self) -> None:
         for queue in self._commands:
