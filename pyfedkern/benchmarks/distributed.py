@@ -165,19 +165,18 @@ def stop_workers() -> None:
 
 def worker_rounds(
     build: Callable[[], Any], workers: int, threads: int = 1, device: str = "cpu", key: str | None = None
-) -> Callable[[], list[float]]:
-    """A callable running the next round of :class:`WorkerRounds` (``build``, ``workers``, ``threads``, ``device``)
-    and returning each process's peak resident memory (MiB); the processes of the previous call's case are stopped
-    first (memory). With ``key``, each round also records the peaks in ``PEAKS[key]``."""
+) -> Callable[[], None]:
+    """A callable running the next round of :class:`WorkerRounds` (``build``, ``workers``, ``threads``, ``device``);
+    the processes of the previous call's case are stopped first (memory). With ``key``, each round records the
+    processes' peak resident memory in ``PEAKS[key]``."""
     stop_workers()
     rounds = WorkerRounds(build, workers, threads, device)
     _running.append(rounds)
 
-    def run() -> list[float]:
+    def run() -> None:
         rounds.round()
         if key is not None:
             PEAKS[key] = list(rounds.peak_mb)
-        return list(rounds.peak_mb)
 
     return run
 
