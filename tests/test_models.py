@@ -271,3 +271,43 @@ def test_cnn_trains_on_digits_features():
     with torch.no_grad():
         assert float(torch.nn.functional.cross_entropy(model(x), y)) < before
     assert model.conv[0].weight.grad.abs().sum() > 0
+
+
+# the plain SGD step -----------------------------------------------------------------------------------------------
+
+
+class _PartlyUsed(torch.nn.Module):
+    """A dropout model with a frozen layer and a parameter the loss never reaches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen = torch.nn.Linear(5, 6)
+        self.frozen.requires_grad_(False)
+        self.body = torch.nn.Sequential(torch.nn.Linear(6, 7), torch.nn.ReLU(), torch.nn.Dropout(0.3))
+        self.head = torch.nn.Linear(7, 3)
+        self.unused = torch.nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.frozen(x)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_sgd_step_equals_gradient_then_update_bit_for_bit(dtype):
+    torch.manual_seed(0)
+    model = _PartlyUsed().to(dtype)
+    stepped, reference = LocalModel(model), LocalModel(_PartlyUsed().to(dtype))
+    reference.load_(stepped.flat.data)
+    x, y = torch.randn(8, 5, dtype=dtype), torch.randint(0, 3, (8,))
+    start = stepped.flat.data.clone()
+    for step in range(3):
+        torch.manual_seed(step)  # the same dropout masks on both sides
+        loss = stepped.sgd_step_(x, y, 0.1)
+        torch.manual_seed(step)
+        expected = reference.loss_and_grad(x, y)
+        reference.flat.data.add_(reference.flat.grad, alpha=-0.1)
+        assert loss == expected
+        assert torch.equal(stepped.flat.data, reference.flat.data)
+    frozen = stepped.flat.layout.entries[0]
+    assert torch.equal(stepped.flat.data[: frozen.numel], start[: frozen.numel])  # the frozen weight stayed
+    assert torch.equal(model.unused, torch.ones(4, dtype=dtype))
+    assert not stepped.flat.data.equal(start)

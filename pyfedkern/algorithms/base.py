@@ -186,11 +186,16 @@ class ClientUpdates:
         return cls(
             clients=np.array([m.cid for m in messages], dtype=np.int64),
             weights=np.array([m.weight for m in messages], dtype=np.float64),
-            vectors={name: torch.stack([m.vectors[name] for m in messages]) for name in names},
+            vectors={name: _rows([m.vectors[name] for m in messages]) for name in names},
             losses=torch.tensor([m.loss for m in messages], dtype=torch.float64, device=device),
             steps=np.array([m.steps for m in messages], dtype=np.int64),
             extras={key: np.array([m.extras[key] for m in messages], dtype=np.float64) for key in messages[0].extras},
         )
+
+
+def _rows(vectors: list[torch.Tensor]) -> torch.Tensor:
+    """[k, d] rows of k [d] vectors (a view of the one vector when k is 1)."""
+    return vectors[0].unsqueeze(0) if len(vectors) == 1 else torch.stack(vectors)
 
 
 class RoundSums:
@@ -484,9 +489,13 @@ def local_sgd(
     wd = ctx.weight_decay if weight_decay is None else weight_decay
     momentum_buf: torch.Tensor | None = None
     total, n = 0.0, 0
+    plain = correction is None and on_gradient is None and not wd and not ctx.momentum
     for n, (xb, yb) in enumerate(
         ctx.batches(cid, t, epochs=epochs, steps=steps, order=order, drop_last=drop_last), start=1
     ):
+        if plain:  # x ← x − lr·g without the flat gradient
+            total += local.sgd_step_(xb, yb, lr)
+            continue
         total += local.loss_and_grad(xb, yb)
         if on_gradient is not None:
             on_gradient(n - 1, g)

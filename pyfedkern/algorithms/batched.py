@@ -671,6 +671,10 @@ def batched_local_sgd_(
 
 #: The share of free memory a chunk of participants may use (of the GPU's free memory, or of the available RAM).
 MEMORY_FRACTION = {"cuda": 0.5, "cpu": 0.25}
+#: Bytes of messages (two [d] vectors a client) a chunk of the per-client loop holds before they are folded into
+#: the round's sums: small enough that the allocator hands the same memory back chunk after chunk (glibc maps every
+#: block over 32 MiB afresh, which costs a page fault per 4 KiB), large enough to fold many small models at once.
+LOOP_CHUNK_BYTES = 16 << 20
 
 
 def free_memory(device: torch.device) -> int:
@@ -702,13 +706,16 @@ def bytes_per_client(ctx: FLContext, state_rows: int) -> int:
 
 
 def client_chunks(ctx: FLContext, clients: np.ndarray, state_rows: int = 2) -> Iterator[np.ndarray]:
-    """``clients`` in consecutive chunks to train at once: ``ctx.client_chunk`` clients when set, else as many as
-    fit :data:`MEMORY_FRACTION` of the free memory (:func:`bytes_per_client`; divided among ``ctx.device_sharers``
-    processes when set); one chunk when everything fits.
+    """``clients`` in consecutive chunks to train at once: ``ctx.client_chunk`` clients when set; on the per-client
+    loop as many as :data:`LOOP_CHUNK_BYTES` of messages allow; batched, as many as fit :data:`MEMORY_FRACTION` of
+    the free memory (:func:`bytes_per_client`; divided among ``ctx.device_sharers`` processes when set); one chunk
+    when everything fits.
     Nothing when ``clients`` is empty."""
     clients = np.asarray(clients, dtype=np.int64).reshape(-1)
     size = getattr(ctx, "client_chunk", None)
-    if size is None:
+    if size is None and not use_batched(ctx):
+        size = max(1, LOOP_CHUNK_BYTES // (2 * ctx.local.dim * ctx.local.flat.data.element_size()))
+    elif size is None:
         device = torch.device(ctx.device)
         budget = MEMORY_FRACTION["cuda" if device.type == "cuda" else "cpu"] * free_memory(device)
         budget /= getattr(ctx, "device_sharers", 1)  # the processes of a distributed run on the same memory

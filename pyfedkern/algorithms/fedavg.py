@@ -60,15 +60,18 @@ def clip_by_norm_(g: torch.Tensor, max_norm: float) -> torch.Tensor:
 Terms = Callable[[torch.Tensor, Any], None]
 
 
-def step_direction(terms: Terms | None, decay: float, clip_norm: float | None) -> Terms:
+def step_direction(terms: Terms | None, decay: float, clip_norm: float | None) -> Terms | None:
     """The local step direction as the ``correction`` of :func:`~pyfedkern.algorithms.local_sgd` (called as
     ``(g, x)``, g and x [d]) or of :meth:`~pyfedkern.algorithms.batched.BatchedLocal.sgd_` (``(g, step)``, g
     [rows, d]), both run with ``weight_decay=0``: g (the loss gradient) gains the algorithm's ``terms`` in place, is
     clipped to norm ``clip_norm`` when that is not None, and gains ``decay``·x.
 
     This is FL-Simulator's order: its clients put the algorithm's terms into the loss, clip the gradient with
-    ``clip_grad_norm_`` and let ``SGD(weight_decay=decay)`` add decay·x after the clip.
+    ``clip_grad_norm_`` and let ``SGD(weight_decay=decay)`` add decay·x after the clip. None when there is nothing
+    to add or clip (plain SGD, which the local loops then run without a flat gradient).
     """
+    if terms is None and clip_norm is None and not decay:
+        return None
 
     def direction(g: torch.Tensor, where: Any) -> None:
         if terms is not None:
@@ -114,7 +117,7 @@ class FedAvg(Algorithm):
         """The coefficient of the x term added after the clip (FL-Simulator's SGD weight decay): wd."""
         return ctx.weight_decay
 
-    def direction(self, ctx: FLContext, terms: Terms | None) -> Terms:
+    def direction(self, ctx: FLContext, terms: Terms | None) -> Terms | None:
         """The whole local direction around ``terms`` (:func:`step_direction`), for a run with weight_decay=0."""
         return step_direction(terms, self.decay(ctx), self.clip_norm if self.ref_compat else None)
 

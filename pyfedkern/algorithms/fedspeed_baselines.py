@@ -167,7 +167,8 @@ class FedSAM(FedAvg):
             local.loss_and_grad(xb, yb)
             with torch.no_grad():
                 x.copy_(x_saved)
-                finish(g, x)
+                if finish is not None:
+                    finish(g, x)
                 x.add_(g, alpha=-lr)
         loss = total / n if n else float("nan")
         return ClientMessage(cid, float(self.weights(ctx, [cid])[0]), {"model": x.clone()}, loss, n)
@@ -181,7 +182,8 @@ class FedSAM(FedAvg):
             denom = torch.linalg.vector_norm(g, dim=1) + self.eps  # one norm per client
             scale = torch.where(denom > 0, self.rho / denom, torch.zeros_like(denom))
             g = run.gradients(step, step.x + scale[:, None] * g, record=False)
-            finish(g, step)
+            if finish is not None:
+                finish(g, step)
             step.x.add_(g, alpha=-run.lr)
         return ClientUpdates.of(run, ctx, {"model": models}, weights=self.weights(ctx, run.clients))
 

@@ -68,6 +68,22 @@ class LocalModel:
         loss.backward()
         return float(loss.detach())
 
+    def sgd_step_(self, x: torch.Tensor, y: torch.Tensor, lr: float) -> float:
+        """One plain SGD step on a batch, p ← p − lr·∇p of the objective; return the objective's value.
+
+        Equal to :meth:`loss_and_grad` followed by ``flat.data.add_(flat.grad, alpha=-lr)``, but the gradients go
+        straight into the update: ``flat.grad`` is neither zeroed nor written (one pass less over the model's
+        memory for each)."""
+        self.module.train()
+        loss = self.objective(self.module(x), y)
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        with torch.no_grad():
+            for p, g in zip(params, grads, strict=True):
+                if g is not None:
+                    p.add_(g, alpha=-lr)
+        return float(loss.detach())
+
     @torch.no_grad()
     def evaluate(
         self, vector: torch.Tensor, x: torch.Tensor, y: torch.Tensor, batch_size: int = 2048

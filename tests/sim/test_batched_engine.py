@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from pyfedkern import models
-from pyfedkern.algorithms import batched
+from pyfedkern.algorithms import LocalModel, batched
 from pyfedkern.algorithms.batched import BatchedLocal, client_chunks, trainer_for
 from pyfedkern.sim.engine import ExperimentConfig, Simulation, _cpu_threads
 
@@ -115,6 +115,28 @@ def test_batched_rounds_equal_the_per_client_loop(case, algorithm, params, momen
     assert x_batched.abs().max() > 1e-3  # the model moved
     torch.testing.assert_close(x_batched, x_loop, rtol=1e-10, atol=1e-12)
     assert np.isfinite(loss_batched) and loss_batched == pytest.approx(loss_loop, rel=1e-10)
+
+
+@pytest.mark.parametrize("model", ["mlp", "cnn"])
+def test_the_loop_s_plain_sgd_steps_and_chunks_equal_the_batched_round(model, monkeypatch):
+    """FedAvg without weight decay or momentum: the loop steps without its flat gradient
+    (:meth:`~pyfedkern.algorithms.LocalModel.sgd_step_`) and folds its messages in chunks of
+    :data:`~pyfedkern.algorithms.batched.LOOP_CHUNK_BYTES` (here two clients' worth)."""
+    cfg = config("fedavg", {}, 0.0, model, weight_decay=0.0, fraction=1.0)
+    loop = Simulation(dataclasses.replace(cfg, batched=False))
+    monkeypatch.setattr(batched, "LOOP_CHUNK_BYTES", 2 * 2 * loop.local.dim * 8)
+    assert [len(c) for c in client_chunks(loop, np.arange(6))] == [2, 2, 2]
+    steps = []
+    monkeypatch.setattr(LocalModel, "loss_and_grad", lambda *a: pytest.fail("a plain step wrote the flat gradient"))
+    sgd_step = LocalModel.sgd_step_
+    monkeypatch.setattr(LocalModel, "sgd_step_", lambda *a: steps.append(1) or sgd_step(*a))
+    x_loop, loss_loop, _ = run(dataclasses.replace(cfg, batched=False), monkeypatch)
+    assert steps
+    monkeypatch.undo()
+    x_batched, loss_batched, runs = run(cfg, monkeypatch)
+    assert runs > 0 and x_batched.abs().max() > 1e-3
+    torch.testing.assert_close(x_loop, x_batched, rtol=1e-10, atol=1e-12)
+    assert loss_loop == pytest.approx(loss_batched, rel=1e-10)
 
 
 def test_the_models_take_the_gradient_paths_they_are_meant_to():
