@@ -100,6 +100,13 @@ _COMMON = [
         "true: train each round's participants as batched steps; false: a loop over clients; auto (default): the "
         "faster of the two for the model, measured once",
     ),
+    (
+        "channels_last",
+        "--channels-last",
+        _flag_or_auto,
+        "true: the per-client loop feeds image batches channels-last; false: contiguous; auto (default): the faster "
+        "layout for the model, measured once",
+    ),
     ("client_chunk", "--client-chunk", int, "train at most this many participants at once (none: fit free memory)"),
     ("dtype", "--dtype", str, "float32 | float64 (model and data)"),
 ]

@@ -507,17 +507,19 @@ def test_unreadable_dataset_files_are_one_line_errors_naming_the_file(tmp_path):
     assert f"cannot read IDX file {mnist / 'train-images-idx3-ubyte.gz'}: " in line
 
 
+@pytest.mark.parametrize("flag", ["--batched", "--channels-last"])
 @pytest.mark.parametrize(("value", "expected"), [("auto", None), ("AUTO", None), ("true", True), ("no", False)])
-def test_batched_takes_auto_true_or_false(value, expected, tmp_path):
-    assert main(["run", *FAST, "--batched", value, "--out", str(tmp_path / "run")]) == 0
-    assert load_config(tmp_path / "run").batched is expected
+def test_batched_and_channels_last_take_auto_true_or_false(flag, value, expected, tmp_path):
+    assert main(["run", *FAST, flag, value, "--out", str(tmp_path / "run")]) == 0
+    assert getattr(load_config(tmp_path / "run"), flag[2:].replace("-", "_")) is expected
 
 
-def test_batched_refuses_other_values(capsys):
+@pytest.mark.parametrize("flag", ["--batched", "--channels-last"])
+def test_batched_and_channels_last_refuse_other_values(flag, capsys):
     with pytest.raises(SystemExit) as exit_:
-        main(["run", *FAST, "--batched", "sometimes"])
+        main(["run", *FAST, flag, "sometimes"])
     assert exit_.value.code == 2
-    assert "argument --batched: expected true, false or auto, got 'sometimes'" in capsys.readouterr().err
+    assert f"argument {flag}: expected true, false or auto, got 'sometimes'" in capsys.readouterr().err
 
 
 def _start_run(argv, cwd) -> subprocess.Popen:

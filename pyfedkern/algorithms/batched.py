@@ -388,25 +388,45 @@ def choose_path(ctx: FLContext, rows: int) -> PathChoice:
 
 
 def _measure_paths(ctx: FLContext, xb: torch.Tensor, yb: torch.Tensor, wb: torch.Tensor | None) -> dict[str, float]:
-    """Seconds of one local step of xb.shape[0] clients on each path ({"batched", "loop"}): the fastest of
-    :data:`MEASUREMENTS` timed calls of each, alternating, after an untimed call of each. The model's parameters and
-    torch's random state are restored."""
+    """Seconds of one local step of xb.shape[0] clients on each path ({"batched", "loop"}; see
+    :func:`_timed_alternately`)."""
     local, lr = ctx.local, 0.0  # lr 0: the updates cost the same and keep every call at the same model
     x0 = local.flat.data.clone()
     trainer = trainer_for(local)
-    sizes = [xb.shape[1]] * xb.shape[0] if wb is None else (wb > 0).sum(1).tolist()
-    device = x0.device
 
     def batched() -> None:
         models = x0.expand(xb.shape[0], -1).clone()
         g, _ = trainer.gradients(models, xb, yb, wb)
         models.add_(g, alpha=-lr)
 
+    return _timed_alternately(ctx, {"batched": batched, "loop": _loop_step(local, _client_batches(xb, yb, wb))})
+
+
+def _client_batches(xb: torch.Tensor, yb: torch.Tensor, wb: torch.Tensor | None) -> list[tuple[torch.Tensor, ...]]:
+    """Each client's own batch (its samples without the padding) of a stacked step."""
+    sizes = [xb.shape[1]] * xb.shape[0] if wb is None else (wb > 0).sum(1).tolist()
+    return [(xb[r, :n], yb[r, :n]) for r, n in enumerate(sizes)]
+
+
+def _loop_step(local: LocalModel, batches: list[tuple[torch.Tensor, ...]]) -> Callable[[], None]:
+    """One loop step (gradient and update) of every client batch, each from the current parameters."""
+    x0, lr = local.flat.data.clone(), 0.0  # lr 0: the update costs the same and keeps every call at the same model
+
     def loop() -> None:
-        for r, n in enumerate(sizes):
+        for xb, yb in batches:
             local.load_(x0)
-            local.loss_and_grad(xb[r, :n], yb[r, :n])
+            local.loss_and_grad(xb, yb)
             local.flat.data.add_(local.flat.grad, alpha=-lr)
+
+    return loop
+
+
+def _timed_alternately(ctx: FLContext, calls: dict[str, Callable[[], None]]) -> dict[str, float]:
+    """Seconds of each call: the fastest of :data:`MEASUREMENTS` timed calls of each, alternating (load hits all
+    alike), after an untimed call of each. The model's parameters and torch's random state are restored."""
+    local = ctx.local
+    x0 = local.flat.data.clone()
+    device = x0.device
 
     def timed(fn: Callable[[], None]) -> float:
         if device.type == "cuda":
@@ -420,15 +440,62 @@ def _measure_paths(ctx: FLContext, xb: torch.Tensor, yb: torch.Tensor, wb: torch
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     try:
-        batched(), loop()
-        times = [(timed(batched), timed(loop)) for _ in range(MEASUREMENTS)]  # alternating: load hits both alike
-        return {"batched": min(t[0] for t in times), "loop": min(t[1] for t in times)}
+        for fn in calls.values():
+            fn()
+        times = [{name: timed(fn) for name, fn in calls.items()} for _ in range(MEASUREMENTS)]
+        return {name: min(t[name] for t in times) for name in calls}
     finally:
         local.load_(x0)
         local.flat.zero_grad()
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state(cuda_rng, device)
+
+
+@dataclass(frozen=True)
+class LayoutChoice:
+    """The memory format of the per-client loop's image batches: ``channels_last`` or contiguous, why, and the
+    measured seconds of one loop step of the probed clients in each layout (None when not measured)."""
+
+    channels_last: bool
+    reason: str
+    seconds: dict[str, float] | None = None
+
+
+def is_image_batch(x: torch.Tensor) -> bool:
+    """Whether a batch is floating-point images [B, C, H, W] of several channels, what the channels-last layout
+    changes (one channel's two layouts are the same memory)."""
+    return x.dim() == 4 and x.shape[1] > 1 and x.is_floating_point()
+
+
+_LAYOUTS: dict[tuple, LayoutChoice] = {}
+
+
+def choose_layout(ctx: FLContext, rows: int) -> LayoutChoice:
+    """Whether the per-client loop feeds ``ctx``'s model channels-last image batches.
+
+    Only image batches are measured (:func:`is_image_batch`; other inputs keep their layout): one loop step
+    (gradient and update) of min(rows, :data:`PROBE_ROWS`) clients on their first minibatch of round 0 with
+    contiguous and with channels-last batches (:func:`_timed_alternately`); channels-last when strictly faster. Kept
+    for the process per model structure, device, dtype, batch shape and thread count, as :func:`choose_path`'s."""
+    rows = max(1, min(int(rows), PROBE_ROWS, int(ctx.num_clients)))
+    xb, yb, wb = next(iter(stacked_batches(ctx, np.arange(rows), 0, steps=1)))
+    if not is_image_batch(xb[0]):  # xb: [clients, B, ...]
+        return LayoutChoice(False, "the inputs are not image batches [B, C, H, W]")
+    local = ctx.local
+    data = local.flat.data
+    key = (repr(local.module), str(data.device), data.dtype, tuple(xb.shape), xb.dtype, torch.get_num_threads())
+    if key not in _LAYOUTS:
+        batches = _client_batches(xb, yb, wb)
+        channels_last = [(x.contiguous(memory_format=torch.channels_last), y) for x, y in batches]
+        layouts = {"contiguous": _loop_step(local, batches), "channels_last": _loop_step(local, channels_last)}
+        seconds = _timed_alternately(ctx, layouts)
+        _LAYOUTS[key] = LayoutChoice(
+            seconds["channels_last"] < seconds["contiguous"],
+            f"measured on one local step of {len(batches)} clients",
+            {k: round(v, 6) for k, v in seconds.items()},
+        )
+    return _LAYOUTS[key]
 
 
 # Minibatches of many clients -----------------------------------------------------------------------------------

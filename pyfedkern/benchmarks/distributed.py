@@ -75,7 +75,7 @@ def _serve(
             if world:
                 sim.team = distributed.init_team(sim)  # the engine's path choice too, under the timed thread count
             else:
-                sim.batched  # noqa: B018 (the engine's path choice, made now rather than in a timed round)
+                sim.channels_last  # noqa: B018 (the engine's path and layout choices, made now, not in a timed round)
         algo = sim.algorithm
         algo.setup(sim, sim.initial_vector)
         rounds = itertools.count()

@@ -39,7 +39,10 @@ class ExperimentConfig:
     batched: True: train a round's participants as batched steps (:mod:`pyfedkern.algorithms.batched`; models with
     buffers such as BatchNorm always use the per-client loop); False: a loop over clients (same results to
     rounding); None: the engine takes the faster of the two for the model, device and chunk size
-    (:func:`~pyfedkern.algorithms.batched.choose_path`). client_chunk: train at most this many participants at
+    (:func:`~pyfedkern.algorithms.batched.choose_path`). channels_last: whether the per-client loop feeds image
+    batches ([B, C, H, W]) to the model in torch's channels-last memory format (same results to rounding; None: the
+    faster of the two layouts for the model, measured once, :func:`~pyfedkern.algorithms.batched.choose_layout`;
+    batched steps and other inputs keep the contiguous layout). client_chunk: train at most this many participants at
     once (None: as many as fit a share of the free memory; chunking changes only the order of the server's sums).
     dtype: of the model parameters and the float data, "float32" or "float64".
 
@@ -78,6 +81,7 @@ class ExperimentConfig:
     checkpoint_every: int = 10
     threads: int | None = None
     batched: bool | None = None
+    channels_last: bool | None = None
     client_chunk: int | None = None
     dtype: str = "float32"
     eval_initial: bool = True
@@ -134,8 +138,11 @@ class ExperimentConfig:
         for name in ("parity", "eval_initial", "sample_with_replacement"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        if self.batched is not None and not isinstance(self.batched, bool):
-            raise ValueError(f"batched must be true, false or None (the engine chooses), got {self.batched!r}")
+        for name in ("batched", "channels_last"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise ValueError(
+                    f"{name} must be true, false or None (the engine chooses), got {getattr(self, name)!r}"
+                )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         for name in ("clients", "rounds", "batch_size", "eval_every", "checkpoint_every"):

@@ -269,12 +269,16 @@ def init_team(sim: Any) -> ProcessTeam:
 
 
 def share_path_choice(sim: Any, team: Team) -> None:
-    """When the engine measures which training path is faster (``config.batched`` None), make every rank take rank
-    0's choice: each rank measures (at the same time, so none waits long) and rank 0's answer is sent to all, as two
-    processes' timings can disagree and ranks on different paths would not train alike."""
+    """When the engine measures which training path (``config.batched`` None) or loop layout
+    (``config.channels_last`` None) is faster, make every rank take rank 0's choice: each rank measures (at the same
+    time, so none waits long) and rank 0's answer is sent to all, as two processes' timings can disagree and ranks
+    on different paths would not train alike."""
     if sim.config.batched is None:
         choice = sim.batched
         sim.batched = team.scatter([choice] * team.size if team.rank == 0 else None)
+    if sim.config.channels_last is None:
+        choice = sim.channels_last
+        sim.channels_last = team.scatter([choice] * team.size if team.rank == 0 else None)
 
 
 def close_process_group() -> None:

@@ -27,7 +27,14 @@ import torch
 
 from pyfedkern import models
 from pyfedkern.algorithms import Algorithm, LocalModel, make_algorithm
-from pyfedkern.algorithms.batched import can_batch, choose_path, free_memory, padding_weights
+from pyfedkern.algorithms.batched import (
+    can_batch,
+    choose_layout,
+    choose_path,
+    free_memory,
+    is_image_batch,
+    padding_weights,
+)
 from pyfedkern.ops import seeded_permutations
 from pyfedkern.sim.config import (
     ExperimentConfig,
@@ -138,6 +145,8 @@ class Simulation:
         #: Batched training of each round's participants (FLContext.batched), in chunks of client_chunk; None until
         #: the engine's choice is made (see the ``batched`` property).
         self._batched = config.batched
+        #: Channels-last image batches in the per-client loop; None until the engine's choice is made.
+        self._channels_last = config.channels_last
         self.client_chunk = config.client_chunk
         #: One training sample (the memory estimate of batched training measures the model's activations on it).
         self.sample_input = self._all_x[0]
@@ -171,6 +180,32 @@ class Simulation:
     @batched.setter
     def batched(self, value: bool) -> None:
         self._batched = value
+
+    @property
+    def channels_last(self) -> bool:
+        """Whether the per-client loop feeds image batches channels-last: ``config.channels_last``, or when that is
+        None the faster layout for this model (:func:`~pyfedkern.algorithms.batched.choose_layout`; never on the
+        batched path), chosen at the first read and logged."""
+        if self._channels_last is None:
+            self._channels_last = False
+            if not self.batched:
+                rows = max(1, round(self.config.fraction * self.num_clients))
+                choice = choose_layout(self, min(rows, self.client_chunk or rows))
+                self._channels_last = choice.channels_last
+                if choice.seconds is not None:
+                    layout = "channels-last" if choice.channels_last else "contiguous"
+                    logger.info(
+                        "model %s: the loop feeds %s image batches: %s (seconds: %s)",
+                        self.config.model,
+                        layout,
+                        choice.reason,
+                        choice.seconds,
+                    )
+        return self._channels_last
+
+    @channels_last.setter
+    def channels_last(self, value: bool) -> None:
+        self._channels_last = value
 
     def lr(self, t: int) -> float:
         """The local learning rate of round t under the config's schedule."""
@@ -323,9 +358,10 @@ class Simulation:
         plan = self.batch_indices(
             cid, t, epochs=epochs, steps=steps, order=order, drop_last=drop_last, batch_size=batch_size
         )
+        layout = torch.channels_last if self.channels_last and is_image_batch(x) else torch.contiguous_format
         for step, positions in enumerate(plan):
             idx = torch.as_tensor(positions, device=self.device)
-            yield self._add_noise(x[idx], cid, t, step), y[idx]
+            yield self._add_noise(x[idx], cid, t, step).contiguous(memory_format=layout), y[idx]
 
     def stacked_batches(
         self,
@@ -535,6 +571,7 @@ class Simulation:
             "active_clients": self.active_clients,
             "eval_labels": self.eval_labels,
             "batched": self.batched,
+            "channels_last": self.channels_last,
         }
 
     def _restore(self, path: Path, state: dict[str, Any]) -> None:
@@ -564,6 +601,8 @@ class Simulation:
         self.eval_labels = eval_labels
         if self.config.batched is None and isinstance(state.get("batched"), bool):
             self._batched = state["batched"]  # the path the run was taking: a resumed run continues on it
+        if self.config.channels_last is None and isinstance(state.get("channels_last"), bool):
+            self._channels_last = state["channels_last"]  # and its layout
 
     def _timed_evaluation(self, vector: torch.Tensor) -> dict[str, float]:
         start = time.perf_counter()

@@ -117,6 +117,7 @@ def test_faster_path_is_the_faster_measurement_and_batched_on_a_tie():
 @pytest.fixture
 def fresh_choices(monkeypatch):
     monkeypatch.setattr(batched, "_CHOICES", {})
+    monkeypatch.setattr(batched, "_LAYOUTS", {})
 
 
 @pytest.mark.parametrize("loop_faster", [True, False])
@@ -198,11 +199,83 @@ def test_a_resumed_run_keeps_the_path_it_was_taking(monkeypatch, fresh_choices, 
     sim.run(tmp_path / "run")
     assert sim._checkpoint(1)["batched"] is False
     monkeypatch.setattr(batched, "_CHOICES", {})
+    monkeypatch.setattr(batched, "_LAYOUTS", {})
     monkeypatch.setattr(batched, "_measure_paths", lambda *args: pytest.fail("measured again"))
+    monkeypatch.setattr(batched, "_timed_alternately", lambda *args: pytest.fail("measured again"))
     resumed = Simulation(config)
     resumed.algorithm.setup(resumed, resumed.initial_vector)
     resumed._restore(tmp_path / "checkpoint", sim._checkpoint(1))
     assert resumed.batched is False
+    assert resumed.channels_last is sim.channels_last  # and its layout, not measured again
+    resumed._restore(tmp_path / "checkpoint", {**sim._checkpoint(1), "channels_last": not sim.channels_last})
+    assert resumed.channels_last is not sim.channels_last
+
+
+def _three_channel_loop(channels_last: bool | None) -> Simulation:
+    factory, (x, y) = (
+        lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(144, 5)),
+        _images((3, 8, 8), 5),
+    )
+    torch.manual_seed(0)
+    sim = array_simulation(factory().double(), x, y, SIZES, per_round=3, batch_size=4, lr=0.1, batched=False)
+    sim.channels_last = channels_last
+    return sim
+
+
+@pytest.mark.parametrize("channels_last_faster", [True, False])
+def test_the_loop_takes_the_faster_image_layout_once_and_trains_alike(
+    channels_last_faster, monkeypatch, caplog, fresh_choices
+):
+    timings = []
+
+    def timed(ctx, calls):
+        timings.append(sorted(calls))
+        fast, slow = ("channels_last", "contiguous") if channels_last_faster else ("contiguous", "channels_last")
+        return {fast: 1.0, slow: 2.0}
+
+    monkeypatch.setattr(batched, "_timed_alternately", timed)
+    with caplog.at_level(logging.INFO, logger="pyfedkern"):
+        auto = _three_channel_loop(None)
+        assert auto.channels_last is channels_last_faster
+        assert auto.channels_last is channels_last_faster
+    notes = [r.getMessage() for r in caplog.records if "image batches" in r.getMessage()]
+    assert len(notes) == 1 and ("channels-last" if channels_last_faster else "contiguous") in notes[0]
+    assert _three_channel_loop(None).channels_last is channels_last_faster  # kept for the process
+    assert timings == [["channels_last", "contiguous"]]
+    xb, _ = next(iter(auto.batches(0, 0)))
+    assert xb.is_contiguous(memory_format=torch.channels_last) is channels_last_faster
+    assert xb.is_contiguous() is not channels_last_faster
+    contiguous = _three_channel_loop(False)
+    for sim in (auto, contiguous):
+        sim.algorithm.setup(sim, sim.initial_vector)
+        for t in range(2):
+            sim.algorithm.round(t, sim)
+    moved = contiguous.algorithm.global_model() - contiguous.initial_vector
+    assert moved.abs().max() > 1e-3
+    torch.testing.assert_close(auto.algorithm.global_model(), contiguous.algorithm.global_model(), rtol=1e-12, atol=0)
+
+
+def test_the_layout_is_measured_only_for_image_batches_in_the_loop(monkeypatch, fresh_choices):
+    monkeypatch.setattr(batched, "_timed_alternately", lambda *a: pytest.fail("measured"))
+    x, y = _tokens(6, 7)
+    text = array_simulation(TASKS["lstm"][0]().double(), x, y, SIZES, per_round=3, batch_size=4, lr=0.1, batched=False)
+    assert text.channels_last is False
+    assert batched.choose_layout(text, 3).seconds is None
+    gray = Simulation(ExperimentConfig(dataset="digits", clients=4, model="cnn", batched=False))  # one channel
+    assert gray.channels_last is False
+    images = _three_channel_loop(None)
+    images.batched = True  # batched steps keep the contiguous layout
+    assert images.channels_last is False
+    assert _three_channel_loop(True).channels_last is True  # forced: not measured
+
+
+def test_the_layout_measurement_times_both_layouts_and_restores_the_model(fresh_choices):
+    sim = _three_channel_loop(None)
+    before = sim.local.flat.data.clone()
+    choice = batched.choose_layout(sim, 3)
+    assert set(choice.seconds) == {"contiguous", "channels_last"} and all(s > 0 for s in choice.seconds.values())
+    assert choice.channels_last is (choice.seconds["channels_last"] < choice.seconds["contiguous"])
+    assert torch.equal(sim.local.flat.data, before)
 
 
 def test_shakespeare_shaped_text_follows_its_description():

@@ -22,7 +22,7 @@ import torch
 
 import pyfedkern
 from pyfedkern.algorithms import ALGORITHMS, ClientStore, algorithm_class
-from pyfedkern.algorithms.batched import PathChoice
+from pyfedkern.algorithms.batched import LayoutChoice, PathChoice
 from pyfedkern.sim import distributed, engine
 from pyfedkern.sim.distributed import Team, place_clients, share_path_choice
 from pyfedkern.sim.engine import WORK_PER_THREAD, ExperimentConfig, Simulation, threads_for_work
@@ -229,6 +229,10 @@ def test_ranks_take_rank_zero_s_measured_path(monkeypatch):
     forced = Simulation(dataclasses.replace(BASE, model="logreg", rounds=1, batched=True))
     share_path_choice(forced, RankOne(False))  # a path the config forces is not measured, so not shared
     assert forced.batched is True
+    looped = Simulation(dataclasses.replace(BASE, model="logreg", rounds=1, batched=False))
+    monkeypatch.setattr(engine, "choose_layout", lambda ctx, rows: LayoutChoice(True, "measured here", {}))
+    share_path_choice(looped, RankOne(False))
+    assert looped.channels_last is False  # rank 0's layout too
 
 
 def test_one_process_team_is_the_identity():

@@ -43,6 +43,8 @@ def _numbers(metrics):
         ({"weight_decay": -0.1}, "weight_decay"),
         ({"seed": True}, "seed"),
         ({"eval_train_max": -1}, "eval_train_max"),
+        ({"batched": "yes"}, "batched must be true, false or None"),
+        ({"channels_last": 1}, "channels_last must be true, false or None"),
         ({"normalize": "zscore"}, "normalize"),
         ({"dataset": "digits:3"}, "no arguments"),
         ({"dataset": "synthetic:-1,1"}, "α and β"),
