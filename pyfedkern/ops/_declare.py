@@ -112,6 +112,14 @@ def refuse_grad(op: str, names: tuple[str, ...], *xs: Any) -> None:
     grad mode is on: its result would silently leave the autograd graph."""
     if not _grad_enabled():
         return
+    for x in xs:  # the common case, nothing requires grad, without a call per argument (every eager call pays it)
+        if isinstance(x, _Tensor):
+            if x.requires_grad:
+                break
+        elif (type(x) is list or type(x) is tuple) and _requires_grad(x):
+            break
+    else:
+        return
     for name, x in zip(names, xs, strict=True):
         if _requires_grad(x):
             raise ValueError(
