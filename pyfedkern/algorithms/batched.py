@@ -389,7 +389,7 @@ def choose_path(ctx: FLContext, rows: int) -> PathChoice:
 
 def _measure_paths(ctx: FLContext, xb: torch.Tensor, yb: torch.Tensor, wb: torch.Tensor | None) -> dict[str, float]:
     """Seconds of one local step of xb.shape[0] clients on each path ({"batched", "loop"}; see
-    :func:`_timed_alternately`)."""
+    ``_timed_alternately``)."""
     local, lr = ctx.local, 0.0  # lr 0: the updates cost the same and keep every call at the same model
     x0 = local.flat.data.clone()
     trainer = trainer_for(local)
@@ -476,8 +476,9 @@ def choose_layout(ctx: FLContext, rows: int) -> LayoutChoice:
 
     Only image batches are measured (:func:`is_image_batch`; other inputs keep their layout): one loop step
     (gradient and update) of min(rows, :data:`PROBE_ROWS`) clients on their first minibatch of round 0 with
-    contiguous and with channels-last batches (:func:`_timed_alternately`); channels-last when strictly faster. Kept
-    for the process per model structure, device, dtype, batch shape and thread count, as :func:`choose_path`'s."""
+    contiguous and with channels-last batches, alternating, the fastest of :data:`MEASUREMENTS` timed calls of
+    each; channels-last when strictly faster. Kept for the process per model structure, device, dtype, batch shape
+    and thread count, as :func:`choose_path`'s."""
     rows = max(1, min(int(rows), PROBE_ROWS, int(ctx.num_clients)))
     xb, yb, wb = next(iter(stacked_batches(ctx, np.arange(rows), 0, steps=1)))
     if not is_image_batch(xb[0]):  # xb: [clients, B, ...]
