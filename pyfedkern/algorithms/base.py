@@ -304,9 +304,11 @@ class ClientStore:
 
 
 def owned_clients(ctx: FLContext) -> np.ndarray | None:
-    """The clients whose state this process keeps: its own in a distributed run (``ctx.team.owned``), else None
-    (all)."""
-    return getattr(getattr(ctx, "team", None), "owned", None)
+    """The clients whose state this process keeps: its own in a distributed run, else None (all). Call it where the
+    client state is allocated: from then on every process trains the participants it owns
+    (:meth:`~pyfedkern.sim.distributed.Team.keep_client_state`)."""
+    team = getattr(ctx, "team", None)
+    return None if team is None else team.keep_client_state()
 
 
 def weighted_average(

@@ -6,9 +6,12 @@ participants it owns with the batched engine, and the ranks combine their partia
 order, so every rank takes the same server step and holds the same global model, and a rerun with the same number of
 ranks is bit-identical. With N ranks the results equal the one-process run to rounding (float64: ~1e-15).
 
-- Placement: :func:`place_clients` gives every client one owner rank for the whole run, by its planned local steps
-  (largest first to the least-loaded rank), so ranks carry equal work; a client's state (SCAFFOLD's c_i, FedDyn's
-  h_i, ...) lives in its owner's :class:`~pyfedkern.algorithms.ClientStore` only and never travels.
+- Placement: :func:`place_clients` splits clients by their planned local steps (largest first to the least-loaded
+  rank), deterministically. An algorithm without client state has each round's participants split this way, so the
+  ranks finish the round together. Once an algorithm keeps client state (SCAFFOLD's c_i, FedDyn's h_i, ...: it asks
+  :meth:`Team.keep_client_state` which clients are its), every client has one owner rank for the whole run, placed
+  the same way over all clients; its state lives in the owner's :class:`~pyfedkern.algorithms.ClientStore` only and
+  never travels, and each round's participants are trained by their owners.
 - Evaluation: each rank evaluates a contiguous slice of the test (and train-evaluation) samples; the means are
   combined weighted by the slice sizes.
 - Files: only rank 0 writes the run directory. A checkpoint holds every rank's algorithm state (rank 0 gathers them
@@ -53,7 +56,7 @@ def local_world_size() -> int:
 
 
 def place_clients(steps: np.ndarray, ranks: int) -> np.ndarray:
-    """Owner rank of every client, [m] int64: clients by descending planned steps (ties: lower id first), each to
+    """Owner rank of every client, [m] int64: clients by descending planned steps (ties: earlier client first), each to
     the rank with the least planned work so far (ties: lower rank). Deterministic."""
     steps = np.asarray(steps, dtype=np.int64).reshape(-1)
     if ranks < 1:
@@ -86,8 +89,14 @@ class Team:
         """Whether this rank writes files and prints (rank 0)."""
         return self.rank == 0
 
+    def keep_client_state(self) -> np.ndarray | None:
+        """The clients whose state this rank keeps (:attr:`owned`). From this call on, :meth:`mine` gives every rank
+        the participants it owns, so that a client is always trained where its state is."""
+        return self.owned
+
     def mine(self, clients: np.ndarray) -> np.ndarray:
-        """The clients of ``clients`` this rank trains (its own, in their given order)."""
+        """The clients of round's participants ``clients`` that this rank trains, in their given order: the ones it
+        owns once client state is kept (:meth:`keep_client_state`), else its share of this round's work."""
         return clients
 
     def combine(self, t: int, sums: RoundSums, losses: list[torch.Tensor], upload: int):
@@ -118,15 +127,23 @@ class Team:
 class ProcessTeam(Team):
     """The team of a torch.distributed process group (initialised by :func:`init_team`)."""
 
-    def __init__(self, owner: np.ndarray, device: torch.device) -> None:
+    def __init__(self, steps: np.ndarray, device: torch.device) -> None:
+        """``steps``: every client's planned local steps per round, [m]."""
         self.rank, self.size = dist.get_rank(), dist.get_world_size()
-        self.owner = owner
-        self.owned = np.flatnonzero(owner == self.rank).astype(np.int64)
+        self.steps = np.asarray(steps, dtype=np.int64)
+        self.owner = place_clients(self.steps, self.size)
+        self.owned = np.flatnonzero(self.owner == self.rank).astype(np.int64)
+        self.fixed_owners = False
         self.device = device
+
+    def keep_client_state(self) -> np.ndarray:
+        self.fixed_owners = True
+        return self.owned
 
     def mine(self, clients: np.ndarray) -> np.ndarray:
         clients = np.asarray(clients, dtype=np.int64)
-        return clients[self.owner[clients] == self.rank]
+        owner = self.owner[clients] if self.fixed_owners else place_clients(self.steps[clients], self.size)
+        return clients[owner == self.rank]
 
     def _collective(self, what: str, fn: Callable[[], Any]) -> Any:
         try:
@@ -262,8 +279,7 @@ def init_team(sim: Any) -> ProcessTeam:
     """The team of an initialised process group for the simulation ``sim``: every client placed by its planned steps
     under the run's local training settings (the same on every rank), and every rank on rank 0's training path
     (:func:`share_path_choice`)."""
-    steps = sim.planned_steps(np.arange(sim.num_clients, dtype=np.int64))
-    team = ProcessTeam(place_clients(steps, dist.get_world_size()), sim.device)
+    team = ProcessTeam(sim.planned_steps(np.arange(sim.num_clients, dtype=np.int64)), sim.device)
     share_path_choice(sim, team)
     return team
 

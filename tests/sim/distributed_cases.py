@@ -4,7 +4,7 @@ Usage: ``torchrun --standalone --nproc-per-node N tests/sim/distributed_cases.py
 holds ``cases`` (a case name → ExperimentConfig fields), ``resumed`` (case names also run to their next-to-last
 round in a run directory under ``runs`` and then resumed to the last) and ``runs``; rank 0 writes OUT.json: per
 case, the metrics of both runs (and of the resumed one) and, per rank, the rows of each of the algorithm's client
-stores and the clients the rank owns.
+stores, the clients the rank owns and whether it trains only those (client state kept).
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ def main(cases_path: str, out_path: str) -> None:
         stores = {
             key: value.data.shape[0] for key, value in vars(sim.algorithm).items() if isinstance(value, ClientStore)
         }
-        ranks = sim.team.gather({"stores": stores, "owned": sim.team.owned.tolist()})
+        team = sim.team
+        ranks = team.gather({"stores": stores, "owned": team.owned.tolist(), "fixed_owners": team.fixed_owners})
         results[name].update(runs=runs, ranks=ranks)
     if sim.team.rank == 0:
         with open(out_path, "w") as file:

@@ -22,6 +22,7 @@ import torch
 
 import pyfedkern
 from pyfedkern.algorithms import ALGORITHMS, ClientStore, algorithm_class
+from pyfedkern.algorithms.base import owned_clients
 from pyfedkern.algorithms.batched import LayoutChoice, PathChoice
 from pyfedkern.sim import distributed, engine
 from pyfedkern.sim.distributed import Team, place_clients, share_path_choice
@@ -92,6 +93,8 @@ STATEFUL = {
     "fedpbc": "clients",
     "mifa": "memory",
 }
+# cases whose client state is their host algorithm's (SCAFFOLD's c_i, MIFA's memory)
+OWNED = {"dynamic", "dynamic-mifa"}
 
 
 def case_config(name: str) -> ExperimentConfig:
@@ -158,6 +161,23 @@ def test_place_clients_balances_planned_steps_largest_first():
     assert place_clients(steps, 1).tolist() == [0] * 7
     with pytest.raises(ValueError, match="ranks"):
         place_clients(steps, 0)
+
+
+def test_participants_split_by_the_round_s_work_until_client_state_is_kept(monkeypatch):
+    """Without client state each round's participants are split by their planned steps; once an algorithm keeps
+    client state (owned_clients at setup), every rank trains the participants it owns for the rest of the run."""
+    monkeypatch.setattr(distributed.dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(distributed.dist, "get_world_size", lambda: 2)
+    team = distributed.ProcessTeam(np.array([5, 5, 5, 5, 1, 1, 9, 2]), torch.device("cpu"))
+    # owners over all clients, largest first: 6→r0, 0→r1, 1→r1, 2→r0, 3→r1, 7→r0, 4→r1, 5→r0
+    assert team.owner.tolist() == [1, 1, 0, 1, 1, 0, 0, 0] and team.owned.tolist() == [0, 1, 3, 4]
+    participants = np.array([3, 0, 1])  # all owned by rank 1: 15 steps there, none on rank 0
+    assert team.mine(participants).tolist() == [0]  # this round's split, ties in list order: 3→r0, 0→r1, 1→r0
+    ctx = Simulation(dataclasses.replace(BASE, rounds=1))
+    ctx.team = team
+    assert owned_clients(ctx).tolist() == [0, 1, 3, 4]
+    assert team.mine(participants).tolist() == [3, 0, 1]
+    assert owned_clients(Simulation(dataclasses.replace(BASE, rounds=1))) is None  # one process: all clients
 
 
 def test_client_store_holds_only_its_clients_rows():
@@ -309,6 +329,8 @@ def check_cases(results: dict, names: list[str], ranks: int) -> None:
         assert set().union(*owned) == set(range(sim.num_clients)) and sum(map(len, owned)) == sim.num_clients
         if name in STATEFUL:
             assert [r["stores"][STATEFUL[name]] for r in results[name]["ranks"]] == [len(o) for o in owned]
+        # clients with state are trained by their owners; without, each round's participants are split anew
+        assert {r["fixed_owners"] for r in results[name]["ranks"]} == {name in STATEFUL or name in OWNED}, name
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
