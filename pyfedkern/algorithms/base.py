@@ -212,11 +212,13 @@ class RoundSums:
 
     def add(self, name: str, rows: torch.Tensor, coefs: np.ndarray | Sequence[float]) -> None:
         """Add Σ_r coefs[r]·rows[r] ([k, d] rows, k coefficients) to the vector ``name``."""
-        total = ops.weighted_sum(rows, np.asarray(coefs, dtype=np.float64))
-        if name in self.vectors:
-            self.vectors[name].add_(total)
+        coefs = np.asarray(coefs, dtype=np.float64)
+        if name not in self.vectors:
+            self.vectors[name] = ops.weighted_sum(rows, coefs)
+        elif rows.shape[0] == 1 == coefs.size:  # one pass over memory (the loop folds one large model at a time)
+            ops.accumulate_(self.vectors[name], rows[0], coefs[0])
         else:
-            self.vectors[name] = total
+            self.vectors[name].add_(ops.weighted_sum(rows, coefs))
 
     def add_scalar(self, name: str, value: float) -> None:
         """Add a number to the scalar ``name``."""

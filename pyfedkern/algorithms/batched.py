@@ -364,8 +364,7 @@ def choose_path(ctx: FLContext, rows: int) -> PathChoice:
         return PathChoice(False, "the model has buffers (e.g. BatchNorm statistics)")
     if trainer_for(local).chain is not None:
         return PathChoice(True, "a Flatten/Linear/ReLU chain (hand-written batched backward)")
-    rows = max(1, min(int(rows), PROBE_ROWS, int(ctx.num_clients)))
-    xb, yb, wb = next(iter(stacked_batches(ctx, np.arange(rows), 0, steps=1)))
+    xb, yb, wb = _probe_batch(ctx, rows)
     data = local.flat.data
     key = (
         repr(local.module),
@@ -385,6 +384,13 @@ def choose_path(ctx: FLContext, rows: int) -> PathChoice:
             {k: round(v, 6) for k, v in seconds.items()},
         )
     return _CHOICES[key]
+
+
+def _probe_batch(ctx: FLContext, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The stacked first minibatch (xb, yb, wb) of round 0 of the first min(rows, :data:`PROBE_ROWS`) clients, on
+    which the engine's measurements are taken."""
+    rows = max(1, min(int(rows), PROBE_ROWS, int(ctx.num_clients)))
+    return next(iter(stacked_batches(ctx, np.arange(rows), 0, steps=1)))
 
 
 def _measure_paths(ctx: FLContext, xb: torch.Tensor, yb: torch.Tensor, wb: torch.Tensor | None) -> dict[str, float]:
@@ -479,8 +485,7 @@ def choose_layout(ctx: FLContext, rows: int) -> LayoutChoice:
     contiguous and with channels-last batches, alternating, the fastest of :data:`MEASUREMENTS` timed calls of
     each; channels-last when strictly faster. Kept for the process per model structure, device, dtype, batch shape
     and thread count, as :func:`choose_path`'s."""
-    rows = max(1, min(int(rows), PROBE_ROWS, int(ctx.num_clients)))
-    xb, yb, wb = next(iter(stacked_batches(ctx, np.arange(rows), 0, steps=1)))
+    xb, yb, wb = _probe_batch(ctx, rows)
     if not is_image_batch(xb[0]):  # xb: [clients, B, ...]
         return LayoutChoice(False, "the inputs are not image batches [B, C, H, W]")
     local = ctx.local
