@@ -395,9 +395,9 @@ class FNRFL(FedAvg):
 
     def round(self, t: int, ctx: FLContext) -> RoundStats:
         """One round (see the module docstring). Spread over processes (``ctx.team``), each process trains and
-        measures the participants it owns, the processes share every participant's public-set statistics (F_i,
-        present labels, A_i: 2K + 1 numbers each), each takes the same selection, refines the selected clients it
-        owns, and the team adds up the model sums for the server step."""
+        measures its share of the participants (``team.mine``), the processes share every participant's public-set
+        statistics (F_i, present labels, A_i: 2K + 1 numbers each), each takes the same selection, refines the
+        selected clients it trained, and the team adds up the model sums for the server step."""
         clients = self.participants(t, ctx)
         team = getattr(ctx, "team", None)
         own = clients if team is None else team.mine(clients)

@@ -1,7 +1,7 @@
 """Data-parallel rounds on torch.distributed: one experiment spread over several processes (ranks).
 
-Every rank builds the same simulation (same data, split, model and participants: all seeded), trains the
-participants it owns with the batched engine, and the ranks combine their partial round sums
+Every rank builds the same simulation (same data, split, model and participants: all seeded), trains its share of
+each round's participants (see Placement) with the batched engine, and the ranks combine their partial round sums
 (:class:`~pyfedkern.algorithms.RoundSums`) with collectives: an ``all_gather`` of each rank's sums, added up in rank
 order, so every rank takes the same server step and holds the same global model, and a rerun with the same number of
 ranks is bit-identical. With N ranks the results equal the one-process run to rounding (float64: ~1e-15).
@@ -95,7 +95,7 @@ class Team:
         return self.owned
 
     def mine(self, clients: np.ndarray) -> np.ndarray:
-        """The clients of round's participants ``clients`` that this rank trains, in their given order: the ones it
+        """The clients of a round's participants ``clients`` that this rank trains, in their given order: the ones it
         owns once client state is kept (:meth:`keep_client_state`), else its share of this round's work."""
         return clients
 
