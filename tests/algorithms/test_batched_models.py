@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import warnings
 
 import numpy as np
 import pytest
@@ -112,6 +113,21 @@ def test_faster_path_is_the_faster_measurement_and_batched_on_a_tie():
     assert faster_path({"batched": 1.0, "loop": 2.0}) is True
     assert faster_path({"batched": 2.0, "loop": 1.0}) is False
     assert faster_path({"batched": 1.5, "loop": 1.5}) is True
+
+
+def test_measuring_the_paths_of_an_lstm_warns_of_nothing(fresh_choices):
+    """torch warns that its vmap fallback for the float32 CPU LSTM kernel is slow; the engine's measurement finds that
+    out itself (it takes the loop), so the user sees no warning."""
+    factory, data = TASKS["lstm"]
+    torch.manual_seed(0)
+    x, y = data()
+    ctx = array_simulation(factory(), x, y, SIZES, per_round=len(SIZES), batch_size=4, lr=0.3, batched=None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with _cpu_threads(1):
+            choice = choose_path(ctx, rows=len(SIZES))
+    assert choice.seconds is not None and set(choice.seconds) == {"batched", "loop"}
+    assert [str(w.message) for w in caught] == []
 
 
 @pytest.fixture
