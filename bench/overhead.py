@@ -14,6 +14,8 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -57,43 +59,68 @@ def cases(device: str) -> dict[str, tuple]:
 
 
 def dispatch_cases(device: str) -> dict[str, tuple]:
-    """(public op, its direct path) on the inputs of :func:`cases`."""
+    """(public op, its direct path, (module, name) of the direct path's function) on the inputs of :func:`cases`."""
     X, w = torch.randn(2, 8, device=device), [0.5, 0.5]
     acc, x, g = torch.zeros(8, device=device), torch.randn(8, device=device), torch.randn(8, device=device)
     store, server, active = torch.randn(4, 8, device=device), torch.zeros(8, device=device), np.array([1, 3])
     f, y = torch.randn(16, 8, device=device), torch.randint(0, 4, (16,), device=device)
     return {
-        "weighted_sum": (lambda: ops.weighted_sum(X, w), lambda: aggregate._weighted_sum(X, w, None)),
-        "accumulate_": (lambda: ops.accumulate_(acc, x, 0.5), lambda: aggregate._accumulate(acc, x, 0.5)),
+        "weighted_sum": (
+            lambda: ops.weighted_sum(X, w),
+            lambda: aggregate._weighted_sum(X, w, None),
+            (aggregate, "_weighted_sum"),
+        ),
+        "accumulate_": (
+            lambda: ops.accumulate_(acc, x, 0.5),
+            lambda: aggregate._accumulate(acc, x, 0.5),
+            (aggregate, "_accumulate"),
+        ),
         "pbc_agg_bcast_": (
             lambda: ops.pbc_agg_bcast_(store, server, active),
             lambda: pbc._pbc_agg_bcast(store, server, active),
+            (pbc, "_pbc_agg_bcast"),
         ),
         "fedspeed_update_": (
             lambda: ops.fedspeed_update_(x, g, 0.1, weight_decay=1e-4),
             lambda: fedspeed._fedspeed_update(x, g, 0.1, None, 1.0, None, 0.0, 1e-4, None, None),
+            (fedspeed, "_fedspeed_update"),
         ),
         "class_feature_norms": (
             lambda: ops.class_feature_norms(f, y, 4),
             lambda: norms._class_feature_norms(f, y, 4, None),
+            (norms, "_class_feature_norms"),
         ),
     }
+
+
+def fastest_blocks(calls: dict[str, Callable[[], Any]], device: str) -> dict[str, list[float]]:
+    """µs per call of each of ``calls`` in 40 alternating blocks of 1000 calls."""
+    samples: dict[str, list[float]] = {label: [] for label in calls}
+    for _ in range(40):
+        for label, fn in calls.items():
+            samples[label].append(queued(fn, device, n=1000))
+    return samples
 
 
 def dispatch_report(device: str) -> None:
     """Per-call µs of the public op and of its direct path, the fastest of 40 alternating blocks of 1000 calls (a
     busy machine only ever slows a block down: the medians of a shared 2-core VM wander by 1–2 µs on a 15 µs call),
-    and the median block for comparison."""
-    print(f"| op ({device}) | public µs | direct µs | routing cost µs | medians: public, direct |")
-    print("|---|---:|---:|---:|---|")
-    for name, (public, direct) in dispatch_cases(device).items():
-        samples: dict[str, list[float]] = {"public": [], "direct": []}
-        for _ in range(40):
-            for label, fn in (("public", public), ("direct", direct)):
-                samples[label].append(queued(fn, device, n=1000))
+    and the median block for comparison. "routing alone": the same difference with the direct path's function
+    replaced by one that returns at once, so that the kernel's own variation (about 1 µs) does not hide it."""
+    print(f"| op ({device}) | public µs | direct µs | routing cost µs | routing alone µs | medians: public, direct |")
+    print("|---|---:|---:|---:|---:|---|")
+    for name, (public, direct, (module, attr)) in dispatch_cases(device).items():
+        samples = fastest_blocks({"public": public, "direct": direct}, device)
         p, d = min(samples["public"]), min(samples["direct"])
+        kernel = getattr(module, attr)
+        setattr(module, attr, lambda *args, **kwargs: None)
+        try:
+            stubbed = fastest_blocks({"public": public, "direct": direct}, device)
+        finally:
+            setattr(module, attr, kernel)
+        alone = min(stubbed["public"]) - min(stubbed["direct"])
         medians = f"{statistics.median(samples['public']):.2f}, {statistics.median(samples['direct']):.2f}"
-        print(f"| {name} | {p:.2f} | {d:.2f} | {p - d:+.2f} | {medians} |")
+        print(f"| {name} | {p:.2f} | {d:.2f} | {p - d:+.2f} | {alone:+.2f} | {medians} |")
 
 
 def synced(fn, device: str, n: int = 2000) -> float:

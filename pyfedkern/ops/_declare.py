@@ -95,30 +95,30 @@ def _requires_grad(x: Any) -> bool:
     return False
 
 
+def _any_requires_grad(xs: tuple[Any, ...]) -> bool:
+    """Whether a torch tensor among ``xs``, or in a list or tuple among them, requires grad. Every eager call pays
+    this loop: the common arguments are told apart by their type, without a call per argument, and floats and lists
+    of floats never reach ``isinstance(·, Tensor)``, which is slow when it fails."""
+    for x in xs:
+        kind = type(x)
+        if kind is list or kind is tuple:
+            if x and not isinstance(x[0], float) and _requires_grad(x):
+                return True
+        elif kind is not float and x is not None and isinstance(x, _Tensor) and x.requires_grad:
+            return True
+    return False
+
+
 def use_operator(*xs: Any) -> bool:
     """Whether a differentiable op takes its registered operator: when traced, or when one of ``xs`` (or a tensor
     in a list among them) requires grad while grad mode is on. Eager calls without grad keep the direct path."""
-    if traced():
-        return True
-    if _grad_enabled():
-        for x in xs:
-            if _requires_grad(x):
-                return True
-    return False
+    return traced() or (_grad_enabled() and _any_requires_grad(xs))
 
 
 def refuse_grad(op: str, names: tuple[str, ...], *xs: Any) -> None:
     """ValueError naming the argument when a torch input of the non-differentiable op ``op`` requires grad while
     grad mode is on: its result would silently leave the autograd graph."""
-    if not _grad_enabled():
-        return
-    for x in xs:  # the common case, nothing requires grad, without a call per argument (every eager call pays it)
-        if isinstance(x, _Tensor):
-            if x.requires_grad:
-                break
-        elif (type(x) is list or type(x) is tuple) and _requires_grad(x):
-            break
-    else:
+    if not (_grad_enabled() and _any_requires_grad(xs)):
         return
     for name, x in zip(names, xs, strict=True):
         if _requires_grad(x):

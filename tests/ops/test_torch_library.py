@@ -256,6 +256,28 @@ def test_non_differentiable_ops_refuse_inputs_that_require_grad(name):
         NON_DIFFERENTIABLE[name](t)  # allowed outside grad mode
 
 
+def test_the_grad_check_of_eager_calls_sees_tensors_in_every_argument_form(monkeypatch):
+    """The eager routing's check, argument type by argument type: a tensor that requires grad is found alone, in a
+    list or a tuple (also after tensors that do not); floats, None, numpy arrays and lists of floats are passed
+    over; traced calls always take the operator."""
+    from pyfedkern.ops import _declare
+
+    t, g = torch.ones(4), _leaf(4)
+    plain = (t, [t, t], (t,), 0.5, None, np.ones(2), [0.5, 1.0], (np.float64(0.5),), [], 3)
+    names = tuple("abcdefghij")
+    assert not _declare.use_operator(*plain)
+    _declare.refuse_grad("op", names, *plain)  # nothing requires grad: no error
+    for form in (g, [t, g], (t, g), [g]):
+        assert _declare.use_operator(*plain, form)
+        with pytest.raises(ValueError, match="op: w requires grad"):
+            _declare.refuse_grad("op", (*names, "w"), *plain, form)
+        with torch.no_grad():
+            assert not _declare.use_operator(*plain, form)
+            _declare.refuse_grad("op", (*names, "w"), *plain, form)
+    monkeypatch.setattr(_declare, "traced", lambda: True)
+    assert _declare.use_operator(*plain)
+
+
 # Compiled training steps ---------------------------------------------------------------------------------------
 
 
