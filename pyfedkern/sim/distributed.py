@@ -90,7 +90,7 @@ class Team:
         return self.rank == 0
 
     def keep_client_state(self) -> np.ndarray | None:
-        """The clients whose state this rank keeps (:attr:`owned`). From this call on, :meth:`mine` gives every rank
+        """The clients whose state this rank keeps (``owned``). From this call on, :meth:`mine` gives every rank
         the participants it owns, so that a client is always trained where its state is."""
         return self.owned
 
