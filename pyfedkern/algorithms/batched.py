@@ -391,7 +391,9 @@ def _probe_batch(ctx: FLContext, rows: int) -> tuple[torch.Tensor, torch.Tensor,
     """The stacked first minibatch (xb, yb, wb) of round 0 of the first min(rows, :data:`PROBE_ROWS`) clients, on
     which the engine's measurements are taken."""
     rows = max(1, min(int(rows), PROBE_ROWS, int(ctx.num_clients)))
-    return next(iter(stacked_batches(ctx, np.arange(rows), 0, steps=1)))
+    device = ctx.local.flat.data.device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # the engine seeds torch there
+        return next(iter(stacked_batches(ctx, np.arange(rows), 0, steps=1)))
 
 
 def _measure_paths(ctx: FLContext, xb: torch.Tensor, yb: torch.Tensor, wb: torch.Tensor | None) -> dict[str, float]:

@@ -7,7 +7,9 @@ summary to disk.
 
 Determinism: every random choice comes from a stream keyed by (seed, purpose, round, client, ...), so the same
 config gives bitwise the same metrics (on the same machine and thread count), and a run resumed from a checkpoint
-continues exactly as an uninterrupted one would.
+continues exactly as an uninterrupted one would. The model's own randomness (dropout) draws from torch's default
+generator, which the engine seeds from such a stream when a client's local training starts (a batched group's: from
+its round, first client and size).
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ from pyfedkern.sim.results import (
 )
 
 # Purposes of the random streams (first key after the seed).
-_SAMPLE, _BATCH, _FIXED_ORDER, _NOISE, _PUBLIC, _EVAL_SUBSET = 1, 2, 3, 4, 5, 6  # _PUBLIC: sim.parts
+_SAMPLE, _BATCH, _FIXED_ORDER, _NOISE, _PUBLIC, _EVAL_SUBSET, _MODEL = 1, 2, 3, 4, 5, 6, 7  # _PUBLIC: sim.parts
 logger = logging.getLogger("pyfedkern")
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -359,6 +361,7 @@ class Simulation:
             cid, t, epochs=epochs, steps=steps, order=order, drop_last=drop_last, batch_size=batch_size
         )
         layout = torch.channels_last if self.channels_last and is_image_batch(x) else torch.contiguous_format
+        self._seed_model_randomness(t, cid)  # after the layout, which may be measured now
         for step, positions in enumerate(plan):
             idx = torch.as_tensor(positions, device=self.device)
             yield self._add_noise(x[idx], cid, t, step).contiguous(memory_format=layout), y[idx]
@@ -382,8 +385,21 @@ class Simulation:
         clients = np.asarray(clients, dtype=np.int64).reshape(-1)
         counts = self._step_counts(clients, epochs, steps, drop_last, batch_size)[2]
         ordered = clients[np.argsort(-counts, kind="stable")]
+        if len(ordered):
+            self._seed_model_randomness(t, int(ordered[0]), len(ordered))
         kwargs = (epochs, steps, order, drop_last, batch_size)
         return RoundBatches(self, self._plan(ordered, t, *kwargs), t)
+
+    def _seed_model_randomness(self, *keys: int) -> None:
+        """Seed torch's default generators, which the model's own randomness (dropout) draws from, from the stream
+        (seed, model, ``*keys``) when a client's local training of a round starts (its minibatches are asked for;
+        batched: a group's). A client then draws the same numbers whichever process trains it and whatever ran before
+        it: distributed rounds (per-client loop) and resumed runs train as one uninterrupted process does."""
+        seed = int(self.rng(_MODEL, *keys).integers(2**62))
+        torch.default_generator.manual_seed(seed)  # not torch.manual_seed: that seeds every backend (0.2 ms a call)
+        if self.device.type == "cuda":
+            with torch.cuda.device(self.device):
+                torch.cuda.manual_seed(seed)
 
     def _add_noise(self, xb: torch.Tensor, cid: int, t: int, step: int) -> torch.Tensor:
         """xb plus client cid's Gaussian feature noise of (round t, step) (feature-skew partitions), else xb."""

@@ -47,6 +47,7 @@ BASE = ExperimentConfig(
 # every algorithm (all spread over processes), with options that change its local step, links or server state
 CASES = {
     "fedavg": ("fedavg", {"server_lr": 0.8}, 0.5),
+    "fedavg-dropout": ("fedavg", {}, 0.0),  # a model with dropout on the per-client loop: seeded per client
     "fedprox": ("fedprox", {"mu": 0.1}, 0.0),
     "scaffold": ("scaffold", {}, 0.5),
     "fednova": ("fednova", {}, 0.0),
@@ -74,12 +75,13 @@ CASES = {
 }
 # fields of a case's config other than BASE's
 CONFIGS = {
+    "fedavg-dropout": {"model": "simple_cnn", "batched": False},
     "scaffold-one": {"fraction": 0.15},  # one participant a round: the other ranks have nothing to add
     "dynamic": {"partition": "groups:0,0.5", "clients": 8},
     "dynamic-mifa": {"partition": "groups:0,0.5", "clients": 8},
 }
 # stopped after the next-to-last round and resumed on the same ranks (from every rank's checkpointed state)
-RESUMED = {"fedspeed", "fedspeed-all", "fedpbc", "mifa", "fnrfl", "dynamic", "dynamic-mifa"}
+RESUMED = {"fedavg-dropout", "fedspeed", "fedspeed-all", "fedpbc", "mifa", "fnrfl", "dynamic", "dynamic-mifa"}
 # BHerd's family records gradients in float32 buffers (also in float64 runs): its herding sees float32 rounding, so
 # a client trained in another batch (other rows beside it) may differ in the last float32 bit
 FLOAT32_BUFFERS = {"bherd", "bherd-fednova", "bherd-scaffold"}
@@ -100,15 +102,8 @@ OWNED = {"dynamic", "dynamic-mifa"}
 def case_config(name: str) -> ExperimentConfig:
     algorithm, params, momentum = CASES[name]
     model = "mlp" if name in ("scaffold", "fedavg") else "logreg"
-    return dataclasses.replace(
-        BASE,
-        algorithm=algorithm,
-        algorithm_params=params,
-        momentum=momentum,
-        model=model,
-        model_params={"hidden": [8]} if model == "mlp" else {},
-        **CONFIGS.get(name, {}),
-    )
+    fields = {"model": model, "model_params": {"hidden": [8]} if model == "mlp" else {}, **CONFIGS.get(name, {})}
+    return dataclasses.replace(BASE, algorithm=algorithm, algorithm_params=params, momentum=momentum, **fields)
 
 
 def numbers(metrics: list[dict]) -> list[dict]:

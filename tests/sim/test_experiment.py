@@ -377,6 +377,63 @@ def _linear_without_bias():
     return linear
 
 
+def _dropout_mlp():
+    torch.manual_seed(5)
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.5), nn.Linear(16, 3))
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_resumed_run_of_a_dropout_model_continues_as_the_uninterrupted_one(tmp_path, batched):
+    """The model's own randomness (dropout, torch's generator) is seeded per client and round, so the rounds after a
+    resume draw what the uninterrupted run drew (before, torch's generator restarted from the run's seed)."""
+    x, y = _blobs()
+
+    def experiment(rounds):
+        return Experiment(
+            _dropout_mlp,
+            (x[:200], y[:200]),
+            (x[200:], y[200:]),
+            clients="iid",
+            num_clients=6,
+            rounds=rounds,
+            fraction=0.5,
+            batch_size=8,
+            lr=0.1,
+            dtype="float64",
+            batched=batched,
+        )
+
+    full = experiment(3).run()
+    experiment(2).run(tmp_path / "run")
+    resumed = experiment(3).run(tmp_path / "run", resume=True)
+    assert [m["test_loss"] for m in resumed] == [m["test_loss"] for m in full]
+    assert full[-1]["test_loss"] != full[-2]["test_loss"]
+
+
+def test_a_client_s_dropout_does_not_depend_on_the_clients_trained_before_it():
+    """On the per-client loop, client c's update in round t is the same whether it trains alone or after others (as
+    on another rank of a distributed run)."""
+    x, y = _blobs()
+    sim = Experiment(
+        _dropout_mlp,
+        (x[:200], y[:200]),
+        (x[200:], y[200:]),
+        clients="iid",
+        num_clients=6,
+        batch_size=8,
+        lr=0.1,
+        batched=False,
+    ).simulation
+    algo = sim.algorithm
+    algo.setup(sim, sim.initial_vector)
+    alone = algo.client_updates(1, np.array([4]), sim).vectors
+    after_others = algo.client_updates(1, np.array([0, 2, 4]), sim).vectors
+    assert alone.keys() == after_others.keys()
+    for name in alone:
+        torch.testing.assert_close(alone[name][0], after_others[name][2], rtol=0, atol=0)
+    assert not torch.equal(after_others["model"][0], after_others["model"][1])
+
+
 def test_resume_refuses_a_different_model_data_or_split_naming_it(tmp_path):
     x, y = _blobs()
     halves = [np.arange(100), np.arange(100, 200)]
