@@ -175,13 +175,17 @@ def test_measuring_leaves_the_model_and_the_random_state_unchanged(fresh_choices
         models.build_model("simple_cnn", (3, 8, 8), 5).double(), x, y, SIZES, per_round=5, batch_size=4, lr=0.1
     )
     before = ctx.local.flat.data.clone()
+    batch = next(iter(batched.stacked_batches(ctx, np.arange(5), 0, steps=1)))  # seeds torch: a group's training
     torch.manual_seed(7)
     expected = torch.rand(3)
     torch.manual_seed(7)
-    seconds = batched._measure_paths(ctx, *next(iter(batched.stacked_batches(ctx, np.arange(5), 0, steps=1))))
+    seconds = batched._measure_paths(ctx, *batch)
     assert set(seconds) == {"batched", "loop"} and all(s > 0 for s in seconds.values())
     assert torch.equal(torch.rand(3), expected)  # dropout's draws during the measurement were undone
     assert torch.equal(ctx.local.flat.data, before)
+    torch.manual_seed(7)
+    assert torch.equal(batched._probe_batch(ctx, 5)[0], batch[0])  # the measurements' batch, drawn without seeding
+    assert torch.equal(torch.rand(3), expected)
 
 
 def test_the_engine_takes_the_chosen_path_logs_it_once_and_can_be_forced(monkeypatch, caplog, fresh_choices):
