@@ -142,8 +142,9 @@ def test_engine_round_peers_compute_the_same_round():
 
 def test_engine_models_cases_compute_the_same_rounds():
     """The engine_models groups hold the three pyfedkern paths (and pfl when installed) at 1 and 2 threads, two
-    worker processes at 2 threads, and the GEMM and convolution limits for the CNN; the Shakespeare-shaped round (no
-    dropout) is the same on every path, and the engine's choice there is one of the two paths."""
+    worker processes at 2 threads, and the GEMM, convolution and bare-loop limits for the CNN (the bare loop trains:
+    its loss on its one batch falls); the Shakespeare-shaped round (no dropout) is the same on every path, and the
+    engine's choice there is one of the two paths."""
     from pyfedkern.benchmarks import engine_models
 
     cases = engine_models.cases(quick=True)
@@ -152,9 +153,11 @@ def test_engine_models_cases_compute_the_same_rounds():
     paths = set(engine_models.PATHS) | ({"pfl 0.6"} if engine_models.pfl_available() else set())
     for group in groups:
         names = {c.name for c in cases if c.group == group}
-        limits = {"limit:gemm", "limit:conv batch 10"} if "simple_cnn" in group else set()
+        limits = {"limit:gemm", "limit:conv batch 10", "limit:bare steps"} if "simple_cnn" in group else set()
         workers = {"pyfedkern 2 workers × 1 thread"} if group.endswith("t=2") else set()
         assert names == paths | limits | workers, group
+    bare = next(c for c in cases if c.name == "limit:bare steps").make()
+    assert bare().item() > bare().item()
     text = next(g for g in groups if "lstm" in g and g.endswith("t=1"))
     results = {c.name: _flat(c.make()()) for c in cases if c.group == text and c.name in engine_models.PATHS}
     ours = results.pop("pyfedkern per-client loop")

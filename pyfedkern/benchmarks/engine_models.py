@@ -12,9 +12,12 @@ Shakespeare task, pyfedkern's local-training paths against each other and agains
   as processes), "pfl 0.6" when ``pfl`` is installed (its ``SimulatedBackend`` with
   ``FederatedAveraging`` on the same arrays, initial model and participants: an optional peer), and the machine's
   limits:
-  "limit:gemm" (a float32 GEMM of 1,024³) and "limit:conv batch 10" (forward and backward of the CNN's second
-  convolution, 86 % of its multiply-adds, on a batch of 10). Flops: a round's forward and backward of 2,500 images
-  (3 × 2 × 16.8 M × 2,500 ≈ 252 GFLOP), so the report gives each case's GFLOP/s next to the limits'.
+  "limit:gemm" (a float32 GEMM of 1,024³), "limit:conv batch 10" (forward and backward of the CNN's second
+  convolution, 86 % of its multiply-adds, on a batch of 10) and "limit:bare steps" (a round's 250 local steps as
+  a plain training loop: one model, one cached batch, forward, cross-entropy, ``torch.autograd.grad`` and the SGD
+  update, nothing else: the floor of any per-client loop on torch's kernels, pfl's included). Flops: a round's
+  forward and backward of 2,500 images (3 × 2 × 16.8 M × 2,500 ≈ 252 GFLOP), so the report gives each case's
+  GFLOP/s next to the limits'.
 - ``engine_models shakespeare-shaped 715 users lstm fedavg 10/round B=10 cpu t={1,2}``: LEAF's Shakespeare task
   shape on synthetic text (715 users, 80-character windows over an 80-symbol alphabet drawn from a random Markov
   chain, next-character labels, log-normal user sizes with median 60 and at most 400 windows), LEAF's model
@@ -343,6 +346,30 @@ def _conv_limit(threads: int) -> Callable[[], Any]:
     return run
 
 
+def _bare_steps_limit(threads: int, quick: bool) -> Callable[[], Any]:
+    """A round's local steps (participants × 5) of the CIFAR task as a bare loop on one model and one batch of 10;
+    returns the last step's loss."""
+    from pyfedkern.sim.engine import _cpu_threads
+
+    factory, (x, y, _), settings = task("cifar", quick)
+    model = factory()
+    params = list(model.parameters())
+    batch = x[: settings["batch"]], y[: settings["batch"]]
+    steps = settings["per_round"] * settings["per_user"] // settings["batch"]
+
+    def run() -> torch.Tensor:
+        with _cpu_threads(threads):
+            for _ in range(steps):
+                loss = nn.functional.cross_entropy(model(batch[0]), batch[1])
+                grads = torch.autograd.grad(loss, params)
+                with torch.no_grad():
+                    for param, grad in zip(params, grads, strict=True):
+                        param.sub_(grad, alpha=settings["lr"])
+        return loss.detach()
+
+    return run
+
+
 def cases(quick: bool = False, device: str = "cpu") -> list[Case]:
     """The CIFAR-10-shaped and Shakespeare-shaped groups at 1 and 2 threads (CPU only)."""
     if device != "cpu":
@@ -360,6 +387,13 @@ def cases(quick: bool = False, device: str = "cpu") -> list[Case]:
         out += [
             Case(group, "limit:gemm", lambda t=threads: _gemm_limit(t), flops=2 * 1024**3),
             Case(group, "limit:conv batch 10", lambda t=threads: _conv_limit(t), flops=6 * 10 * 28 * 28 * 64 * 288),
+            Case(
+                group,
+                "limit:bare steps",
+                lambda t=threads: _bare_steps_limit(t, quick),
+                flops=6 * SIMPLE_CNN_MACS * cifar["per_round"] * cifar["per_user"],
+                rounds=3,
+            ),
         ]
     text = QUICK_SHAKESPEARE if quick else SHAKESPEARE
     out += _task_cases(
