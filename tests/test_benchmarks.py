@@ -143,8 +143,8 @@ def test_engine_round_peers_compute_the_same_round():
 def test_engine_models_cases_compute_the_same_rounds():
     """The engine_models groups hold the three pyfedkern paths (and pfl when installed) at 1 and 2 threads, two
     worker processes at 2 threads, and the GEMM, convolution and bare-loop limits for the CNN (the bare loop trains:
-    its loss on its one batch falls); the Shakespeare-shaped round (no dropout) is the same on every path, and the
-    engine's choice there is one of the two paths."""
+    its loss on its one batch falls; split over two processes, both answer); the Shakespeare-shaped round (no
+    dropout) is the same on every path, and the engine's choice there is one of the two paths."""
     from pyfedkern.benchmarks import engine_models
 
     cases = engine_models.cases(quick=True)
@@ -155,9 +155,17 @@ def test_engine_models_cases_compute_the_same_rounds():
         names = {c.name for c in cases if c.group == group}
         limits = {"limit:gemm", "limit:conv batch 10", "limit:bare steps"} if "simple_cnn" in group else set()
         workers = {"pyfedkern 2 workers × 1 thread"} if group.endswith("t=2") else set()
+        if group.endswith("t=2") and "simple_cnn" in group:
+            limits.add("limit:bare steps, 2 processes × 1 thread")
         assert names == paths | limits | workers, group
     bare = next(c for c in cases if c.name == "limit:bare steps").make()
     assert bare().item() > bare().item()
+    split = next(c for c in cases if c.name == "limit:bare steps, 2 processes × 1 thread").make()
+    try:
+        split()
+        assert len(split.__self__.peak_mb) == 2 and all(mb > 0 for mb in split.__self__.peak_mb)
+    finally:
+        split.__self__.close()
     text = next(g for g in groups if "lstm" in g and g.endswith("t=1"))
     results = {c.name: _flat(c.make()()) for c in cases if c.group == text and c.name in engine_models.PATHS}
     ours = results.pop("pyfedkern per-client loop")
@@ -166,7 +174,8 @@ def test_engine_models_cases_compute_the_same_rounds():
 
 
 def test_worker_rounds_raise_a_failing_worker_s_error_instead_of_waiting():
-    """A worker process that fails (here: building its simulation) makes the round raise, naming the rank."""
+    """A worker process that fails (here: building its simulation, or a plain process building its callable) makes
+    the round raise, naming the rank."""
     from pyfedkern.benchmarks import distributed
     from pyfedkern.sim.engine import Simulation
 
@@ -176,6 +185,12 @@ def test_worker_rounds_raise_a_failing_worker_s_error_instead_of_waiting():
             run()
     finally:
         distributed.stop_workers()
+    plain = distributed.WorkerRounds(functools.partial(int, "not a number"), 2, serve=distributed.serve_calls)
+    try:
+        with pytest.raises(RuntimeError, match=r"(?s)rank \d failed:\n.*ValueError: invalid literal"):
+            plain.round()
+    finally:
+        plain.close()
 
 
 def test_a_groups_limits_are_timed_before_and_after_its_cases_and_the_faster_kept(monkeypatch):

@@ -94,21 +94,44 @@ def _serve(
         distributed.close_process_group()
 
 
+def serve_calls(
+    rank: int, world: int, port: int, build: Callable[[], Any], threads: int, device: str, commands: list, answers: Any
+) -> None:
+    """Process ``rank`` of ``world`` plain processes (no process group; ``port`` and ``device`` unused): ``build()``
+    returns a callable, called once as a warm-up and then once per "round" command with ``threads`` CPU threads,
+    until "stop"; answers like :func:`_serve`."""
+    from pyfedkern.sim.engine import _cpu_threads
+
+    try:
+        with _cpu_threads(threads):
+            run = build()
+            run()
+            while commands[rank].get() == "round":
+                run()
+                answers.put((rank, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
+    except Exception:
+        answers.put((rank, traceback.format_exc()))
+        raise
+
+
 class WorkerRounds:
     """Processes (torch.multiprocessing, spawn) running rounds of the simulation on ``device`` that ``build()`` makes
     (a picklable callable: ``functools.partial(Simulation, config)``, a module-level function) with ``threads`` CPU
     threads each: ``workers`` ranks of one process group, or with ``workers`` 0 one plain process (the one-process
     engine); each :meth:`round` call runs the next round in all of them and waits for every answer. ``peak_mb``: each
-    process's peak resident memory (MiB)."""
+    process's peak resident memory (MiB). ``serve``: what each process runs (:func:`serve_calls`: ``workers`` plain
+    processes, each calling what ``build()`` returns once a round)."""
 
-    def __init__(self, build: Callable[[], Any], workers: int, threads: int = 1, device: str = "cpu") -> None:
+    def __init__(
+        self, build: Callable[[], Any], workers: int, threads: int = 1, device: str = "cpu", serve: Callable = _serve
+    ) -> None:
         import torch.multiprocessing as mp
 
         context = mp.get_context("spawn")
         self._commands = [context.SimpleQueue() for _ in range(max(workers, 1))]
         self._answers = context.Queue()
         self._processes = mp.start_processes(
-            _serve,
+            serve,
             args=(workers, _free_port(), build, threads, device, self._commands, self._answers),
             nprocs=max(workers, 1),
             join=False,

@@ -15,7 +15,8 @@ Shakespeare task, pyfedkern's local-training paths against each other and agains
   "limit:gemm" (a float32 GEMM of 1,024³), "limit:conv batch 10" (forward and backward of the CNN's second
   convolution, 86 % of its multiply-adds, on a batch of 10) and "limit:bare steps" (a round's 250 local steps as
   a plain training loop: one model, one cached batch, forward, cross-entropy, ``torch.autograd.grad`` and the SGD
-  update, nothing else: the floor of any per-client loop on torch's kernels, pfl's included). Flops: a round's
+  update, nothing else: the floor of any per-client loop on torch's kernels, pfl's included; at 2 threads also
+  split over two processes of one thread each, the floor of "2 workers"). Flops: a round's
   forward and backward of 2,500 images (3 × 2 × 16.8 M × 2,500 ≈ 252 GFLOP), so the report gives each case's
   GFLOP/s next to the limits'.
 - ``engine_models shakespeare-shaped 715 users lstm fedavg 10/round B=10 cpu t={1,2}``: LEAF's Shakespeare task
@@ -44,7 +45,7 @@ import torch
 from torch import nn
 
 from pyfedkern.benchmarks.common import Case
-from pyfedkern.benchmarks.distributed import worker_rounds
+from pyfedkern.benchmarks.distributed import WorkerRounds, serve_calls, worker_rounds
 
 if TYPE_CHECKING:
     from pyfedkern.sim.engine import Simulation
@@ -346,16 +347,16 @@ def _conv_limit(threads: int) -> Callable[[], Any]:
     return run
 
 
-def _bare_steps_limit(threads: int, quick: bool) -> Callable[[], Any]:
-    """A round's local steps (participants × 5) of the CIFAR task as a bare loop on one model and one batch of 10;
-    returns the last step's loss."""
+def _bare_steps_limit(threads: int, quick: bool, share: int = 1) -> Callable[[], Any]:
+    """A round's local steps (participants × 5; with ``share``, that many-th of them) of the CIFAR task as a bare
+    loop on one model and one batch of 10; returns the last step's loss."""
     from pyfedkern.sim.engine import _cpu_threads
 
     factory, (x, y, _), settings = task("cifar", quick)
     model = factory()
     params = list(model.parameters())
     batch = x[: settings["batch"]], y[: settings["batch"]]
-    steps = settings["per_round"] * settings["per_user"] // settings["batch"]
+    steps = settings["per_round"] * settings["per_user"] // settings["batch"] // share
 
     def run() -> torch.Tensor:
         with _cpu_threads(threads):
@@ -368,6 +369,13 @@ def _bare_steps_limit(threads: int, quick: bool) -> Callable[[], Any]:
         return loss.detach()
 
     return run
+
+
+def _bare_steps_processes(processes: int, quick: bool) -> Callable[[], None]:
+    """:func:`_bare_steps_limit` split over ``processes`` plain processes of one thread each, run together: the
+    floor of a round spread over that many workers."""
+    rounds = WorkerRounds(functools.partial(_bare_steps_limit, 1, quick, processes), processes, serve=serve_calls)
+    return rounds.round
 
 
 def cases(quick: bool = False, device: str = "cpu") -> list[Case]:
@@ -395,6 +403,16 @@ def cases(quick: bool = False, device: str = "cpu") -> list[Case]:
                 rounds=3,
             ),
         ]
+        if threads > 1:
+            out.append(
+                Case(
+                    group,
+                    f"limit:bare steps, {threads} processes × 1 thread",
+                    lambda t=threads: _bare_steps_processes(t, quick),
+                    flops=6 * SIMPLE_CNN_MACS * cifar["per_round"] * cifar["per_user"],
+                    rounds=3,
+                )
+            )
     text = QUICK_SHAKESPEARE if quick else SHAKESPEARE
     out += _task_cases(
         f"engine_models shakespeare-shaped {text['users']} users lstm fedavg {text['per_round']}/round B=10 cpu",
@@ -432,10 +450,13 @@ def main(argv: list[str] | None = None) -> int:
         print(group)
         best = {name: min(values) for name, values in times.items()}
         loop = best.get("pyfedkern per-client loop")
+        pfl = next((c for c in members if c.name == "pfl 0.6"), None)
         for case in members:
             seconds = best[case.name]
             rate = f", {case.flops / seconds / 1e9:.0f} GFLOP/s" if case.flops else ""
             ratio = f", {seconds / loop:.2f}× the loop" if loop and not case.is_limit else ""
+            if pfl is not None and case.flops == pfl.flops:  # the same work as pfl's round
+                ratio += f", {seconds / best[pfl.name]:.2f}× pfl"
             print(f"  {case.name}: {seconds:.3f} s{rate}{ratio}", flush=True)
     return 0
 
