@@ -97,6 +97,10 @@ class FLContext(Protocol):
     def rng(self, *keys: int) -> np.random.Generator:
         """An independent random stream for (seed, ``*keys``)."""
 
+    def seed_model_randomness(self, t: int, *keys: int) -> None:
+        """Seed the model's own randomness (dropout: torch's default generators) from a stream of (round t,
+        ``*keys``), so that what a model draws in round t does not depend on what its process ran before."""
+
     def timer(self, category: str) -> contextlib.AbstractContextManager:
         """Context manager adding the elapsed wall time to a category ("local", "aggregation", "evaluation")."""
 

@@ -116,6 +116,9 @@ class SessionContext:
     def sample_clients(self, t: int) -> np.ndarray:
         return self._base.sample_clients(t + self._round_key)
 
+    def seed_model_randomness(self, t: int, *keys: int) -> None:
+        self._base.seed_model_randomness(t + self._round_key, *keys)
+
 
 class InitialModelBuilder:
     """The proposed method's server state across sessions and the initial model it builds for each session.

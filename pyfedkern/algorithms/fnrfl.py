@@ -280,6 +280,7 @@ class FNRFL(FedAvg):
         n = px.shape[0]
         size = min(ctx.batch_size, n)
         steps = math.ceil(self.refine_epochs * n / size - 1e-9)
+        ctx.seed_model_randomness(t, cid, _REFINE_STREAM)  # its dropout: the same in whichever process refines it
         momentum_buf = None
         total_loss = total_reg = 0.0
         step = epoch = 0
@@ -367,8 +368,12 @@ class FNRFL(FedAvg):
         for j, cid in enumerate(clients):
             for e in range(epochs):
                 perms[j, e] = ctx.rng(_REFINE_STREAM, t, int(cid), e).permutation(n)
+        if r:
+            ctx.seed_model_randomness(t, int(clients[0]), r, _REFINE_STREAM)  # the group's dropout
         objective = _RefineObjective(local, self.reg_mode, self.lam, K)
-        step_fn = vmap(grad_and_value(lambda p, *batch: functional_call(objective, p, batch), has_aux=True))
+        step_fn = vmap(  # each client its own dropout masks, as in batched local training
+            grad_and_value(lambda p, *batch: functional_call(objective, p, batch), has_aux=True), randomness="different"
+        )
         x = starts.clone()
         params = trainer_for(local).params(x)
         momentum = torch.zeros_like(x) if ctx.momentum else None

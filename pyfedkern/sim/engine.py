@@ -361,7 +361,7 @@ class Simulation:
             cid, t, epochs=epochs, steps=steps, order=order, drop_last=drop_last, batch_size=batch_size
         )
         layout = torch.channels_last if self.channels_last and is_image_batch(x) else torch.contiguous_format
-        self._seed_model_randomness(t, cid)  # after the layout, which may be measured now
+        self.seed_model_randomness(t, cid)  # after the layout, which may be measured now
         for step, positions in enumerate(plan):
             idx = torch.as_tensor(positions, device=self.device)
             yield self._add_noise(x[idx], cid, t, step).contiguous(memory_format=layout), y[idx]
@@ -386,16 +386,17 @@ class Simulation:
         counts = self._step_counts(clients, epochs, steps, drop_last, batch_size)[2]
         ordered = clients[np.argsort(-counts, kind="stable")]
         if len(ordered):
-            self._seed_model_randomness(t, int(ordered[0]), len(ordered))
+            self.seed_model_randomness(t, int(ordered[0]), len(ordered))
         kwargs = (epochs, steps, order, drop_last, batch_size)
         return RoundBatches(self, self._plan(ordered, t, *kwargs), t)
 
-    def _seed_model_randomness(self, *keys: int) -> None:
+    def seed_model_randomness(self, t: int, *keys: int) -> None:
         """Seed torch's default generators, which the model's own randomness (dropout) draws from, from the stream
-        (seed, model, ``*keys``) when a client's local training of a round starts (its minibatches are asked for;
-        batched: a group's). A client then draws the same numbers whichever process trains it and whatever ran before
-        it: distributed rounds (per-client loop) and resumed runs train as one uninterrupted process does."""
-        seed = int(self.rng(_MODEL, *keys).integers(2**62))
+        (seed, model, round t, ``*keys``). The engine does it when a client's local training of round t starts (its
+        minibatches are asked for; batched: a group's); FNR-FL when its server refines a client. A client then draws
+        the same numbers whichever process trains it and whatever ran before it: distributed rounds (per-client
+        loop) and resumed runs train as one uninterrupted process does."""
+        seed = int(self.rng(_MODEL, t, *keys).integers(2**62))
         torch.default_generator.manual_seed(seed)  # not torch.manual_seed: that seeds every backend (0.2 ms a call)
         if self.device.type == "cuda":
             with torch.cuda.device(self.device):

@@ -242,7 +242,8 @@ def test_authors_delta_rule_reaches_the_refinement(monkeypatch):
 
 
 class _RefineContext:
-    """The part of FLContext that FNRFL.refine reads: a LocalModel, the public set, lr, batch size and rng streams."""
+    """The part of FLContext that FNRFL.refine reads: a LocalModel, the public set, lr, batch size, rng streams and
+    the model's seeding."""
 
     def __init__(self, module, public_x, public_y, batch_size):
         self.local = LocalModel(module)
@@ -255,6 +256,9 @@ class _RefineContext:
 
     def rng(self, *keys):
         return np.random.default_rng(list(keys))
+
+    def seed_model_randomness(self, t, *keys):
+        """The test model has no dropout: nothing to seed."""
 
 
 def _spec_refinement(start, x, y, target_sum, target_count, lam, steps, lr=0.5):
@@ -393,3 +397,33 @@ def test_cli_accepts_the_short_p_option(tmp_path):
     argv += ["--dataset", "digits", "--model", "logreg", "--clients", "3", "--rounds", "1", "--no-progress"]
     assert main([*argv, "--out", str(tmp_path / "run")]) == 0
     assert (tmp_path / "run" / "summary.json").exists()
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_refinement_dropout_depends_on_round_and_client_not_on_what_ran_before(batched):
+    """With a dropout model (simple_cnn on digits), the server's refinement of a client draws its dropout masks
+    from a stream of (round, client): the same refined model whatever torch's generator held before, another one
+    for another round. Distributed rounds refine a client in whichever process trained it."""
+    from pyfedkern.sim.engine import ExperimentConfig, Simulation
+
+    config = ExperimentConfig(
+        dataset="digits", model="simple_cnn", algorithm="fnrfl", algorithm_params={"public_size": 5}, clients=4,
+        rounds=1, batch_size=16, dtype="float64", seed=3, batched=batched,
+    )  # fmt: skip
+    sim = Simulation(config)
+    algo = sim.algorithm
+    start = sim.initial_vector.clone()
+    K = 10
+    target = (torch.rand(K, dtype=torch.float64) + 1.0, torch.full((K,), 2.0, dtype=torch.float64))
+    delta = torch.zeros(K, dtype=torch.float64)
+
+    def refined(t, before_seed):
+        torch.manual_seed(before_seed)
+        if batched:
+            rows = (target[0][None], target[1][None])
+            return algo.batched_refine(t, np.array([1]), start[None], sim, rows, delta[None])[0][0]
+        return algo.refine(t, 1, start, sim, target, delta)[0]
+
+    first = refined(0, before_seed=1)
+    assert torch.equal(refined(0, before_seed=2), first)
+    assert not torch.equal(refined(1, before_seed=1), first)  # another round, other masks (and the same lr)

@@ -69,6 +69,8 @@ CASES = {
     "fedpbc": ("fedpbc", {}, 0.5),
     "mifa": ("mifa", {"resum_every": 2, "server_lr": 0.9}, 0.0),
     "fnrfl": ("fnrfl", {"p": 0.5, "public_size": 5, "refine_epochs": 1.0}, 0.0),
+    # dropout in the server's refinement too: seeded per refined client, not by what its process trained before
+    "fnrfl-dropout": ("fnrfl", {"p": 0.5, "public_size": 5, "refine_epochs": 1.0}, 0.0),
     "dynamic": ("dynamic", {"host": "scaffold", "sessions": 3, "session_rounds": 1}, 0.0),
     # clients leave and arrive (session groups) under a host that keeps every client's memory; distillation
     "dynamic-mifa": ("dynamic", {"host": "mifa", "method": "continuous", "sessions": 3, "session_rounds": 1}, 0.0),
@@ -76,12 +78,23 @@ CASES = {
 # fields of a case's config other than BASE's
 CONFIGS = {
     "fedavg-dropout": {"model": "simple_cnn", "batched": False},
+    "fnrfl-dropout": {"model": "simple_cnn", "batched": False},
     "scaffold-one": {"fraction": 0.15},  # one participant a round: the other ranks have nothing to add
     "dynamic": {"partition": "groups:0,0.5", "clients": 8},
     "dynamic-mifa": {"partition": "groups:0,0.5", "clients": 8},
 }
 # stopped after the next-to-last round and resumed on the same ranks (from every rank's checkpointed state)
-RESUMED = {"fedavg-dropout", "fedspeed", "fedspeed-all", "fedpbc", "mifa", "fnrfl", "dynamic", "dynamic-mifa"}
+RESUMED = {
+    "fedavg-dropout",
+    "fnrfl-dropout",
+    "fedspeed",
+    "fedspeed-all",
+    "fedpbc",
+    "mifa",
+    "fnrfl",
+    "dynamic",
+    "dynamic-mifa",
+}
 # BHerd's family records gradients in float32 buffers (also in float64 runs): its herding sees float32 rounding, so
 # a client trained in another batch (other rows beside it) may differ in the last float32 bit
 FLOAT32_BUFFERS = {"bherd", "bherd-fednova", "bherd-scaffold"}
