@@ -328,6 +328,9 @@ def use_batched(ctx: FLContext) -> bool:
 PROBE_ROWS = 16
 #: Timed calls of each path in one measurement (the fastest counts: a busy machine only ever slows a call down).
 MEASUREMENTS = 2
+#: :func:`choose_layout` takes channels-last batches only when their step takes less than this fraction of the
+#: contiguous step's time: a gain within a busy machine's timing noise is no gain, and a wrong switch slows the loop.
+LAYOUT_MARGIN = 0.95
 
 
 @dataclass(frozen=True)
@@ -488,8 +491,8 @@ def choose_layout(ctx: FLContext, rows: int) -> LayoutChoice:
     Only image batches are measured (:func:`is_image_batch`; other inputs keep their layout): one loop step
     (gradient and update) of min(rows, :data:`PROBE_ROWS`) clients on their first minibatch of round 0 with
     contiguous and with channels-last batches, alternating, the fastest of :data:`MEASUREMENTS` timed calls of
-    each; channels-last when strictly faster. Kept for the process per model structure, device, dtype, batch shape
-    and thread count, as :func:`choose_path`'s."""
+    each; channels-last when its time is under :data:`LAYOUT_MARGIN` × the contiguous one. Kept for the process
+    per model structure, device, dtype, batch shape and thread count, as :func:`choose_path`'s."""
     xb, yb, wb = _probe_batch(ctx, rows)
     if not is_image_batch(xb[0]):  # xb: [clients, B, ...]
         return LayoutChoice(False, "the inputs are not image batches [B, C, H, W]")
@@ -502,7 +505,7 @@ def choose_layout(ctx: FLContext, rows: int) -> LayoutChoice:
         layouts = {"contiguous": _loop_step(local, batches), "channels_last": _loop_step(local, channels_last)}
         seconds = _timed_alternately(ctx, layouts)
         _LAYOUTS[key] = LayoutChoice(
-            seconds["channels_last"] < seconds["contiguous"],
+            seconds["channels_last"] < LAYOUT_MARGIN * seconds["contiguous"],
             f"measured on one local step of {len(batches)} clients",
             {k: round(v, 6) for k, v in seconds.items()},
         )

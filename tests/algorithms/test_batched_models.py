@@ -242,16 +242,18 @@ def _three_channel_loop(channels_last: bool | None) -> Simulation:
     return sim
 
 
-@pytest.mark.parametrize("channels_last_faster", [True, False])
+@pytest.mark.parametrize(
+    ("channels_last_seconds", "channels_last_faster"),
+    [(0.5, True), (2.0, False), (0.97, False)],  # 3 % faster: within the margin, contiguous is kept
+)
 def test_the_loop_takes_the_faster_image_layout_once_and_trains_alike(
-    channels_last_faster, monkeypatch, caplog, fresh_choices
+    channels_last_seconds, channels_last_faster, monkeypatch, caplog, fresh_choices
 ):
     timings = []
 
     def timed(ctx, calls):
         timings.append(sorted(calls))
-        fast, slow = ("channels_last", "contiguous") if channels_last_faster else ("contiguous", "channels_last")
-        return {fast: 1.0, slow: 2.0}
+        return {"channels_last": channels_last_seconds, "contiguous": 1.0}
 
     monkeypatch.setattr(batched, "_timed_alternately", timed)
     with caplog.at_level(logging.INFO, logger="pyfedkern"):
