@@ -278,10 +278,23 @@ def init_process_group(device: str) -> None:
 def init_team(sim: Any) -> ProcessTeam:
     """The team of an initialised process group for the simulation ``sim``: every client placed by its planned steps
     under the run's local training settings (the same on every rank), and every rank on rank 0's training path
-    (:func:`share_path_choice`)."""
+    (:func:`share_path_choice`). ValueError for a model with running statistics (BatchNorm's)."""
+    tracking = [type(m).__name__ for m in sim.local.module.modules() if _tracks_running_stats(m)]
+    if tracking:
+        raise ValueError(
+            f"the model's {tracking[0]} keeps running statistics, which each process would update from its own "
+            "clients only, so a distributed run would not equal one process; run it in one process, or use a "
+            "normalization without running statistics (e.g. GroupNorm, or track_running_stats=False)"
+        )
     team = ProcessTeam(sim.planned_steps(np.arange(sim.num_clients, dtype=np.int64)), sim.device)
     share_path_choice(sim, team)
     return team
+
+
+def _tracks_running_stats(module: torch.nn.Module) -> bool:
+    """Whether ``module`` updates running statistics in training (BatchNorm, InstanceNorm with
+    ``track_running_stats=True``)."""
+    return bool(getattr(module, "track_running_stats", False)) and getattr(module, "running_mean", None) is not None
 
 
 def share_path_choice(sim: Any, team: Team) -> None:

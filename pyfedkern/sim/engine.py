@@ -589,6 +589,7 @@ class Simulation:
             "eval_labels": self.eval_labels,
             "batched": self.batched,
             "channels_last": self.channels_last,
+            "buffers": {name: b.detach().cpu().clone() for name, b in self.local.module.named_buffers()},
         }
 
     def _restore(self, path: Path, state: dict[str, Any]) -> None:
@@ -606,6 +607,14 @@ class Simulation:
             raise ValueError(
                 f"checkpoint {path}: eval_labels must be None or classes in 0..{self.data.num_classes - 1}"
             )
+        buffers = dict(self.local.module.named_buffers())
+        saved = state.get("buffers", {})
+        fits = isinstance(saved, dict) and saved.keys() == buffers.keys()
+        if not (fits and all(isinstance(v, torch.Tensor) and v.shape == buffers[k].shape for k, v in saved.items())):
+            held = ", ".join(map(str, saved)) if isinstance(saved, dict) and saved else "none"
+            raise ValueError(
+                f"checkpoint {path}: its model buffers ({held}) do not fit the model's ({', '.join(buffers) or 'none'})"
+            )
         try:
             self.algorithm.load_state_dict(state["algorithm"])
         except (AttributeError, IndexError, KeyError, RuntimeError, TypeError, ValueError) as err:
@@ -614,6 +623,9 @@ class Simulation:
                 f"checkpoint {path}: its algorithm state does not fit {self.config.algorithm} "
                 f"({type(err).__name__}: {said})"
             ) from None
+        with torch.no_grad():
+            for name, value in saved.items():
+                buffers[name].copy_(value)
         self.active_clients = active.astype(np.int64)
         self.eval_labels = eval_labels
         if self.config.batched is None and isinstance(state.get("batched"), bool):

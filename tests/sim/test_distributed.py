@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import pyfedkern
+from pyfedkern import Experiment
 from pyfedkern.algorithms import ALGORITHMS, ClientStore, algorithm_class
 from pyfedkern.algorithms.base import owned_clients
 from pyfedkern.algorithms.batched import LayoutChoice, PathChoice
@@ -292,6 +293,24 @@ def test_every_algorithm_spreads_and_is_tested_here(monkeypatch):
     distributed.check_algorithm("dynamic", {"host": "fedpbc"})
     monkeypatch.setattr(OwnRound, "distributed", True)
     assert distributed.spreads(OwnRound)
+
+
+def test_a_model_with_running_statistics_is_refused_before_any_round():
+    """BatchNorm's running statistics would be updated by each rank's own clients only (the ranks' models would
+    differ), so init_team refuses such a model, naming the module; GroupNorm or BatchNorm without running statistics
+    pass the check (they then need the process group, which this process has not joined)."""
+
+    x, y = np.random.default_rng(0).normal(size=(40, 6)), np.arange(40) % 3
+
+    def sim_with(norm):
+        module = torch.nn.Sequential(torch.nn.Linear(6, 8), norm, torch.nn.Linear(8, 3))
+        return Experiment(module, (x, y), (x, y), clients="iid", num_clients=4).simulation
+
+    with pytest.raises(ValueError, match=r"BatchNorm1d keeps running statistics.*GroupNorm"):
+        distributed.init_team(sim_with(torch.nn.BatchNorm1d(8)))
+    for fine in (torch.nn.GroupNorm(2, 8), torch.nn.BatchNorm1d(8, track_running_stats=False)):
+        with pytest.raises(ValueError, match="process group"):
+            distributed.init_team(sim_with(fine))
 
 
 def test_check_workers_refuses_what_cannot_run():

@@ -412,6 +412,44 @@ def test_a_resumed_run_of_a_dropout_model_continues_as_the_uninterrupted_one(tmp
     assert full[-1]["test_loss"] != full[-2]["test_loss"]
 
 
+def test_a_resumed_run_of_a_batchnorm_model_continues_as_the_uninterrupted_one(tmp_path):
+    """The model's buffers (BatchNorm's running statistics, updated by each client's training in turn) are kept in
+    checkpoints: a resumed run evaluates with what the uninterrupted run had (before, it restarted from the initial
+    statistics); a checkpoint whose buffers do not fit the model is refused, naming them."""
+    x, y = _blobs()
+
+    def experiment(rounds, norm=nn.BatchNorm1d):
+        def net():
+            torch.manual_seed(5)
+            return nn.Sequential(nn.Linear(6, 16), norm(16), nn.ReLU(), nn.Linear(16, 3))
+
+        return Experiment(
+            net,
+            (x[:200], y[:200]),
+            (x[200:], y[200:]),
+            clients="iid",
+            num_clients=5,  # 40 samples each: no batch of one (BatchNorm refuses it)
+            rounds=rounds,
+            fraction=0.5,
+            batch_size=8,
+            lr=0.1,
+            dtype="float64",
+        )
+
+    full = experiment(3).run()
+    experiment(2).run(tmp_path / "run")
+    resumed = experiment(3).run(tmp_path / "run", resume=True)
+    assert [m["test_loss"] for m in resumed] == [m["test_loss"] for m in full]
+    sim = experiment(3).simulation
+    sim.algorithm.setup(sim, sim.initial_vector)
+    state = sim._checkpoint(2)
+    assert set(state["buffers"]) == {"1.running_mean", "1.running_var", "1.num_batches_tracked"}
+    other = experiment(3, norm=lambda n: nn.LayerNorm(n)).simulation  # no buffers
+    refused = r"c\.pt: its model buffers \(1\.running_mean, .*\) do not fit the model's \(none\)"
+    with pytest.raises(ValueError, match=refused):
+        other._restore(tmp_path / "c.pt", state)
+
+
 def test_a_client_s_dropout_does_not_depend_on_the_clients_trained_before_it():
     """On the per-client loop, client c's update in round t is the same whether it trains alone or after others (as
     on another rank of a distributed run)."""
