@@ -24,12 +24,15 @@ import itertools
 import os
 import resource
 import socket
+import sys
 import traceback
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from queue import Empty
 from typing import Any
 
+import pyfedkern
 from pyfedkern.benchmarks.common import Case
 from pyfedkern.benchmarks.engine import round_config
 from pyfedkern.sim.engine import Simulation
@@ -130,13 +133,20 @@ class WorkerRounds:
         context = mp.get_context("spawn")
         self._commands = [context.SimpleQueue() for _ in range(max(workers, 1))]
         self._answers = context.Queue()
-        self._processes = mp.start_processes(
-            serve,
-            args=(workers, _free_port(), build, threads, device, self._commands, self._answers),
-            nprocs=max(workers, 1),
-            join=False,
-            start_method="spawn",
-        )
+        # Spawned processes start from this one's sys.path; the folder of the pyfedkern running here goes first, so
+        # that they import it too, not a source checkout without the compiled extension that the path may hold.
+        here = str(Path(pyfedkern.__file__).resolve().parents[1])
+        sys.path.insert(0, here)
+        try:
+            self._processes = mp.start_processes(
+                serve,
+                args=(workers, _free_port(), build, threads, device, self._commands, self._answers),
+                nprocs=max(workers, 1),
+                join=False,
+                start_method="spawn",
+            )
+        finally:
+            sys.path.remove(here)  # the first occurrence: the one inserted above
         self.peak_mb: list[float] = [0.0] * len(self._commands)
         atexit.register(self.close)
 
