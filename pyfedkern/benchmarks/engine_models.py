@@ -383,12 +383,13 @@ def cases(quick: bool = False, device: str = "cpu") -> list[Case]:
     if device != "cpu":
         return []
     cifar = QUICK_CIFAR if quick else CIFAR
+    round_flops = 6 * SIMPLE_CNN_MACS * cifar["per_round"] * cifar["per_user"]  # forward and backward, every image
     out = _task_cases(
         f"engine_models cifar10-shaped {cifar['users']}×{cifar['per_user']} simple_cnn fedavg "
         f"{cifar['per_round']}/round B=10 cpu",
         "cifar",
         quick,
-        flops=6 * SIMPLE_CNN_MACS * cifar["per_round"] * cifar["per_user"],
+        flops=round_flops,
     )
     for threads in THREADS:
         group = out[-1].group.rsplit(" t=", 1)[0] + f" t={threads}"
@@ -399,7 +400,7 @@ def cases(quick: bool = False, device: str = "cpu") -> list[Case]:
                 group,
                 "limit:bare steps",
                 lambda t=threads: _bare_steps_limit(t, quick),
-                flops=6 * SIMPLE_CNN_MACS * cifar["per_round"] * cifar["per_user"],
+                flops=round_flops,
                 rounds=3,
             ),
         ]
@@ -409,7 +410,7 @@ def cases(quick: bool = False, device: str = "cpu") -> list[Case]:
                     group,
                     f"limit:bare steps, {threads} processes × 1 thread",
                     lambda t=threads: _bare_steps_processes(t, quick),
-                    flops=6 * SIMPLE_CNN_MACS * cifar["per_round"] * cifar["per_user"],
+                    flops=round_flops,
                     rounds=3,
                 )
             )
