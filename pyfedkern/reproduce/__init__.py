@@ -9,7 +9,8 @@ paper's section in it (see :func:`update_docs_section`).
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+import shutil
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 REPRODUCTIONS: dict[str, str] = {
@@ -52,6 +53,19 @@ def update_docs_section(path: str | Path, name: str, markdown: str) -> None:
     pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.DOTALL)
     text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
     path.write_text(text)
+
+
+def publish(docs: str | Path, name: str, plots: Sequence[Path], markdown: Callable[[list[str]], str]) -> None:
+    """Copy ``plots`` into the ``img`` folder beside ``docs`` (as ``NAME-<file>``) and replace section ``name`` of
+    ``docs`` with ``markdown(paths)``, ``paths`` being the copies' names relative to ``docs``."""
+    img = Path(docs).parent / "img"
+    img.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for plot in plots:
+        shutil.copyfile(plot, img / f"{name}-{Path(plot).name}")
+        paths.append(f"img/{name}-{Path(plot).name}")
+    update_docs_section(docs, name, markdown(paths))
+    print(f"updated the {name} section of {docs}")
 
 
 def mean_and_se(values: Sequence[float]) -> tuple[float, float]:

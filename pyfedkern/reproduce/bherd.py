@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
 from pyfedkern.ops.herding import selection_size
-from pyfedkern.reproduce import ONE_SEED, update_docs_section
+from pyfedkern.reproduce import ONE_SEED, publish
 from pyfedkern.sim.config import ExperimentConfig
 from pyfedkern.sim.engine import Simulation, run_or_reuse
 from pyfedkern.sim.plots import plot_curves
@@ -351,11 +350,5 @@ def main(argv: Sequence[str], *, out: Path, quick: bool, docs: str | None) -> in
     print(results_table(cases))
     print(findings(cases) if args.seeds > 1 else ONE_SEED)
     if docs:
-        img = Path(docs).parent / "img"
-        img.mkdir(parents=True, exist_ok=True)
-        names = [f"bherd-{p.name}" for p in plots]
-        for plot, name in zip(plots, names, strict=True):
-            shutil.copyfile(plot, img / name)
-        update_docs_section(docs, "bherd", _markdown(cases, args, [f"img/{n}" for n in names], quick))
-        print(f"updated the bherd section of {docs}")
+        publish(docs, "bherd", plots, lambda paths: _markdown(cases, args, paths, quick))
     return 0

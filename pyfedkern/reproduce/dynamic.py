@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
 from pyfedkern.algorithms.dynamic import transition_accuracy
-from pyfedkern.reproduce import ONE_SEED, mean_and_se, update_docs_section
+from pyfedkern.reproduce import ONE_SEED, mean_and_se, publish
 from pyfedkern.sim.config import ExperimentConfig
 from pyfedkern.sim.engine import run_or_reuse
 
@@ -401,11 +400,5 @@ def main(argv: Sequence[str], *, out: Path, quick: bool, docs: str | None) -> in
     print(headline_table(rows))
     print(verdict(rows) if args.seeds > 1 else ONE_SEED)
     if docs:
-        img = Path(docs).parent / "img"
-        img.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(plot, img / "dynamic-sessions.png")
-        update_docs_section(
-            docs, "dynamic", _markdown(rows, args.seeds, session_rounds, quick, "img/dynamic-sessions.png")
-        )
-        print(f"updated the dynamic section of {docs}")
+        publish(docs, "dynamic", [plot], lambda paths: _markdown(rows, args.seeds, session_rounds, quick, paths[0]))
     return 0

@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
 from pyfedkern.links import PATTERNS, make_links
-from pyfedkern.reproduce import ONE_SEED, mean_and_se, update_docs_section
+from pyfedkern.reproduce import ONE_SEED, mean_and_se, publish
 from pyfedkern.reproduce.pbc_quadratic import LATE_BLOCKS, fedavg_limit, quadratic_targets, simulate_quadratic
 from pyfedkern.sim.config import ExperimentConfig
 from pyfedkern.sim.engine import run_or_reuse
@@ -465,13 +464,5 @@ def main(argv: Sequence[str], *, out: Path, quick: bool, docs: str | None) -> in
     print(convergence_note(rows))
     print(f"report: {out / 'report.md'}")
     if docs:
-        img = Path(docs).parent / "img"
-        img.mkdir(parents=True, exist_ok=True)
-        names = []
-        for plot in plots:
-            target = img / f"fedpbc-{plot.name}"
-            shutil.copyfile(plot, target)
-            names.append(f"img/{target.name}")
-        update_docs_section(docs, "fedpbc", _markdown(quad, rows, args, names, quick))
-        print(f"updated the fedpbc section of {docs}")
+        publish(docs, "fedpbc", plots, lambda paths: _markdown(quad, rows, args, paths, quick))
     return 0

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pyfedkern.reproduce import ONE_SEED, update_docs_section
+from pyfedkern.reproduce import ONE_SEED, publish
 from pyfedkern.sim.config import ExperimentConfig
 from pyfedkern.sim.engine import run_or_reuse
 from pyfedkern.sim.plots import plot_curves
@@ -465,11 +464,5 @@ def main(argv: Sequence[str], *, out: Path, quick: bool, docs: str | None) -> in
     print(attribution(rows))
     print(f"report: {out / 'report.md'}")
     if docs:
-        img = Path(docs).parent / "img"
-        img.mkdir(parents=True, exist_ok=True)
-        names = [f"fedspeed-{p.name}" for p in plots]
-        for plot, name in zip(plots, names, strict=True):
-            shutil.copyfile(plot, img / name)
-        update_docs_section(docs, "fedspeed", _markdown(rows, setups, skipped, [f"img/{n}" for n in names], quick))
-        print(f"updated the fedspeed section of {docs}")
+        publish(docs, "fedspeed", plots, lambda paths: _markdown(rows, setups, skipped, paths, quick))
     return 0

@@ -15,7 +15,6 @@ import argparse
 import json
 import math
 import os
-import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pyfedkern.reproduce import mean_and_se, update_docs_section
+from pyfedkern.reproduce import mean_and_se, publish
 from pyfedkern.sim.compare import compare
 from pyfedkern.sim.config import ExperimentConfig
 from pyfedkern.sim.plots import plot_curves
@@ -361,11 +360,5 @@ def main(argv: Sequence[str], *, out: Path, quick: bool, docs: str | None) -> in
     print(results_table(rows))
     print(f"report: {out / 'report.md'}")
     if docs:
-        img = Path(docs).parent / "img"
-        img.mkdir(parents=True, exist_ok=True)
-        names = [f"fnrfl-{p.name}" for p in plots]
-        for plot, name in zip(plots, names, strict=True):
-            shutil.copyfile(plot, img / name)
-        update_docs_section(docs, "fnrfl", _markdown(rows, setups, skipped, [f"img/{n}" for n in names], quick))
-        print(f"updated the fnrfl section of {docs}")
+        publish(docs, "fnrfl", plots, lambda paths: _markdown(rows, setups, skipped, paths, quick))
     return 0
