@@ -26,18 +26,17 @@ from typing import Any, NoReturn
 
 from pyfedkern import __version__
 from pyfedkern.benchmarks import FAMILIES
+from pyfedkern.data.spec import parse_flag
 from pyfedkern.reproduce import REPRODUCTIONS, SUMMARIES
 from pyfedkern.sim.config import ExperimentConfig
 
 
 def _flag(text: str) -> bool:
     """A command-line boolean: true/false, yes/no, on/off or 1/0."""
-    value = text.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    value = parse_flag(text)
+    if value is None:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return value
 
 
 def _flag_or_auto(text: str) -> bool | None:
@@ -142,12 +141,10 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
 def _parse_value(text: str, example: Any) -> Any:
     """Convert a command-line string to the type of ``example`` (a field default)."""
     if isinstance(example, bool):
-        lowered = text.lower()
-        if lowered in ("1", "true", "yes", "on"):
-            return True
-        if lowered in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(f"expected true/false, got {text!r}")
+        value = parse_flag(text)
+        if value is None:
+            raise ValueError(f"expected true/false, got {text!r}")
+        return value
     if isinstance(example, int):
         return int(text)
     if isinstance(example, float):

@@ -317,6 +317,33 @@ def owned_clients(ctx: FLContext) -> np.ndarray | None:
     return None if team is None else team.keep_client_state()
 
 
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+
+
+#: Field annotation → (what the error says, the check) of :meth:`Algorithm.__post_init__`.
+_HYPERPARAMETER_TYPES: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "bool": ("a bool (True or False)", lambda v: isinstance(v, (bool, np.bool_))),
+    "int": ("an integer", lambda v: isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))),
+    "float": ("a real number", _is_real),
+    "str": ("a string", lambda v: isinstance(v, str)),
+    "tuple[float, ...]": (
+        "a sequence of real numbers",
+        lambda v: isinstance(v, (tuple, list, np.ndarray)) and all(_is_real(x) for x in np.asarray(v).ravel().tolist()),
+    ),
+}
+
+
+def check_model_vector(x: Any, like: torch.Tensor, name: str) -> None:
+    """Refuse ``x`` unless it is a torch tensor of as many values as ``like`` (the model's flat parameters), with its
+    dtype and device."""
+    what = f"the model's {like.numel()} parameters ({like.dtype}, {like.device})"
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch tensor of {what}, got {type(x).__qualname__}")
+    if x.numel() != like.numel() or x.dtype != like.dtype or x.device != like.device:
+        raise ValueError(f"{name} must hold {what}, got {x.numel()} values ({x.dtype}, {x.device})")
+
+
 def weighted_average(
     vectors: Sequence[torch.Tensor], weights: Sequence[float] | np.ndarray, out: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -349,8 +376,18 @@ class Algorithm:
 
     x: torch.Tensor
 
+    def __post_init__(self) -> None:
+        """Check each hyper-parameter's type against its field's annotation (a TypeError naming it: the string
+        "false" is not a bool); subclasses call this first, then check ranges."""
+        for name, f in self.hyperparameters().items():
+            value = getattr(self, name)
+            expected = _HYPERPARAMETER_TYPES.get(str(f.type))
+            if expected is not None and not expected[1](value):
+                raise TypeError(f"{self.name}: {name} must be {expected[0]}, got {value!r}")
+
     def setup(self, ctx: FLContext, x0: torch.Tensor) -> None:
-        """Allocate server state; ``x0`` is the initial global model [d]."""
+        """Allocate server state; ``x0`` is the initial global model [d], like the model's ``ctx.local.flat.data``."""
+        check_model_vector(x0, ctx.local.flat.data, "x0")
         self.x = x0.clone()
 
     def participants(self, t: int, ctx: FLContext) -> np.ndarray:
@@ -447,7 +484,12 @@ class Algorithm:
 
 def mean_loss(losses: Sequence[torch.Tensor] | torch.Tensor) -> float:
     """The mean of the finite per-client losses (one device read), NaN when there are none."""
-    values = torch.cat([v.reshape(-1) for v in losses]) if isinstance(losses, (list, tuple)) else losses.reshape(-1)
+    if isinstance(losses, (list, tuple)):
+        if not losses:
+            return float("nan")
+        values = torch.cat([v.reshape(-1) for v in losses])
+    else:
+        values = losses.reshape(-1)
     if values.numel() == 0:
         return float("nan")
     finite = torch.isfinite(values)

@@ -212,6 +212,7 @@ class BHerd(Algorithm):
     _extras: dict[str, float] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         _check_common(self.alpha, self.order)
         if self.buffer_dtype not in BUFFER_DTYPES:
             raise ValueError(f"buffer_dtype must be one of {', '.join(BUFFER_DTYPES)}, got {self.buffer_dtype!r}")
@@ -411,6 +412,7 @@ class GrabFedAvg(Algorithm):
     _extras: dict[str, float] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         _check_common(None, self.order)
 
     def setup(self, ctx: FLContext, x0: torch.Tensor) -> None:
@@ -496,6 +498,7 @@ class FedNova(Algorithm):
     order: str = "reshuffle"
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         _check_common(None, self.order)
 
     def setup(self, ctx: FLContext, x0: torch.Tensor) -> None:

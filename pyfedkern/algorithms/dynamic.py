@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from pyfedkern import ops
 from pyfedkern.algorithms.base import Algorithm, FLContext, RoundStats
 from pyfedkern.algorithms.history import STORAGE_DTYPES, SessionHistory
+from pyfedkern.data.spec import parse_flag
 from pyfedkern.flat import FlatParameters
 from pyfedkern.ops.similarity import METRICS
 
@@ -60,11 +61,20 @@ def parse_host_params(host: str, text: str) -> dict[str, Any]:
             raise ValueError(f"host {host!r} has no parameter {key!r}; its parameters: {', '.join(fields) or 'none'}")
         default = fields[key].default
         kind = type(default) if isinstance(default, (bool, int, float)) else str
+        value = value.strip()
         if kind is bool:
-            params[key] = value.strip().lower() in ("1", "true", "yes", "on")
-        else:
-            params[key] = kind(value.strip())
+            params[key] = parse_flag(value)
+            if params[key] is None:
+                raise ValueError(f"host_params: {key} must be true or false, got {value!r}")
+            continue
+        try:
+            params[key] = kind(value)
+        except ValueError:
+            raise ValueError(f"host_params: {key} must be {_KIND_WORDS[kind]}, got {value!r}") from None
     return params
+
+
+_KIND_WORDS = {int: "an integer", float: "a number", str: "a string"}
 
 
 class SessionContext:
@@ -311,6 +321,7 @@ class DynamicInit(Algorithm):
     lr_floor: float = 1.0
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.host == "dynamic":
             raise ValueError("host must be another algorithm than 'dynamic'")
         self._host_kwargs = parse_host_params(self.host, self.host_params)

@@ -105,6 +105,7 @@ class FedAvg(Algorithm):
     clip_norm: float = 10.0
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         _check_positive("server_lr", self.server_lr)
         _check_positive("clip_norm", self.clip_norm)
 

@@ -98,6 +98,7 @@ class _LinkAlgorithm(Algorithm):
     def __post_init__(self) -> None:
         from pyfedkern.links import PATTERNS, TIME_VARYING, check_gamma
 
+        super().__post_init__()
         if self.links not in PATTERNS:
             raise ValueError(f"unknown link pattern {self.links!r}; valid choices: {', '.join(PATTERNS)}")
         if self.links in TIME_VARYING:

@@ -410,6 +410,7 @@ class FedSpeed(Algorithm):
     corr_avg: str = "active"
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_fedspeed_params(lam=self.lam, rho=self.rho, alpha=self.alpha, eps=self.eps, rho_mode=self.rho_mode)
         if self.use_correction and not self.use_prox:
             raise ValueError("use_correction needs use_prox (the correction is built from the prox term)")

@@ -64,6 +64,7 @@ class FedDyn(Algorithm):
     clip_norm: float = 10.0
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not (math.isfinite(self.lam) and self.lam > 0):
             raise ValueError(f"lam (λ) must be finite and > 0, got {self.lam}")
         _check_positive("clip_norm", self.clip_norm)

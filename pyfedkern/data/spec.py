@@ -1,8 +1,16 @@
-"""Parsing of the ``name:arg,arg`` strings used on the command line (``dirichlet:0.3``, ``synthetic:1,1``)."""
+"""Parsing of the strings used on the command line: ``name:arg,arg`` (``dirichlet:0.3``, ``synthetic:1,1``) and
+booleans."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+
+_FLAGS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
+def parse_flag(text: str) -> bool | None:
+    """A boolean written as text: true/false, yes/no, on/off or 1/0 (any case); None for any other text."""
+    return _FLAGS.get(text.strip().lower())
 
 
 def parse_spec(text: str, *, what: str, choices: Iterable[str]) -> tuple[str, list[float]]:

@@ -39,6 +39,7 @@ import io
 import json
 import math
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -347,7 +348,12 @@ def mean_metrics(records: list[RecordDict], weighting_metric_name: str, *, unifo
     measured: dict[str, tuple[list[float], list[float]]] = {}
     for k, content in enumerate(records):
         values = {key: v for record in content.metric_records.values() for key, v in record.items()}
-        weight = 1.0 if uniform else float(values[weighting_metric_name])
+        if not uniform and weighting_metric_name not in values:
+            raise ValueError(f"records[{k}] has no metric {weighting_metric_name!r} to weight it by")
+        weight = 1.0 if uniform else values[weighting_metric_name]
+        if isinstance(weight, bool) or not isinstance(weight, numbers.Real):
+            raise TypeError(f"records[{k}]: {weighting_metric_name!r} must be a number, got {weight!r}")
+        weight = float(weight)
         if not (math.isfinite(weight) and weight >= 0):
             raise ValueError(f"records[{k}]: {weighting_metric_name!r} must be finite and >= 0, got {weight}")
         for key, value in values.items():
@@ -426,8 +432,8 @@ class ArrivalGrid:
 
 @dataclass
 class RoundRecord:
-    """What a strategy saw in one training round: nodes whose results arrived, and failed nodes (error replies
-    and nodes that did not answer before the timeout)."""
+    """What a strategy saw in one training round: nodes whose results arrived, and failed nodes (error replies,
+    replies holding NaN or inf, and nodes that did not answer before the timeout)."""
 
     server_round: int
     received: list[int]
@@ -449,6 +455,10 @@ class FedAvg(_FlowerFedAvg):
     """
 
     def __init__(self, *args: Any, uniform: bool = False, poll_interval: float = 0.1, **kwargs: Any) -> None:
+        if isinstance(poll_interval, bool) or not isinstance(poll_interval, numbers.Real):
+            raise TypeError(f"poll_interval must be a number of seconds, got {poll_interval!r}")
+        if not (math.isfinite(poll_interval) and poll_interval > 0):
+            raise ValueError(f"poll_interval must be finite and > 0 seconds, got {poll_interval}")
         kwargs.setdefault("train_metrics_aggr_fn", mean_metrics)
         super().__init__(*args, **kwargs)
         self.uniform = uniform
@@ -469,7 +479,10 @@ class FedAvg(_FlowerFedAvg):
             return 1.0
         for record in content.metric_records.values():
             if self.weighted_by_key in record:
-                return float(record[self.weighted_by_key])
+                weight = record[self.weighted_by_key]
+                if isinstance(weight, bool) or not isinstance(weight, numbers.Real):
+                    raise TypeError(f"reply of node {node}: {self.weighted_by_key!r} must be a number, got {weight!r}")
+                return float(weight)
         raise ValueError(f"reply of node {node} has no metric {self.weighted_by_key!r} to weight it by")
 
     def stream_train(
@@ -492,11 +505,20 @@ class FedAvg(_FlowerFedAvg):
             if len(content.array_records) != 1:
                 raise ValueError(f"reply of node {node} has {len(content.array_records)} ArrayRecords, expected 1")
             weight = self._reply_weight(content, node)
-            record = next(iter(content.array_records.values()))
-            running.add(((k, array_view(a)) for k, a in record.items()), weight, f"reply of node {node}")
+            arrays = [(k, array_view(a)) for k, a in next(iter(content.array_records.values())).items()]
+            bad = [k for k, a in arrays if not _all_finite(a)]
+            if bad:
+                warnings.warn(
+                    f"round {server_round}: the reply of node {node} holds NaN or inf in {', '.join(map(repr, bad))} "
+                    "(its training diverged?); it is left out of the round as a failed node",
+                    stacklevel=2,
+                )
+                failed.append(node)
+                continue
+            running.add(arrays, weight, f"reply of node {node}")
             metrics.append(RecordDict(dict(content.metric_records)))
             received.append(node)
-            del reply, content, record
+            del reply, content, arrays
         if self._grid is not None:
             failed.extend(self._grid.unanswered)
             self._grid.unanswered = []
@@ -521,6 +543,14 @@ class FedAvg(_FlowerFedAvg):
         if running.count == 0 or running.total <= 0:
             return None, None
         return _record(running.mean()), self._metrics(metrics)
+
+
+def _all_finite(array: np.ndarray, chunk: int = 1 << 20) -> bool:
+    """Whether a real array holds no NaN or inf (checked ``chunk`` values at a time: no array-sized temporary)."""
+    if array.dtype.kind != "f":
+        return True
+    flat = array.reshape(-1)
+    return all(np.isfinite(flat[i : i + chunk]).all() for i in range(0, flat.size, chunk))
 
 
 def _record(arrays: dict[str, np.ndarray]) -> ArrayRecord:
@@ -609,6 +639,7 @@ class BHerd(FedAvg):
         from pyfedkern.algorithms import make_algorithm
         from pyfedkern.algorithms.bherd import BHerd as BHerdAlgorithm
 
+        _check_config(config)
         super().__init__(*args, **kwargs)
         self.ctx = _ServerContext(config)
         self.algorithm = make_algorithm(config.algorithm, **config.algorithm_params)
@@ -651,21 +682,58 @@ class FedSpeed(FedAvg):
         super().__init__(*args, **kwargs)
 
 
+def _check_config(config: Any) -> None:
+    from pyfedkern.sim.config import ExperimentConfig
+
+    if not isinstance(config, ExperimentConfig):
+        raise TypeError(f"config must be a pyfedkern ExperimentConfig, got {type(config).__qualname__}")
+
+
 def dynamic_algorithm(config: Any) -> Any:
     """The :class:`~pyfedkern.algorithms.dynamic.DynamicInit` of ``config`` (algorithm "dynamic"), checked to run on
     Flower: method "proposed" and a host whose server step is FedAvg's model average (fedavg/fedprox, server_lr 1)."""
     from pyfedkern.algorithms import make_algorithm
 
+    _check_config(config)
     if config.algorithm != "dynamic":
         raise ValueError(f"config.algorithm must be 'dynamic', got {config.algorithm!r}")
     algo = make_algorithm("dynamic", **config.algorithm_params)
     if algo.method != "proposed":
         raise ValueError(f"on Flower the dynamic method must be 'proposed', got {algo.method!r}")
     host = algo.make_host()
-    if host.name not in ("fedavg", "fedprox") or host.server_lr != 1.0:
+    if host.name not in ("fedavg", "fedprox"):
         raise ValueError(
-            f"on Flower the dynamic host must be fedavg or fedprox with server_lr = 1 (the server averages models), "
-            f"got {algo.host!r} with {algo.host_params!r}"
+            f"on Flower the dynamic host must be fedavg or fedprox (the server averages models), got {algo.host!r}"
+        )
+    _check_model_average(host, "the dynamic host")
+    return algo
+
+
+def _check_model_average(algo: Any, what: str) -> None:
+    """Refuse a FedAvg/FedProx whose server step is not the |D_i|-weighted model average that :class:`FedAvg` and
+    :class:`DynamicInit` take (a global step ``server_lr`` ≠ 1, or ``ref_compat``'s uniform weights)."""
+    if algo.server_lr != 1.0 or algo.ref_compat:
+        raise ValueError(
+            f"on Flower {what} must have server_lr = 1 and ref_compat = False (the strategy's server step is the "
+            f"average of the models weighted by num-examples), got server_lr = {algo.server_lr}, "
+            f"ref_compat = {algo.ref_compat}"
+        )
+
+
+def _client_algorithm(config: Any) -> Any:
+    """The algorithm of ``config`` as :func:`client_train` runs it, refused where the paired strategy's server step
+    would differ from the simulation's (so that Flower and the simulation compute the same models)."""
+    from pyfedkern.algorithms import make_algorithm
+
+    if config.algorithm == "dynamic":
+        return dynamic_algorithm(config)
+    algo = make_algorithm(config.algorithm, **config.algorithm_params)
+    if config.algorithm in ("fedavg", "fedprox"):
+        _check_model_average(algo, config.algorithm)
+    if config.algorithm == "fedspeed" and algo.corr_avg != "active":
+        raise ValueError(
+            f"on Flower fedspeed must have corr_avg = 'active' (the FedSpeed strategy averages the uploads of the "
+            f"nodes that answered), got {algo.corr_avg!r}"
         )
     return algo
 
@@ -820,7 +888,10 @@ def config_from_run_config(run_config: dict[str, Any]) -> Any:
         if name not in names:
             continue
         if name in ("algorithm_params", "model_params") and isinstance(value, str):
-            value = json.loads(value) if value.strip() else {}
+            try:
+                value = json.loads(value) if value.strip() else {}
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{key} must be JSON, got {value!r} ({err})") from None
         if name in ("local_steps", "threads", "data_root", "client_chunk") and value in (0, ""):
             value = None
         values[name] = value
@@ -868,7 +939,6 @@ def client_train(config: Any, cid: int, server_round: int, content: RecordDict, 
     For "dynamic" the host's update runs in the session's context (LR restarted at ``session-start``), or, in
     footprint round ``footprint-round`` of ``session``, in the footprint context (constant LR, its own minibatches).
     """
-    from pyfedkern.algorithms import make_algorithm
     from pyfedkern.algorithms.base import local_sgd
     from pyfedkern.sim.engine import _cpu_threads, threads_for_work
 
@@ -877,26 +947,23 @@ def client_train(config: Any, cid: int, server_round: int, content: RecordDict, 
     sim = _simulation(config)
     if not 0 <= cid < sim.num_clients:
         raise ValueError(f"partition-id must be in [0, {sim.num_clients}), got {cid}")
+    if server_round < 1:
+        raise ValueError(f"server_round must be >= 1 (Flower counts rounds from 1), got {server_round}")
     t = server_round - 1
-    algo = (
-        dynamic_algorithm(config)
-        if config.algorithm == "dynamic"
-        else make_algorithm(config.algorithm, **config.algorithm_params)
-    )
+    algo = _client_algorithm(config)
     received = content.array_records.get("arrays", ArrayRecord())
     threads = config.threads or threads_for_work(sim.batch_size * sim.local.dim, torch.get_num_threads())
     with _cpu_threads(threads):
         if config.algorithm == "fedpbc":
             adopt = bool(content.config_records["config"].get("pbc-adopt", True))
-            start = received if adopt or "pbc" not in state.array_records else state.array_records["pbc"]
-            x = torch.from_numpy(_flat(start))
+            keep = not adopt and "pbc" in state.array_records
+            x = torch.from_numpy(_flat(state.array_records["pbc"])) if keep else _model_vector(received, sim)
             result = local_sgd(sim, cid, t, x)
             state.array_records["pbc"] = _record({MODEL_KEY: result.x.numpy()})
             vectors, loss = {MODEL_KEY: result.x}, result.loss
         elif config.algorithm == "fedspeed":
-            x = torch.from_numpy(_flat(received))
             one = _OneClient(sim)
-            algo.setup(one, x)
+            algo.setup(one, _model_vector(received, sim))
             if algo.h_store is not None and "fedspeed" in state.array_records:
                 algo.h_store[0].copy_(torch.from_numpy(_flat(state.array_records["fedspeed"], "h")))
             opt = algo.optimizer
@@ -916,11 +983,11 @@ def client_train(config: Any, cid: int, server_round: int, content: RecordDict, 
             else:
                 view = algo.session_view(sim, int(settings.get("session-start", 1)) - 1)
             host = algo.make_host()
-            host.setup(view, torch.from_numpy(_flat(received)))
+            host.setup(view, _model_vector(received, sim))
             message = host.client_update(t, cid, view)
             vectors, loss = message.vectors, message.loss
         else:
-            algo.setup(sim, torch.from_numpy(_flat(received)))
+            algo.setup(sim, _model_vector(received, sim))
             message = algo.client_update(t, cid, sim)
             vectors, loss = message.vectors, message.loss
     metrics = MetricRecord({"num-examples": int(sim.client_sizes[cid]), "local-loss": float(loss)})
@@ -928,10 +995,22 @@ def client_train(config: Any, cid: int, server_round: int, content: RecordDict, 
     return RecordDict({"arrays": arrays, "metrics": metrics})
 
 
+def _model_vector(record: ArrayRecord, sim: Any) -> torch.Tensor:
+    """The model vector of a message's ArrayRecord, checked against the config's model."""
+    x = torch.from_numpy(_flat(record))
+    expected = sim.local.flat.data
+    if x.numel() != expected.numel() or x.dtype != expected.dtype:
+        raise ValueError(
+            f"the received model has {x.numel()} values ({x.dtype}), but this config's model has {expected.numel()} "
+            f"({expected.dtype}): the server's initial_arrays must come from the same config as the nodes'"
+        )
+    return x
+
+
 def client_evaluate(config: Any, cid: int, content: RecordDict) -> RecordDict:
     """Loss and accuracy of the received model on client ``cid``'s training partition."""
     sim = _simulation(config)
-    x = torch.from_numpy(_flat(content.array_records["arrays"]))
+    x = _model_vector(content.array_records["arrays"], sim)
     loss, acc = sim.local.evaluate(x, sim.client_x[cid], sim.client_y[cid])
     n = int(sim.client_sizes[cid])
     return RecordDict({"metrics": MetricRecord({"num-examples": n, "eval-loss": float(loss), "eval-acc": float(acc)})})

@@ -70,7 +70,7 @@ def declare(
 
 
 traced = torch.compiler.is_compiling  # whether the caller is traced by torch.compile (Dynamo) or torch.export
-_grad_enabled = torch.is_grad_enabled
+grad_enabled = torch.is_grad_enabled  # (in a backward formula: whether it runs with create_graph)
 _Tensor = torch.Tensor
 
 
@@ -88,9 +88,9 @@ def _requires_grad(x: Any) -> bool:
     """Whether x (a tensor, or a list or tuple of them) holds a torch tensor that requires grad."""
     if isinstance(x, _Tensor):
         return x.requires_grad
-    if (type(x) is list or type(x) is tuple) and x and type(x[0]) is not float and isinstance(x[0], _Tensor):
+    if type(x) is list or type(x) is tuple:
         for t in x:
-            if isinstance(t, _Tensor) and t.requires_grad:
+            if type(t) is not float and isinstance(t, _Tensor) and t.requires_grad:
                 return True
     return False
 
@@ -98,11 +98,12 @@ def _requires_grad(x: Any) -> bool:
 def _any_requires_grad(xs: tuple[Any, ...]) -> bool:
     """Whether a torch tensor among ``xs``, or in a list or tuple among them, requires grad. Every eager call pays
     this loop: the common arguments are told apart by their type, without a call per argument, and floats and lists
-    of floats never reach ``isinstance(·, Tensor)``, which is slow when it fails."""
+    of floats (one C-level pass over their types) never reach ``isinstance(·, Tensor)``, which is slow when it
+    fails."""
     for x in xs:
         kind = type(x)
         if kind is list or kind is tuple:
-            if x and not isinstance(x[0], float) and _requires_grad(x):
+            if x and (type(x[0]) is not float or len(set(map(type, x))) > 1) and _requires_grad(x):
                 return True
         elif kind is not float and x is not None and isinstance(x, _Tensor) and x.requires_grad:
             return True
@@ -112,19 +113,20 @@ def _any_requires_grad(xs: tuple[Any, ...]) -> bool:
 def use_operator(*xs: Any) -> bool:
     """Whether a differentiable op takes its registered operator: when traced, or when one of ``xs`` (or a tensor
     in a list among them) requires grad while grad mode is on. Eager calls without grad keep the direct path."""
-    return traced() or (_grad_enabled() and _any_requires_grad(xs))
+    return traced() or (grad_enabled() and _any_requires_grad(xs))
 
 
 def refuse_grad(op: str, names: tuple[str, ...], *xs: Any) -> None:
-    """ValueError naming the argument when a torch input of the non-differentiable op ``op`` requires grad while
-    grad mode is on: its result would silently leave the autograd graph."""
-    if not (_grad_enabled() and _any_requires_grad(xs)):
+    """ValueError naming the argument when a torch input ``names``/``xs`` that ``op`` is not differentiable in
+    (all of a non-differentiable op's inputs; a differentiable op's scalars) requires grad while grad mode is on:
+    the gradient through it would silently be lost."""
+    if not (grad_enabled() and _any_requires_grad(xs)):
         return
     for name, x in zip(names, xs, strict=True):
         if _requires_grad(x):
             raise ValueError(
-                f"{op}: {name} requires grad, but {op} is not differentiable (its result would not carry a "
-                "gradient); call it under torch.no_grad() or pass .detach()"
+                f"{op}: {name} requires grad, but {op} is not differentiable in {name} (no gradient would reach "
+                "it); call it under torch.no_grad() or pass .detach()"
             )
 
 

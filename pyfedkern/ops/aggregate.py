@@ -154,7 +154,10 @@ def _weighted_sum_torch(updates: Any, weights: Any, out: Any) -> Any:
 
     if not isinstance(updates, torch.Tensor):
         updates = torch.stack(list(updates))
-    if not isinstance(weights, torch.Tensor):
+    if isinstance(weights, (list, tuple)):  # tensors among them keep their autograd history
+        device = next((w.device for w in weights if isinstance(w, torch.Tensor)), None)
+        weights = torch.stack([torch.as_tensor(w, dtype=torch.float64, device=device).reshape(()) for w in weights])
+    elif not isinstance(weights, torch.Tensor):
         weights = torch.as_tensor(weights, dtype=torch.float64)
     result = _declare.torch_op("weighted_sum")(updates, weights)
     return result if out is None else out.copy_(result)

@@ -75,9 +75,9 @@ def _acc_dtype(ref: ArrayRef) -> str:
     return "float64" if ref.dtype == "float64" else "float32"
 
 
-def _norm_target(norm_out: Any, like: ArrayRef) -> ArrayRef | None:
+def _norm_target(norm_out: Any, like: ArrayRef, operands: dict[str, ArrayRef | None]) -> ArrayRef | None:
     """norm_out checked against x (``like``): one element for a [d] vector, [k] for [k, d] rows (accumulation dtype,
-    x's library and device), or None."""
+    x's library and device), overlapping none of the call's ``operands``; or None."""
     if norm_out is None:
         return None
     ref = _arrays.describe(norm_out, "norm_out")
@@ -91,6 +91,7 @@ def _norm_target(norm_out: Any, like: ArrayRef) -> ArrayRef | None:
     if len(like.shape) == 2 and (len(ref.shape) != 1 or ref.shape[0] != like.shape[0]):
         raise ValueError(f"norm_out must be a [{like.shape[0]}] vector (one norm per row), got shape {ref.shape}")
     _arrays.check_output(ref, "norm_out")
+    _disjoint(ref, "norm_out", operands)
     return ref
 
 
@@ -162,7 +163,7 @@ def sam_perturb(
     Returns:
         ``out``, or a new [d] array of x's library, device and dtype.
     """
-    _declare.refuse_grad("sam_perturb", ("x", "grad"), x, grad)
+    _declare.refuse_grad("sam_perturb", ("x", "grad", "rho", "eps"), x, grad, rho, eps)
     if _declare.traced():
         return _sam_perturb_torch(x, grad, rho, eps, normalize, out, norm_out)
     return _sam_perturb(x, grad, rho, eps=eps, normalize=normalize, out=out, norm_out=norm_out)
@@ -171,7 +172,7 @@ def sam_perturb(
 def _sam_perturb(x: Any, grad: Any, rho: Any, *, eps: Any, normalize: bool, out: Any, norm_out: Any) -> Any:
     """The direct path of :func:`sam_perturb` (any library, [d] or [k, d])."""
     xr, gr, r, e, out, outr = _perturb_operands(*_forms(x, "x"), x, grad, rho, eps, normalize, out, norm_out)
-    norm = _norm_target(norm_out, xr)
+    norm = _norm_target(norm_out, xr, {"x": xr, "grad": gr, "out": outr})
     keep, ws_ptr, ws_len, norm_ptr, norm_stride = _workspace(xr, norm, normalize)
     native().fedspeed_perturb(
         xr.device,
@@ -277,7 +278,11 @@ def fedspeed_update_(
 
     The inputs must not overlap x. Returns ``x``.
     """
-    _declare.refuse_grad("fedspeed_update_", ("g2", "g1", "anchor"), g2, g1, anchor)
+    _declare.refuse_grad(
+        "fedspeed_update_",
+        ("g2", "g1", "anchor", "lr", "alpha", "prox_coef", "weight_decay", "clip_norm"),
+        g2, g1, anchor, lr, alpha, prox_coef, weight_decay, clip_norm,
+    )  # fmt: skip
     if _declare.traced():
         _declare.torch_op("fedspeed_update_")(
             x, g2, float(lr), g1, float(alpha), anchor, float(prox_coef), float(weight_decay), clip_norm, norm_out
@@ -302,7 +307,7 @@ def _fedspeed_update(
     xr, g1r, g2r, anchor_r, eta, a, c, wd, clip = _update_operands(
         *_forms(x, "x"), x, g2, lr, g1, alpha, anchor, prox_coef, weight_decay, clip_norm, norm_out
     )
-    norm = _norm_target(norm_out, xr)
+    norm = _norm_target(norm_out, xr, {"x": xr, "g1": g1r, "g2": g2r, "anchor": anchor_r})
     keep, ws_ptr, ws_len, norm_ptr, norm_stride = _workspace(xr, norm, clip > 0.0)
     native().fedspeed_update(
         xr.device,
@@ -370,7 +375,7 @@ def fedspeed_round_end_(
 
     Outputs must not overlap each other or the inputs. Returns ``h``.
     """
-    _declare.refuse_grad("fedspeed_round_end_", ("x_local", "x_global"), x_local, x_global)
+    _declare.refuse_grad("fedspeed_round_end_", ("x_local", "x_global", "acc_weight"), x_local, x_global, acc_weight)
     if _declare.traced():
         _declare.torch_op("fedspeed_round_end_")(h, x_local, x_global, acc, float(acc_weight), include_h, h_sum)
         return h

@@ -179,7 +179,9 @@ def _class_norms_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
 
 
 def _class_norms_backward(ctx: Any, g_norms: Any, g_sum: Any, g_mean: Any, *_: Any) -> tuple:
-    """∂/∂f_r = (g_norms[r] + g_sum[y_r] + g_mean[y_r]/n_{y_r})·f_r/‖f_r‖ (0 for an all-zero row)."""
+    """∂/∂f_r = (g_norms[r] + g_sum[y_r] + g_mean[y_r]/n_{y_r})·f_r/‖f_r‖ (0 for an all-zero row): the native kernel,
+    or with ``create_graph`` (grad mode on here) the same formula in torch ops, so that it can be differentiated
+    again."""
     features, labels, counts = ctx.saved_tensors
     acc = _declare.accumulation_dtype(features)
     grad_norms = None if g_norms is None else g_norms.to(acc).contiguous()
@@ -192,6 +194,13 @@ def _class_norms_backward(ctx: Any, g_norms: Any, g_sum: Any, g_mean: Any, *_: A
             class_coef = class_coef + g_mean.to(acc) / counts.clamp(min=1).to(acc)
     if grad_norms is None and class_coef is None:
         return None, None, None, None
+    if _declare.grad_enabled():
+        coef = class_coef[labels] if class_coef is not None else 0.0
+        coef = coef + grad_norms if grad_norms is not None else coef
+        f = features.to(acc)
+        norms = f.norm(dim=1, keepdim=True)
+        unit = f / norms.where(norms > 0, 1.0) * (norms > 0)
+        return (coef[:, None] * unit).to(features.dtype), None, None, None
     backward = _declare.torch_op("class_feature_norms_backward")
     return backward(features, labels, ctx.num_classes, grad_norms, class_coef), None, None, None
 
@@ -338,14 +347,16 @@ def per_sample_grad_norms(layer: Any, activations: Any, grad_outputs: Any, *, sq
             f"activations and grad_outputs must have the same batch size, got {activations.shape[0]} and "
             f"{grad_outputs.shape[0]}"
         )
-    if isinstance(layer, nn.Linear):
-        sq = _linear_sq_norms(layer, activations, grad_outputs)
-    elif isinstance(layer, nn.Conv2d):
-        sq = _conv2d_sq_norms(layer, activations, grad_outputs)
-    else:
+    if not isinstance(layer, (nn.Linear, nn.Conv2d)):
         raise TypeError(
             f"per_sample_grad_norms supports nn.Linear and nn.Conv2d layers, got {type(layer).__qualname__}"
         )
+    if activations.shape[0] == 0:
+        return activations.new_zeros(0)  # an empty batch
+    if isinstance(layer, nn.Linear):
+        sq = _linear_sq_norms(layer, activations, grad_outputs)
+    else:
+        sq = _conv2d_sq_norms(layer, activations, grad_outputs)
     return sq if squared else sq.sqrt()
 
 

@@ -198,7 +198,7 @@ def weighted_delta_(x: A, models: Any, weights: Any, scale: float = 1.0, rows: A
     Returns:
         ``x``.
     """
-    _declare.refuse_grad("weighted_delta_", ("models", "weights"), models, weights)
+    _declare.refuse_grad("weighted_delta_", ("models", "weights", "scale"), models, weights, scale)
     if _declare.traced():
         selected = None if rows is None else _index_tensor(rows)
         _declare.torch_op("weighted_delta_")(x, _stacked(models), _float_tensor(weights), float(scale), selected)
@@ -216,8 +216,12 @@ def _weighted_delta(x: Any, models: Any, weights: Any, scale: Any, rows: Any) ->
     c = _arrays.host_scalar(scale, "scale")
     if not ptrs:
         return x
+    with np.errstate(over="ignore"):
+        scaled = w * c  # the kernel's weights: the scale folded in
+    if not np.isfinite(scaled).all():
+        raise ValueError(f"weights × scale overflows float64 (largest |weight| {np.abs(w).max():g}, scale {c:g})")
     stream = _arrays.stream_handle(xr)
-    args = (xr.device, stream, xr.dtype, xr.shape[0], xr.ptr, xr.strides[0], ptrs, strides, list(w * c))
+    args = (xr.device, stream, xr.dtype, xr.shape[0], xr.ptr, xr.strides[0], ptrs, strides, list(scaled))
     _arrays.call_native(native().weighted_delta, xr, *args)
     _arrays.mark_written(xr)
     return x
@@ -250,7 +254,7 @@ def mifa_update_(
     Returns:
         ``x``.
     """
-    _declare.refuse_grad("mifa_update_", ("updates",), updates)
+    _declare.refuse_grad("mifa_update_", ("updates", "server_lr"), updates, server_lr)
     if _declare.traced():
         op = _declare.torch_op("mifa_update_")
         op(x, memory, total, _stacked(updates), _index_tensor(rows), float(server_lr), updates_are, resum)
@@ -264,6 +268,8 @@ def _mifa_update(
     """The direct path of :func:`mifa_update_` (any library)."""
     if updates_are not in ("models", "deltas"):
         raise ValueError(f"updates_are must be 'models' or 'deltas', got {updates_are!r}")
+    if not isinstance(resum, (bool, np.bool_)):
+        raise TypeError(f"resum must be a bool, got {type(resum).__qualname__}")
     xr = _vector(x, "x", writeable=True)
     mem = _store(memory, "memory", like=xr, writeable=True)
     m, d = mem.shape

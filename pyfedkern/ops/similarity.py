@@ -176,6 +176,7 @@ def similarity_weights(
         α [K] (float64 for float64 input, float32 otherwise) of the caller's library and device, summing to 1;
         ``(α, s)`` with ``return_scores``.
     """
+    _declare.refuse_grad("similarity_weights", ("scale", "eps"), scale, eps)
     if _declare.use_operator(query, bank):
         offsets, mask = _torch_segments(query, segments, include)
         weights, scores = _declare.torch_op("similarity_weights")(
@@ -223,6 +224,7 @@ def similarity_combine(
     Returns:
         ``out`` or a new [d] array of the models' dtype; ``(blend, α)`` with ``return_weights``.
     """
+    _declare.refuse_grad("similarity_combine", ("scale", "eps"), scale, eps)
     if _declare.use_operator(query, bank, models):
         offsets, mask = _torch_segments(query, segments, include)
         blend, weights, _ = _declare.torch_op("similarity_combine")(

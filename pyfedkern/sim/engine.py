@@ -509,10 +509,19 @@ class Simulation:
             if writer is not None:
                 writer.append_metrics(record)
         bar = _progress(progress and team.is_writer, start, cfg.rounds, cfg.algorithm)
+        diverged = False
         for t in range(start, cfg.rounds):
             self._timers = {}
             began = time.perf_counter()
             stats = algo.round(t, self)
+            if not diverged and not bool(torch.isfinite(algo.global_model()).all()):
+                diverged = True
+                if team.is_writer:
+                    logger.warning(
+                        "round %d: the global model holds NaN or inf (training diverged; a smaller learning rate "
+                        "may help): the later rounds cannot recover",
+                        t + 1,
+                    )
             record: dict[str, Any] = {
                 "round": t + 1,
                 "local_loss": stats.local_loss,

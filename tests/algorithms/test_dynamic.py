@@ -226,6 +226,8 @@ def test_bounded_history_limits_the_candidates():
         ({"host": "nope"}, "unknown algorithm"),
         ({"host": "fedprox", "host_params": "mu"}, "key=value"),
         ({"host": "fedavg", "host_params": "mu=1"}, "has no parameter 'mu'"),
+        ({"host": "fedavg", "host_params": "ref_compat=flase"}, "ref_compat must be true or false, got 'flase'"),
+        ({"host": "fedprox", "host_params": "mu=a"}, "mu must be a number, got 'a'"),
         ({"method": "best"}, "method must be one of"),
         ({"metric": "cos"}, "metric must be one of"),
         ({"sessions": 2, "pilot_sessions": 2}, "pilot_sessions"),

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from pyfedkern.algorithms import make_algorithm
+from pyfedkern.algorithms import ALGORITHMS, algorithm_class, make_algorithm
 from pyfedkern.sim.config import ExperimentConfig
 from pyfedkern.sim.engine import Simulation
 
@@ -88,6 +88,49 @@ def test_bad_hyperparameters():
         make_algorithm("fedprox", mu=float("nan"))
     with pytest.raises((TypeError, ValueError), match="nope"):
         make_algorithm("fedavg", nope=1)
+
+
+# A value of the wrong type for each kind of hyper-parameter field (the string "false" is truthy).
+WRONG_TYPE = {"bool": "false", "int": 2.0, "float": "0.1", "str": 3, "tuple[float, ...]": "0.5"}
+
+
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+def test_every_hyperparameter_of_the_wrong_type_is_a_type_error_naming_it(name):
+    fields = algorithm_class(name).hyperparameters()
+    assert {str(f.type) for f in fields.values()} <= set(WRONG_TYPE)  # a new kind of field needs its own check
+    for field_name, f in fields.items():
+        with pytest.raises(TypeError, match=f"{name}: {field_name} must be"):
+            make_algorithm(name, **{field_name: WRONG_TYPE[str(f.type)]})
+    make_algorithm(name)  # the defaults pass
+
+
+def test_numpy_numbers_and_bools_are_accepted():
+    algo = make_algorithm("fedprox", mu=np.float32(0.5), ref_compat=np.bool_(True))
+    assert algo.mu == 0.5 and algo.ref_compat
+
+
+def test_a_round_without_participants_leaves_the_model_and_reports_no_loss():
+    sim = Simulation(QUAD)
+    for name in ("fedavg", "scaffold", "fedspeed", "fedadam", "bherd"):
+        algo = make_algorithm(name)
+        algo.setup(sim, sim.initial_vector)
+        algo.participants = lambda t, ctx: np.array([], dtype=np.int64)
+        before = algo.global_model().clone()
+        stats = algo.round(0, sim)
+        assert np.isnan(stats.local_loss) and len(stats.clients) == 0, name
+        torch.testing.assert_close(algo.global_model(), before, rtol=0, atol=0)
+
+
+def test_setup_refuses_a_vector_that_is_not_the_models():
+    sim = Simulation(QUAD)
+    algo = make_algorithm("fedavg")
+    x0 = sim.initial_vector
+    with pytest.raises(ValueError, match=r"x0 must hold the model's 5 parameters \(torch.float32, cpu\), got 4"):
+        algo.setup(sim, x0[:4])
+    with pytest.raises(ValueError, match=r"got 5 values \(torch.float64"):
+        algo.setup(sim, x0.double())
+    with pytest.raises(TypeError, match="x0 must be a torch tensor"):
+        algo.setup(sim, x0.numpy())
 
 
 def test_fedavg_learns_digits():

@@ -382,6 +382,24 @@ def test_fedavg_counts_errors_and_timeouts_as_failures():
     assert strategy.history[-1].failed == [2, 3]
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_fedavg_leaves_out_a_reply_holding_nan_or_inf_as_failed(bad):
+    def handler(node, msg):
+        model = np.full(3, float(node), np.float32)
+        if node == 2:
+            model[1] = bad  # a client whose training diverged
+        return _reply({"model": model}, 1)
+
+    strategy = pf.FedAvg(min_available_nodes=1, min_train_nodes=1)
+    grid = pf.ArrivalGrid(FakeGrid([1, 2, 3], handler), poll_interval=0.01)
+    strategy._grid = grid
+    msgs = strategy.configure_train(1, ArrayRecord({"model": Array(np.zeros(3, np.float32))}), ConfigRecord(), grid)
+    with pytest.warns(UserWarning, match="round 1: the reply of node 2 holds NaN or inf in 'model'"):
+        arrays, _ = strategy.aggregate_train(1, grid.send_and_receive(msgs, timeout=1))
+    np.testing.assert_array_equal(arrays["model"].numpy(), np.full(3, 2.0))  # the mean of nodes 1 and 3
+    assert strategy.history[-1].received == [1, 3] and strategy.history[-1].failed == [2]
+
+
 def test_fedavg_rejects_reply_without_weight():
     strategy = pf.FedAvg()
     grid = FakeGrid([7], lambda node, msg: RecordDict({"arrays": ArrayRecord({"model": Array(np.ones(2))})}))
@@ -562,6 +580,62 @@ def test_client_train_equals_sim_client_update():
     reply = pf.client_train(config, 2, 2, _server_content(x0, 2), RecordDict())
     np.testing.assert_allclose(reply["arrays"]["model"].numpy(), expected.vectors["model"].numpy(), atol=1e-6)
     assert reply["metrics"]["num-examples"] == sim.client_sizes[2]
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "params", "match"),
+    [
+        ("fedavg", {"server_lr": 0.5}, "server_lr = 1 and ref_compat = False"),
+        ("fedprox", {"mu": 0.1, "ref_compat": True}, "server_lr = 1 and ref_compat = False"),
+        ("fedspeed", {"corr_avg": "all"}, "corr_avg = 'active'"),
+        ("dynamic", {"host": "fedavg", "host_params": "ref_compat=true"}, "the dynamic host must have server_lr = 1"),
+    ],
+)
+def test_client_train_refuses_a_server_rule_the_strategies_do_not_take(algorithm, params, match):
+    config = _tiny(algorithm, algorithm_params=params)
+    x0 = pf.initial_arrays(_tiny())["model"].numpy()
+    with pytest.raises(ValueError, match=match):
+        pf.client_train(config, 0, 1, _server_content(x0, 1), RecordDict())
+
+
+@pytest.mark.parametrize(
+    ("call", "exc", "match"),
+    [
+        (lambda: pf.FedAvg(poll_interval=-1), ValueError, "poll_interval must be finite and > 0"),
+        (lambda: pf.FedAvg(poll_interval="x"), TypeError, "poll_interval must be a number"),
+        (lambda: pf.BHerd(None), TypeError, "config must be a pyfedkern ExperimentConfig, got NoneType"),
+        (lambda: pf.DynamicInit({}), TypeError, "config must be a pyfedkern ExperimentConfig, got dict"),
+        (lambda: pf.config_from_run_config({"algorithm-params": "{bad"}), ValueError, "algorithm-params must be JSON"),
+        (
+            lambda: pf.mean_metrics([RecordDict({"m": MetricRecord({"loss": 1.0})})], "num-examples"),
+            ValueError,
+            r"records\[0\] has no metric 'num-examples'",
+        ),
+        (
+            lambda: pf.mean_metrics([RecordDict({"m": MetricRecord({"num-examples": [1, 2]})})], "num-examples"),
+            TypeError,
+            r"records\[0\]: 'num-examples' must be a number",
+        ),
+        (
+            lambda: pf.client_train(_tiny(), 0, 0, _server_content(np.zeros(3, np.float32), 0), RecordDict()),
+            ValueError,
+            "server_round must be >= 1",
+        ),
+    ],
+)
+def test_flower_helpers_name_what_is_wrong(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
+
+
+def test_client_refuses_a_model_of_another_config():
+    config = _tiny()
+    x0 = pf.initial_arrays(config)["model"].numpy()
+    for content in (_server_content(x0[:-1], 1), _server_content(x0.astype(np.float64), 1)):
+        with pytest.raises(ValueError, match=r"the received model has .* but this config's model has"):
+            pf.client_train(config, 0, 1, content, RecordDict())
+        with pytest.raises(ValueError, match="the received model has"):
+            pf.client_evaluate(config, 0, content)
 
 
 def test_client_fedpbc_keeps_its_model_when_not_adopting():

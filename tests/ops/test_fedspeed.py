@@ -320,6 +320,23 @@ def test_perturb_overlaps_are_rejected():
         ops.sam_perturb(buf[:10], np.ones(10, np.float32), 0.1, out=buf[1:11])
 
 
+def test_norm_out_must_not_overlap_an_operand():
+    """The norm is written between the two passes: in an operand's memory it would change what the second reads."""
+    buf = np.ones(5, np.float32)
+    for name, kwargs in (("x", {"x": buf[:4]}), ("grad", {"grad": buf[:4]}), ("out", {"out": buf[:4]})):
+        args = {"x": np.ones(4, np.float32), "grad": np.ones(4, np.float32), "rho": 0.1, **kwargs}
+        with pytest.raises(ValueError, match=f"norm_out overlaps {name}"):
+            ops.sam_perturb(**args, norm_out=buf[3:4])
+    for name in ("x", "g1", "g2", "anchor"):
+        args = {n: np.ones(4, np.float32) for n in ("x", "g1", "g2", "anchor")} | {name: buf[:4]}
+        with pytest.raises(ValueError, match=f"norm_out overlaps {name}"):
+            ops.fedspeed_update_(
+                args["x"], args["g2"], 0.1, g1=args["g1"], alpha=0.5, anchor=args["anchor"], prox_coef=0.1,
+                clip_norm=100.0, norm_out=buf[3:4],
+            )  # fmt: skip
+    assert (buf == 1).all()  # nothing was written
+
+
 @pytest.mark.parametrize(
     ("kwargs", "exc", "match"),
     [

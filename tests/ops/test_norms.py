@@ -255,6 +255,15 @@ def test_linear_per_sample_norms_match_reference(bias, shape):
     torch.testing.assert_close(ours, reference.per_sample_grad_norms(layer, a, g), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize(
+    ("layer", "shape"),
+    [(nn.Linear(11, 5), (0, 11)), (nn.Linear(11, 5), (0, 7, 11)), (nn.Conv2d(3, 4, 3), (0, 3, 9, 8))],
+)
+def test_per_sample_norms_of_an_empty_batch_are_empty(layer, shape):
+    a, g = _layer_grads(layer.double(), torch.randn(*shape, dtype=torch.float64))
+    assert ops.per_sample_grad_norms(layer, a, g).shape == (0,)  # (the reference cannot reshape an empty batch)
+
+
 def test_gram_and_materialised_paths_agree():
     from pyfedkern.ops.norms import _sequence_sq_norms, gram_is_cheaper
 

@@ -283,6 +283,7 @@ def test_agg_bcast_rejects_overlapping_rows():
         (V.copy(), [np.zeros(6, np.float64)], [1], 1.0, None, TypeError, r"models\[0\] has dtype"),
         (V.copy(), "abc", [1], 1.0, None, TypeError, "2-D array or a list"),
         (S[0], S, [1], 1.0, [1], ValueError, "overlaps"),
+        (V.copy(), S, [1e300, -1e300], 1e10, [0, 1], ValueError, r"weights × scale overflows float64"),
     ],
 )
 def test_weighted_delta_bad_input(x, models, weights, scale, rows, exc, match):
@@ -299,6 +300,7 @@ def test_weighted_delta_bad_input(x, models, weights, scale, rows, exc, match):
         ({"updates": S[:1], "rows": [0]}, ValueError, "overlaps"),
         ({"updates": np.zeros((1, 6), np.float32), "rows": [9]}, ValueError, "row index 9"),
         ({"updates": np.zeros((1, 6), np.float32), "rows": [0], "server_lr": np.nan}, ValueError, "finite"),
+        ({"updates": np.zeros((1, 6), np.float32), "rows": [0], "resum": "no"}, TypeError, "resum must be a bool"),
     ],
 )
 def test_mifa_bad_input(kwargs, exc, match):

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from pyfedkern import ops
+from pyfedkern import ops, reference
 from pyfedkern.algorithms.fedspeed import FedSpeedOptimizer
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
@@ -195,11 +195,39 @@ def test_gradcheck_weighted_sum_in_rows_and_weights():
     assert torch.autograd.gradcheck(lambda *v: ops.weighted_sum(list(v), [0.5, -1.0, 2.0]), vectors)
 
 
+@pytest.mark.parametrize("rows_require_grad", [False, True])
+def test_weights_given_as_a_list_of_tensors_keep_their_gradients(rows_require_grad):
+    """0-d tensor weights in a list, also after a float (the eager routing looks past the first element)."""
+    u = _leaf(3, 5) if rows_require_grad else _leaf(3, 5).detach()
+    a, b = (torch.tensor(v, dtype=torch.float64, requires_grad=True) for v in (0.3, -1.2))
+    assert torch.autograd.gradcheck(lambda a, b: ops.weighted_sum(u, [a, 0.5, b]), (a, b))
+    ops.weighted_sum(u, [0.5, a, b]).sum().backward()
+    torch.testing.assert_close(a.grad, u[1].detach().sum(), rtol=0, atol=1e-12)
+
+
 def test_gradcheck_row_norms_and_class_feature_norms():
     f = _leaf(6, 4)
     y = torch.tensor([0, 1, 2, 1, 0, 1])
     assert torch.autograd.gradcheck(ops.row_norms, (f,))
     assert torch.autograd.gradcheck(lambda a: tuple(ops.class_feature_norms(a, y, 4))[:3], (f,))
+
+
+def test_class_feature_norms_is_twice_differentiable():
+    """With create_graph the backward is a torch formula: the second derivative reaches the features (it was
+    silently missing when the backward was the native kernel alone)."""
+    f = _leaf(6, 4).detach()
+    f[3] = 0.0  # an all-zero row: gradient 0, and so is its derivative
+    f.requires_grad_()
+    y = torch.tensor([0, 1, 2, 1, 0, 1])
+    assert torch.autograd.gradgradcheck(lambda a: tuple(ops.class_feature_norms(a, y, 4))[:3], (_leaf(6, 4),))
+    (g,) = torch.autograd.grad(ops.class_feature_norms(f, y, 4).class_mean.sum(), f, create_graph=True)
+    (g[:, 0].sum() + f.sum()).backward()
+    r = f.detach().clone().requires_grad_()
+    (gr,) = torch.autograd.grad(reference.class_feature_norms(r, y, 4).class_mean.sum(), r, create_graph=True)
+    (gr[:, 0].sum() + r.sum()).backward()
+    nonzero = [0, 1, 2, 4, 5]  # the reference's formula gives NaN on the zero row
+    torch.testing.assert_close(f.grad[nonzero], r.grad[nonzero], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(f.grad[3], torch.ones(4, dtype=torch.float64), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("metric", ["l2", "layer_l2", "layer_cos"])
@@ -245,6 +273,34 @@ NON_DIFFERENTIABLE = {
     "herding_order": lambda t: ops.herding_order(t[None].expand(3, 4), 2),
     "grab_select": lambda t: ops.grab_select(t[None].expand(3, 4)),
 }
+
+
+# Scalars that no op is differentiable in, given as 0-d tensors that require grad.
+SCALARS = {
+    "sam_perturb rho": lambda s: ops.sam_perturb(torch.ones(4), torch.ones(4), s),
+    "sam_perturb eps": lambda s: ops.sam_perturb(torch.ones(4), torch.ones(4), 0.1, eps=s),
+    "fedspeed_update_ lr": lambda s: ops.fedspeed_update_(torch.ones(4), torch.ones(4), s),
+    "fedspeed_update_ clip_norm": lambda s: ops.fedspeed_update_(torch.ones(4), torch.ones(4), 0.1, clip_norm=s),
+    "fedspeed_round_end_ acc_weight": lambda s: ops.fedspeed_round_end_(
+        torch.zeros(4), torch.ones(4), torch.zeros(4), acc=torch.zeros(4), acc_weight=s
+    ),
+    "weighted_delta_ scale": lambda s: ops.weighted_delta_(torch.zeros(4), torch.ones(2, 4), [1.0, 1.0], s),
+    "mifa_update_ server_lr": lambda s: ops.mifa_update_(
+        torch.zeros(4), torch.zeros(2, 4), torch.zeros(4), torch.ones(1, 4), [0], s
+    ),
+    "similarity_weights scale": lambda s: ops.similarity_weights(_leaf(4), _leaf(3, 4), s),
+    "similarity_combine scale": lambda s: ops.similarity_combine(torch.ones(4), torch.ones(3, 4), torch.ones(3, 2), s),
+}
+
+
+@pytest.mark.parametrize("case", list(SCALARS))
+def test_scalars_that_require_grad_are_refused(case):
+    name, argument = case.split()
+    s = torch.tensor(0.5, requires_grad=True)
+    with pytest.raises(ValueError, match=f"{name}: {argument} requires grad, but {name} is not differentiable in"):
+        SCALARS[case](s)
+    with torch.no_grad():
+        SCALARS[case](s)
 
 
 @pytest.mark.parametrize("name", list(NON_DIFFERENTIABLE))

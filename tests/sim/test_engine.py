@@ -340,3 +340,20 @@ def test_stacked_batches_are_every_clients_batches(partition, kwargs):
     assert list(sim.stacked_batches([], 7, steps=2)) == []
     if kwargs.get("epochs") and not kwargs.get("drop_last"):
         assert padded > 0  # 1.5 epochs of batch 16 end on partial batches of unequal sizes
+
+
+def test_a_diverged_global_model_is_reported_once(caplog):
+    config = ExperimentConfig(
+        dataset="quadratic:4,3", partition="natural", clients=4, model="quadratic", batch_size=1, local_steps=3,
+        lr=1e20, rounds=4,
+    )  # fmt: skip
+    with caplog.at_level("WARNING", logger="pyfedkern"):
+        metrics = Simulation(config).run()
+    said = [r.getMessage() for r in caplog.records if "NaN or inf" in r.getMessage()]
+    first = next(m["round"] for m in metrics if not math.isfinite(m["test_loss"]))
+    assert said == [f"round {first}: the global model holds NaN or inf (training diverged; a smaller learning rate "
+                    "may help): the later rounds cannot recover"]  # fmt: skip
+    with caplog.at_level("WARNING", logger="pyfedkern"):
+        caplog.clear()
+        Simulation(dataclasses.replace(config, lr=0.1)).run()
+    assert not [r for r in caplog.records if "NaN or inf" in r.getMessage()]
