@@ -296,7 +296,8 @@ def test_the_layout_measurement_times_both_layouts_and_restores_the_model(fresh_
     before = sim.local.flat.data.clone()
     choice = batched.choose_layout(sim, 3)
     assert set(choice.seconds) == {"contiguous", "channels_last"} and all(s > 0 for s in choice.seconds.values())
-    assert choice.channels_last is (choice.seconds["channels_last"] < choice.seconds["contiguous"])
+    faster = choice.seconds["channels_last"] < batched.LAYOUT_MARGIN * choice.seconds["contiguous"]
+    assert choice.channels_last is faster  # channels-last only when clearly faster
     assert torch.equal(sim.local.flat.data, before)
 
 

@@ -650,7 +650,7 @@ def test_row_norms_matches_reference_with_zero_and_huge_rows(dtype):
 
     x = np.random.default_rng(0).standard_normal((6, 9)).astype(dtype)
     x[2] = 0.0  # an all-zero row: norm 0, gradient 0
-    x[4] *= 1e18 if dtype == np.float32 else 1e150  # squares overflow unless accumulated in a wider type
+    x[4] *= 1e18 if dtype == np.float32 else 1e150  # ‖x‖² near the top of the dtype's range, still finite
     got = ops.row_norms(x)
     np.testing.assert_allclose(got, reference.row_norms(x), rtol=1e-6 if dtype == np.float32 else 1e-13)
     t = torch.from_numpy(x).double().requires_grad_()
