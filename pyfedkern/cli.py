@@ -28,7 +28,7 @@ from pyfedkern import __version__
 from pyfedkern.benchmarks import FAMILIES
 from pyfedkern.data.spec import parse_flag
 from pyfedkern.reproduce import REPRODUCTIONS, SUMMARIES
-from pyfedkern.sim.config import ExperimentConfig
+from pyfedkern.sim.config import LAUNCHED_BY_WORKERS, ExperimentConfig
 
 
 def _flag(text: str) -> bool:
@@ -213,7 +213,7 @@ def _algorithm_params(
     reported with the nearest of the command's own ``options`` and the algorithms' parameters."""
     if not extra:
         return {name: {} for name in algorithms}
-    from pyfedkern.algorithms import algorithm_class
+    from pyfedkern.algorithms import ALGORITHMS, algorithm_class
 
     fields = {name: algorithm_class(name).hyperparameters() for name in algorithms}
     params: dict[str, dict[str, Any]] = {name: {} for name in algorithms}
@@ -222,9 +222,10 @@ def _algorithm_params(
         takers = [name for name in algorithms if key in fields[name]]
         if not takers:
             valid = sorted({f"--{k.replace('_', '-')}" for fs in fields.values() for k in fs})
+            owners = [name for name in ALGORITHMS if key in algorithm_class(name).hyperparameters()]
+            hint = f" (a parameter of {', '.join(owners)})" if owners else _did_you_mean(flag, [*options, *valid])
             raise CliError(
-                f"unknown option {flag}{_did_you_mean(flag, [*options, *valid])}; "
-                f"parameters of {', '.join(algorithms)}: {', '.join(valid) or 'none'}"
+                f"unknown option {flag}{hint}; parameters of {', '.join(algorithms)}: {', '.join(valid) or 'none'}"
             )
         if text is None:
             raise CliError(f"option {flag} needs a value")
@@ -349,7 +350,8 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
         try:
             return distributed.launch_workers(workers, args.argv)
         except distributed.ChildFailedWorkers as err:
-            print(f"pyfedkern run: error: {err}", file=sys.stderr)
+            if str(err):
+                print(f"pyfedkern run: error: {err}", file=sys.stderr)
             return err.status
     if launched:
         metrics = distributed.run_distributed(config, args.out, resume=args.resume, progress=not args.no_progress)
@@ -397,9 +399,10 @@ def cmd_compare(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_partition(args: argparse.Namespace, extra: list[str]) -> int:
-    from pyfedkern.data import datasets, partitions
+    from pyfedkern.data import partitions
+    from pyfedkern.sim.parts import load_data
 
-    data = datasets.load_dataset(args.dataset, args.data_root)
+    data = load_data(args.dataset, args.data_root)
     part = partitions.make_partition(
         args.partition,
         data.y_train,
@@ -556,7 +559,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     args.flags = {token.partition("=")[0] for token in argv if token.startswith("--")}  # the options given
     args.argv = argv
-    if args.command in ("run", "compare") and "" not in sys.path:
+    if args.command in ("run", "compare", "partition") and "" not in sys.path:
         sys.path.insert(0, "")  # --model/--dataset package.module:factory import from the working directory
     try:
         with warnings.catch_warnings():
@@ -568,18 +571,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                 _refuse_typos(extra, _long_options(args.parser))
             return args.handler(args, extra)
     except (CliError, ValueError, TypeError, OSError) as exc:
-        print(f"pyfedkern {args.command}: error: {exc}", file=sys.stderr)
+        # the ranks that --workers starts all refuse the same input: rank 0 says it (and their parent, if not)
+        if not (os.environ.get(LAUNCHED_BY_WORKERS) and os.environ.get("RANK", "0") != "0"):
+            print(f"pyfedkern {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"pyfedkern {args.command}: {_interrupted(args)}", file=sys.stderr)
+        if not os.environ.get(LAUNCHED_BY_WORKERS) and os.environ.get("RANK", "0") == "0":  # its parent says it
+            print(f"pyfedkern {args.command}: {_interrupted(args)}", file=sys.stderr)
         return 130
 
 
 def _interrupted(args: argparse.Namespace) -> str:
     """What an interrupted command left, and how to go on."""
     out = getattr(args, "out", None)
+    if args.command == "run" and out and not (Path(out) / "config.json").exists():
+        return f"interrupted before the run began (nothing was written to {out})"
     if args.command == "run" and out:
-        return f"interrupted; resume with `pyfedkern run --resume --out {shlex.quote(out)}`"
+        workers = f" --workers {args.workers}" if getattr(args, "workers", None) else ""
+        return f"interrupted; resume with `pyfedkern run --resume --out {shlex.quote(out)}{workers}`"
     if args.command == "run":
         return "interrupted (without --out nothing was saved)"
     if args.command == "compare":

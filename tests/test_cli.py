@@ -199,7 +199,11 @@ def test_bad_names_and_values_are_reported_before_any_work(argv, message, capsys
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["run", "--algorithm", "fedavg", "--mu", "1", *FAST], "unknown option --mu"),
+        (["run", "--algorithm", "fedavg", "--mu", "1", *FAST], "unknown option --mu (a parameter of fedprox)"),
+        (["run", "--lr", "1e39", *FAST], "lr must be within float32's range"),
+        (["run", "--algorithm", "fedprox", "--mu", "1e39", *FAST], "fedprox: mu must be within float32's range"),
+        (["run", "--lr-schedule", "invsqrt:inf", *FAST], "needs a finite c > 0"),
+        (["compare", "--algorithms", "fedavg", "--target", "nan", *FAST, "--out", "x"], "target must be an accuracy"),
         (["run", "--algorithm", "fedprox", "--mu", "abc", *FAST], "--mu"),
         (["run", "--algorithm", "fedavg", "--rounds", "0", "--no-progress"], "rounds"),
         (["run", "--resume", "--no-progress"], "--resume needs --out"),
@@ -210,6 +214,46 @@ def test_bad_names_and_values_are_reported_before_any_work(argv, message, capsys
 def test_usage_errors_exit_2_with_a_message(argv, message, capsys):
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_an_interruption_before_the_run_began_does_not_offer_a_resume(tmp_path, monkeypatch, capsys):
+    from pyfedkern.sim import engine
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt  # as a Ctrl-C while the data loads
+
+    monkeypatch.setattr(engine.Simulation, "__init__", interrupted)
+    assert main(["run", *FAST, "--out", str(tmp_path / "run")]) == 130
+    assert (
+        capsys.readouterr().err
+        == f"pyfedkern run: interrupted before the run began (nothing was written to {tmp_path / 'run'})\n"
+    )
+
+
+def test_partition_takes_a_dataset_factory_and_makes_the_plot_folders(tmp_path, monkeypatch, capsys):
+    (tmp_path / "my_data.py").write_text(
+        "import numpy as np\n\n\ndef load():\n    rng = np.random.default_rng(0)\n"
+        "    x, y = rng.standard_normal((60, 3)).astype(np.float32), np.arange(60) % 3\n"
+        "    return (x[:40], y[:40]), (x[40:], y[40:])\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    argv = ["partition", "--dataset", "my_data:load", "--partition", "iid", "--clients", "4"]
+    assert main([*argv, "--plot", "plots/sub/split.png"]) == 0
+    assert (tmp_path / "plots/sub/split.png").exists() and "total" in capsys.readouterr().out
+
+
+def test_experiment_takes_numpy_numbers_as_settings():
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    x = x.astype(np.float32)
+    experiment = pyfedkern.Experiment(
+        lambda: torch.nn.Linear(64, 10), (x[:500], y[:500]), test=(x[500:600], y[500:600]),
+        rounds=np.int64(2), seed=np.int64(3), lr=np.float32(0.125), batch_size=np.int32(32),
+    )  # fmt: skip
+    assert (experiment.config.rounds, experiment.config.seed, experiment.config.lr) == (2, 3, 0.125)
+    assert type(experiment.config.rounds) is int and len(experiment.run()) == 3
 
 
 def _python_m_pyfedkern(argv, cwd):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
@@ -317,6 +318,10 @@ def owned_clients(ctx: FLContext) -> np.ndarray | None:
     return None if team is None else team.keep_client_state()
 
 
+#: The largest finite float32: a larger factor (learning rate, coefficient) cannot multiply a float32 model.
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
 def _is_real(value: Any) -> bool:
     return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
 
@@ -384,6 +389,8 @@ class Algorithm:
             expected = _HYPERPARAMETER_TYPES.get(str(f.type))
             if expected is not None and not expected[1](value):
                 raise TypeError(f"{self.name}: {name} must be {expected[0]}, got {value!r}")
+            if str(f.type) == "float" and math.isfinite(value) and abs(value) > FLOAT32_MAX:
+                raise ValueError(f"{self.name}: {name} must be within float32's range, got {value!r}")
 
     def setup(self, ctx: FLContext, x0: torch.Tensor) -> None:
         """Allocate server state; ``x0`` is the initial global model [d], like the model's ``ctx.local.flat.data``."""

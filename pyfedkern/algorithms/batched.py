@@ -85,6 +85,17 @@ class _Objective(nn.Module):
         return total
 
 
+class Unbatchable(ValueError):
+    """The model's objective cannot be vmapped (``.item()``, Python control flow on a tensor, ...); ``reason``:
+    the first sentence of torch's error."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(
+            f"batched: the model cannot be trained batched ({reason}); pass batched=False (--batched false)"
+        )
+        self.reason = reason
+
+
 def can_batch(local: LocalModel) -> bool:
     """Whether the model can be trained with the vmapped step (no buffers, one float dtype)."""
     return not any(True for _ in local.module.buffers())
@@ -245,6 +256,7 @@ class BatchedTrainer:
             None if chain is None else LinearChainGradients(chain, {e.name: e for e in self.entries}, local.module)
         )
         self._activations: int | None = None
+        self._vmapped = False  # whether a vmapped step has run (the first one's failure: Unbatchable)
 
     def params(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
         """Each row's parameters as views, keyed "model.<name>" (a submodule named ``model`` holding the module)."""
@@ -274,10 +286,16 @@ class BatchedTrainer:
             return self.chain(rows, xb, yb, weights, soft, kd_weight)
         self.local.module.train()
         self.objective.kd_weight = kd_weight
-        if soft is not None and weights is None:
-            grads, losses = self._soft_step(self.params(rows), xb, yb, soft)
-        else:
-            grads, losses = self._step(self.params(rows), *(t for t in (xb, yb, weights, soft) if t is not None))
+        try:
+            if soft is not None and weights is None:
+                grads, losses = self._soft_step(self.params(rows), xb, yb, soft)
+            else:
+                grads, losses = self._step(self.params(rows), *(t for t in (xb, yb, weights, soft) if t is not None))
+        except RuntimeError as err:
+            if self._vmapped or isinstance(err, torch.OutOfMemoryError):
+                raise
+            raise Unbatchable(f"{type(err).__name__}: {str(err).splitlines()[0].split('. ')[0]}") from err
+        self._vmapped = True
         flat = torch.cat([grads[f"model.{e.name}"].reshape(rows.shape[0], -1) for e in self.entries], dim=1)
         return flat, losses.detach()
 
@@ -331,6 +349,10 @@ MEASUREMENTS = 2
 #: :func:`choose_layout` takes channels-last batches only when their step takes less than this fraction of the
 #: contiguous step's time: a gain within a busy machine's timing noise is no gain, and a wrong switch slows the loop.
 LAYOUT_MARGIN = 0.95
+#: :func:`choose_path` takes the batched path only when its step takes at most this fraction of the loop's: where
+#: the two are close, timing noise would pick either from one process to the next, and the paths agree only to
+#: rounding, so two runs of one command could differ in the last digits.
+PATH_MARGIN = 0.8
 
 
 @dataclass(frozen=True)
@@ -345,8 +367,9 @@ class PathChoice:
 
 
 def faster_path(seconds: dict[str, float]) -> bool:
-    """Whether the batched path wins a measurement {"batched": s, "loop": s}: the faster path, batched on a tie."""
-    return seconds["batched"] <= seconds["loop"]
+    """Whether the batched path wins a measurement {"batched": s, "loop": s}: when its step takes at most
+    :data:`PATH_MARGIN` × the loop's."""
+    return seconds["batched"] <= PATH_MARGIN * seconds["loop"]
 
 
 _CHOICES: dict[tuple, PathChoice] = {}
@@ -358,10 +381,10 @@ def choose_path(ctx: FLContext, rows: int) -> PathChoice:
     Rules first: a model with buffers takes the loop (it cannot be batched); a Flatten/Linear/ReLU chain takes the
     batched path (its hand-written backward is many times faster than the loop). Any other model is measured: one
     local step (gradient and update) of min(rows, :data:`PROBE_ROWS`) clients on their first minibatch of round 0,
-    batched and looped (``_measure_paths``); the faster wins (:func:`faster_path`). The measurement leaves
-    the model's parameters and torch's random state as it found them, and is kept for the process, per model
-    structure, device, dtype, rows, batch shape and thread count, so every simulation of that model in the process
-    takes the same path.
+    batched and looped (``_measure_paths``); the faster wins (:func:`faster_path`), the loop when the batched step
+    fails (:class:`Unbatchable`: a model ``vmap`` cannot run). The measurement leaves the model's parameters and
+    torch's random state as it found them, and is kept for the process, per model structure, device, dtype, rows,
+    batch shape and thread count, so every simulation of that model in the process takes the same path.
     """
     local = ctx.local
     if not can_batch(local):
@@ -380,13 +403,16 @@ def choose_path(ctx: FLContext, rows: int) -> PathChoice:
         torch.get_num_threads(),
     )
     if key not in _CHOICES:
-        seconds = _measure_paths(ctx, xb, yb, wb)
-        batched = faster_path(seconds)
-        _CHOICES[key] = PathChoice(
-            batched,
-            f"measured on one local step of {xb.shape[0]} clients",
-            {k: round(v, 6) for k, v in seconds.items()},
-        )
+        try:
+            seconds = _measure_paths(ctx, xb, yb, wb)
+        except Unbatchable as err:
+            _CHOICES[key] = PathChoice(False, f"the model cannot be batched ({err.reason})")
+        else:
+            _CHOICES[key] = PathChoice(
+                faster_path(seconds),
+                f"measured on one local step of {xb.shape[0]} clients",
+                {k: round(v, 6) for k, v in seconds.items()},
+            )
     return _CHOICES[key]
 
 

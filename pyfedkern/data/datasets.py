@@ -103,15 +103,14 @@ def train_size(spec: str, *, split_seed: int = 0) -> int | None:
 def planned_size(spec: str, *, split_seed: int = 0) -> tuple[int, int, tuple[int, ...]] | None:
     """(training samples, test samples, input shape) of ``load_dataset(spec, split_seed=split_seed)``, found
     without making the data (digits, synthetic, synthetic-iid, quadratic; the arguments are checked); None for
-    datasets read from files."""
+    datasets read from files. For a synthetic set of more than 10^7 clients, the least it can hold (50 samples a
+    client): more than any memory holds in float32 with a few features."""
     name, args = parse_spec(spec, what="dataset", choices=DATASETS)
-    if name == "synthetic":
-        _, _, clients, dim, _ = _synthetic_args(args)
-        sizes = _synthetic_sizes(np.random.default_rng(split_seed), clients)
-        train = sum(_synthetic_train_part(n) for n in sizes.tolist())
-        return train, int(sizes.sum()) - train, (dim,)
-    if name == "synthetic-iid":
-        clients, dim, _ = _synthetic_iid_args(args)
+    if name in ("synthetic", "synthetic-iid"):
+        clients, dim, _ = synthetic_shape(spec)
+        if clients > _EXACT_SIZES_UP_TO:  # drawing the sizes would take memory: the least the clients hold
+            least = _SYNTHETIC_MIN_SIZE
+            return clients * _synthetic_train_part(least), clients * (least - _synthetic_train_part(least)), (dim,)
         sizes = _synthetic_sizes(np.random.default_rng(split_seed), clients)
         train = sum(_synthetic_train_part(n) for n in sizes.tolist())
         return train, int(sizes.sum()) - train, (dim,)
@@ -236,13 +235,25 @@ def _synthetic_args(args: list[float]) -> tuple[float, float, int, int, int]:
     )
 
 
+#: A synthetic client holds at least this many samples (train + test).
+_SYNTHETIC_MIN_SIZE = 50
+#: :func:`planned_size` draws the clients' sizes up to this many clients; beyond, it gives the least they hold.
+_EXACT_SIZES_UP_TO = 10**7
+
+
 def _synthetic_sizes(rng: np.random.Generator, clients: int) -> np.ndarray:
     """Samples per client (train + test): the first draw from the dataset's generator."""
-    return np.minimum(rng.lognormal(4.0, 2.0, clients).astype(np.int64) + 50, 1000)
+    return np.minimum(rng.lognormal(4.0, 2.0, clients).astype(np.int64) + _SYNTHETIC_MIN_SIZE, 1000)
 
 
 def _synthetic_train_part(size: int) -> int:
     return int(0.8 * size)
+
+
+def synthetic_shape(spec: str) -> tuple[int, int, int]:
+    """(clients, dim, classes) of a ``synthetic:...`` or ``synthetic-iid:...`` spec, its arguments checked."""
+    name, args = parse_spec(spec, what="dataset", choices=("synthetic", "synthetic-iid"))
+    return _synthetic_args(args)[2:] if name == "synthetic" else _synthetic_iid_args(args)
 
 
 def _synthetic(args: list[float], normalize: str, seed: int) -> Dataset:
@@ -317,7 +328,7 @@ def _synthetic_iid(args: list[float], normalize: str, seed: int) -> Dataset:
     )
     y_train, y_test = np.empty(len(x_train), np.int64), np.empty(len(x_test), np.int64)
     at_train = at_test = 0
-    rows = max(1, _SYNTHETIC_DRAW // dim)
+    rows = max(1, _SYNTHETIC_DRAW // (dim + classes))  # x [rows, dim] and logits [rows, classes]
     for start in range(0, len(is_train), rows):
         train = is_train[start : start + rows]
         x = rng.standard_normal((len(train), dim)) * feature_std
@@ -517,12 +528,20 @@ def _load_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
     if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3072:
         got = f"{data.dtype} {data.shape}" if isinstance(data, np.ndarray) else type(data).__name__
         raise ValueError(f"CIFAR-10 batch {path}: b'data' must be uint8 [n, 3072], got {got}")
+    if data.shape[0] == 0:
+        raise ValueError(f"CIFAR-10 batch {path} holds no images")
+    labels = batch[b"labels"]
     try:
-        labels = np.asarray(batch[b"labels"], dtype=np.int64).reshape(-1)
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"CIFAR-10 batch {path}: b'labels' is not a list of integers") from err
+        labels = np.asarray(labels) if isinstance(labels, (list, np.ndarray)) else None
+    except ValueError:  # a ragged nested list
+        labels = None
+    if labels is None or labels.ndim != 1:
+        raise ValueError(f"CIFAR-10 batch {path}: b'labels' must be a flat list (or 1-D array) of integers")
     if labels.shape[0] != data.shape[0]:
         raise ValueError(f"CIFAR-10 batch {path}: {data.shape[0]} images but {labels.shape[0]} labels")
+    if not np.issubdtype(labels.dtype, np.integer):
+        raise ValueError(f"CIFAR-10 batch {path}: b'labels' must be integers, got {labels.dtype} values")
+    labels = labels.astype(np.int64)
     if labels.size and (labels.min() < 0 or labels.max() > 9):
         raise ValueError(f"CIFAR-10 batch {path}: labels must be in 0..9")
     return data.reshape(-1, 3, 32, 32), labels

@@ -2,12 +2,15 @@
 scripts; nothing is downloaded.
 
 Layout: a folder with ``train/`` and ``test/`` (or ``data/train/`` and ``data/test/``) holding ``*.json`` files, each
-``{"users": [u, ...], "num_samples": [n_u, ...], "user_data": {u: {"x": [...], "y": [...]}}}``. The training samples
-keep their writer/speaker/user as ``client_ids`` (the natural split: partition ``natural``); the test files are
-pooled into one test set. How x is read depends on the data (``kind``, found from the first sample by default):
+``{"users": [u, ...], "num_samples": [n_u, ...], "user_data": {u: {"x": [...], "y": [...]}}}``: distinct user
+names, one count per user (optional), and each user's n_u samples under its name. The training samples keep their
+writer/speaker/user as ``client_ids`` (the natural split: partition ``natural``); the test files are pooled into one
+test set. How x is read depends on the data (``kind``, found from the first sample by default):
 
-- ``femnist`` / numbers: each x a list of numbers → float32 [n, d] (FEMNIST's 784 pixels → [n, 1, 28, 28]); y
-  int class labels (62 for FEMNIST).
+- ``femnist``: each x 784 numbers (the first x being so is how FEMNIST is recognised) → float32 [n, 1, 28, 28]; y
+  int class labels in 0..61 (62 classes).
+- ``numeric``: each x a list of numbers of another length → float32 [n, d]; y int class labels, the number of
+  classes the largest label (of train and test) + 1. ``kind="numeric"`` reads 784 numbers so too, as [n, 1, 28, 28].
 - ``shakespeare``: each x a string of characters, y the next character → int64 [n, len] indices into LEAF's
   80-character alphabet :data:`SHAKESPEARE_LETTERS`, y the next character's index (80 classes).
 - ``sent140``: each x ``[id, date, query, user, text]``, y 0/1 → the text's words as int64 [n, 25] indices into a
@@ -60,7 +63,9 @@ def load_leaf(
         classes = 2
     else:
         x_train, x_test = _numbers(train_x, "train"), _numbers(test_x, "test")
-        if kind == "femnist" or x_train.shape[1] == 784:
+        if kind == "femnist" and x_train.shape[1] != 784:
+            raise ValueError(f"LEAF {folder}: FEMNIST's x are 784 pixels, got {x_train.shape[1]} numbers")
+        if x_train.shape[1] == 784:
             x_train, x_test = x_train.reshape(-1, 1, 28, 28), x_test.reshape(-1, 1, 28, 28)
         y_train, y_test = _labels(train_y, "train"), _labels(test_y, "test")
         classes = 62 if kind == "femnist" else int(max(y_train.max(), y_test.max(initial=0))) + 1
@@ -68,7 +73,10 @@ def load_leaf(
         raise ValueError(f"LEAF {folder}: train samples have shape {x_train.shape[1:]}, test {x_test.shape[1:]}")
     for split, y in (("train", y_train), ("test", y_test)):
         if y.size and (y.min() < 0 or y.max() >= classes):
-            raise ValueError(f"LEAF {split}: labels must be in 0..{classes - 1}, got {int(y.min())}..{int(y.max())}")
+            raise ValueError(
+                f"LEAF {folder / split}: labels must be in 0..{classes - 1} ({kind}: {classes} classes), got "
+                f"{int(y.min())}..{int(y.max())}"
+            )
     client_ids = np.repeat(np.arange(len(train_users), dtype=np.int64), [len(u) for u in train_users.values()])
     return Dataset(
         f"leaf:{kind}",
@@ -98,9 +106,19 @@ def _read_split(folder: Path) -> tuple[dict[str, list[int]], list, list]:
             raise ValueError(f"LEAF file {path} is not readable JSON ({err})") from None
         if not isinstance(blob, dict) or not isinstance(blob.get("users"), list) or "user_data" not in blob:
             raise ValueError(f"LEAF file {path}: expected an object with 'users' and 'user_data'")
-        counts = blob.get("num_samples", [None] * len(blob["users"]))
-        for user, count in zip(blob["users"], counts, strict=False):
-            data = blob["user_data"].get(user)
+        names, user_data = blob["users"], blob["user_data"]
+        counts = blob.get("num_samples", [None] * len(names))
+        if not all(isinstance(u, str) for u in names) or len(set(names)) != len(names):
+            raise ValueError(f"LEAF file {path}: 'users' must be a list of distinct user names (strings)")
+        if not isinstance(counts, list) or len(counts) != len(names):
+            raise ValueError(f"LEAF file {path}: 'num_samples' must be a list of one count per user in 'users'")
+        if not isinstance(user_data, dict):
+            raise ValueError(f"LEAF file {path}: 'user_data' must be an object keyed by the users in 'users'")
+        if set(user_data) != set(names):
+            odd = sorted(set(user_data) ^ set(names))[0]
+            raise ValueError(f"LEAF file {path}: user {odd!r} is in only one of 'users' and 'user_data'")
+        for user, count in zip(names, counts, strict=True):
+            data = user_data[user]
             if not isinstance(data, dict) or not isinstance(data.get("x"), list) or not isinstance(data.get("y"), list):
                 raise ValueError(f"LEAF file {path}: user {user!r} has no 'x' and 'y' lists in user_data")
             if len(data["x"]) != len(data["y"]) or (count is not None and count != len(data["y"])):
@@ -131,7 +149,7 @@ def _detect(first: object, folder: Path) -> str:
     if isinstance(first, list) and len(first) == 5 and isinstance(first[4], str):
         return "sent140"
     if isinstance(first, list) and all(isinstance(v, (int, float)) for v in first[:10]):
-        return "numeric"
+        return "femnist" if len(first) == 784 else "numeric"  # FEMNIST: 28×28 pixels
     raise ValueError(f"LEAF {folder}: cannot tell the data's kind from its first x ({str(first)[:60]}); pass kind=")
 
 

@@ -121,8 +121,8 @@ class Partition:
     def plot(self, labels: np.ndarray, num_classes: int, path: str | Path) -> Path:
         """Save a plot of samples per client per class (stacked bars, or a heat map beyond 20 classes); return the
         file written: ``path`` itself, ``path/partition.png`` when it is a directory (existing, or given with a
-        trailing separator), ``path`` + ``.png`` when it has no suffix. A suffix names the format (``.pdf``,
-        ``.svg``: any that matplotlib writes)."""
+        trailing separator), ``path`` + ``.png`` when it has no suffix; missing folders are made. A suffix names the
+        format (``.pdf``, ``.svg``: any that matplotlib writes)."""
         import matplotlib
         from matplotlib.figure import Figure
 
@@ -151,6 +151,10 @@ class Partition:
             path = Path(text) / "partition.png"
         else:
             path = Path(text) if Path(text).suffix else Path(text + ".png")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)  # as compare makes its output folders
+        except OSError as err:
+            raise ValueError(f"cannot write the plot {path}: {err.strerror}") from None
         fig.savefig(path, dpi=100)
         return path
 

@@ -45,6 +45,8 @@ def compare(
         raise ValueError("algorithms is empty: name at least one algorithm")
     if len(set(algorithms)) != len(algorithms):
         raise ValueError(f"algorithms has duplicates: {list(algorithms)}")
+    if target is not None and (isinstance(target, bool) or not isinstance(target, (int, float)) or not 0 < target <= 1):
+        raise ValueError(f"target must be an accuracy in (0, 1], e.g. 0.85, got {target!r}")
     params = params or {}
     configs = {
         name: dataclasses.replace(base, algorithm=name, algorithm_params=dict(params.get(name, {})))

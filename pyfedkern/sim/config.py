@@ -119,6 +119,7 @@ class ExperimentConfig:
         """Raise ValueError for invalid run settings (everything but the model, the dataset and its split, which
         a run from Python objects gives itself)."""
         from pyfedkern.algorithms import make_algorithm
+        from pyfedkern.algorithms.base import FLOAT32_MAX
 
         def positive_int(name: str, value: Any) -> None:
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= INT64_MAX:
@@ -166,6 +167,11 @@ class ExperimentConfig:
         for name in ("momentum", "weight_decay"):
             if finite(name, getattr(self, name)) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("lr", "weight_decay"):  # factors of the model's values
+            if getattr(self, name) > FLOAT32_MAX:
+                raise ValueError(
+                    f"{name} must be within float32's range (at most {FLOAT32_MAX:.4g}), got {getattr(self, name)!r}"
+                )
         if self.momentum >= 1:
             raise ValueError(f"momentum must be < 1, got {self.momentum}")
         parse_lr_schedule(self.lr_schedule)
@@ -242,23 +248,37 @@ def check_data_memory(config: ExperimentConfig, available: int) -> None:
     if planned is None:
         return
     train, test, shape = planned
+    name = parse_spec(config.dataset, what="dataset", choices=datasets.DATASETS)[0]
+    if name in ("synthetic", "synthetic-iid"):  # a client's W [dim, classes], b and logits, drawn in float64
+        _, dim, classes = datasets.synthetic_shape(config.dataset)
+        drawn = 8.0 * classes * (dim + 1 + 1000)
+        if drawn > available:
+            most = int(available / (8.0 * (dim + 1001)))
+            fits = (
+                f"{_count(most)} classes fit (a smaller classes)"
+                if most >= 2
+                else f"{_count(int(available / 16.0) - 1001)} features fit with 2 classes (a smaller dim)"
+            )
+            raise ValueError(
+                f"dataset {config.dataset}: drawing a model of {_count(dim)}×{_count(classes)} values and its logits "
+                f"needs about {_size(drawn)} of memory, but {_size(available)} are available; at most about {fits}"
+            )
     features, itemsize = math.prod(shape), DTYPE_BYTES[config.dtype]
     needed = features * (4 * (train + test) + itemsize * train + (itemsize * (train + test) if itemsize != 4 else 0))
     needed += 48 * (train + test)  # labels, client ids, sample indices
     if needed <= available:
         return
-    name, args = parse_spec(config.dataset, what="dataset", choices=datasets.DATASETS)
     fits = ""
-    where = {"synthetic": (2, "N in synthetic:α,β,N"), "synthetic-iid": (0, "N in synthetic-iid:N")}
+    where = {"synthetic": "N in synthetic:α,β,N", "synthetic-iid": "N in synthetic-iid:N"}
     if name in where:  # the samples grow with the number of clients of the spec
-        at, spec = where[name]
-        count = int(args[at] if len(args) > at else datasets.SYNTHETIC_DEFAULTS[2])
-        fits = f"; about {int(count * available / needed):,} of its {count:,} clients fit (a smaller {spec})"
+        count = datasets.synthetic_shape(config.dataset)[0]
+        fitting = _count(int(count * available / needed))
+        fits = f"; about {fitting} of its {_count(count)} clients fit (a smaller {where[name]})"
     elif name == "quadratic":  # one sample per client
         fits = f"; about {int(train * available / needed):,} of its {train:,} clients fit (a smaller m)"
     raise ValueError(
-        f"dataset {config.dataset} ({train + test:,} samples of {features:,} values) needs about {_size(needed)} of "
-        f"memory in this run, but {_size(available)} are available{fits}"
+        f"dataset {config.dataset} ({_count(train + test)} samples of {_count(features)} values) needs about "
+        f"{_size(needed)} of memory in this run, but {_size(available)} are available{fits}"
     )
 
 
@@ -325,6 +345,11 @@ def _size(nbytes: float) -> str:
     return f"{amount:,.1f} {unit}" if amount < 1e6 else f"{amount:.3g} {unit}"
 
 
+def _count(n: int) -> str:
+    """``n`` with thousands separators, or as 1.23e+45 beyond 15 digits."""
+    return f"{n:,}" if n < 10**15 else f"{n:.3g}"
+
+
 def _shown(value: Any) -> str:
     return ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
 
@@ -346,6 +371,10 @@ def device_problems(device: str, *, torch_cuda: bool, gpus: int, pyfedkern_cuda:
     return problems
 
 
+#: Environment variable set in the processes that ``--workers`` starts (their parent reports an interruption).
+LAUNCHED_BY_WORKERS = "PYFEDKERN_WORKER"
+
+
 def parse_lr_schedule(text: str) -> tuple[str, float]:
     name, args = parse_spec(text, what="lr_schedule", choices=LR_SCHEDULES)
     if name == "const":
@@ -357,6 +386,6 @@ def parse_lr_schedule(text: str) -> tuple[str, float]:
     value = args[0]
     if name == "exp" and not (0 < value <= 1):
         raise ValueError(f"lr_schedule exp:γ needs γ in (0, 1], got {value}")
-    if name == "invsqrt" and not value > 0:
-        raise ValueError(f"lr_schedule invsqrt:c needs c > 0, got {value}")
+    if name == "invsqrt" and not (math.isfinite(value) and value > 0):
+        raise ValueError(f"lr_schedule invsqrt:c needs a finite c > 0, got {value}")
     return name, value

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from pyfedkern.algorithms import RoundSums
+from pyfedkern.sim.config import LAUNCHED_BY_WORKERS
 
 #: Seconds a rank waits in a collective (and at start-up for the others) before it gives up.
 DEFAULT_TIMEOUT = 300.0
@@ -365,6 +366,9 @@ def launch_workers(workers: int, argv: list[str]) -> int:
     """Run ``python -m pyfedkern ARGV`` in ``workers`` local processes through torch's elastic launcher (what
     torchrun runs: a c10d rendezvous on localhost, no restarts); 0, or :class:`ChildFailedWorkers` naming the rank that
     failed first (the launcher then stops the others)."""
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -378,24 +382,47 @@ def launch_workers(workers: int, argv: list[str]) -> int:
         max_restarts=0,
         monitor_interval=0.5,
     )
+    # the launcher's log lines repeat what the workers and the errors below say (its loggers set their own levels)
+    launcher_logs = [logging.getLogger(n) for n in list(logging.root.manager.loggerDict) if n.startswith(_LAUNCHER)]
+    levels = [log.level for log in launcher_logs]
+    for log in launcher_logs:
+        log.setLevel(logging.CRITICAL)
+    os.environ[LAUNCHED_BY_WORKERS] = "1"
     try:
         elastic_launch(config, sys.executable)("-m", "pyfedkern", *argv)
+    except SignalException:  # Ctrl-C or SIGTERM to this process: the workers are stopped
+        raise KeyboardInterrupt from None
     except ChildFailedError as err:
         # the rank that failed first; the launcher's SIGTERM to the others comes after it
         failures = err.failures
         ranks = sorted(failures, key=lambda r: (failures[r].exitcode == -signal.SIGTERM, failures[r].timestamp, r))
         first, failure = ranks[0], failures[ranks[0]]
+        if failure.exitcode == 2:  # a refusal, which rank 0 printed (the other ranks keep quiet)
+            said = (
+                ""
+                if first == 0
+                else f"worker rank {first} of {workers} stopped on an error (run without --workers to see it)"
+            )
+            raise ChildFailedWorkers(said, 2) from None
         how = failure.signal_name() if failure.exitcode < 0 else f"exit status {failure.exitcode}"
         raise ChildFailedWorkers(
             f"worker rank {first} of {workers} failed ({how}); the others were stopped. An interrupted run with --out "
             "resumes with `pyfedkern run --resume --out DIR` and the same --workers",
             failure.exitcode if failure.exitcode > 0 else 1,
         ) from None
+    finally:
+        del os.environ[LAUNCHED_BY_WORKERS]
+        for log, level in zip(launcher_logs, levels, strict=True):
+            log.setLevel(level)
     return 0
 
 
+_LAUNCHER = "torch.distributed.elastic"
+
+
 class ChildFailedWorkers(Exception):
-    """A ``--workers`` process failed; ``status`` is the exit status to give."""
+    """A ``--workers`` process failed; ``status`` is the exit status to give. An empty message: the worker printed
+    its error itself."""
 
     def __init__(self, message: str, status: int) -> None:
         super().__init__(message)

@@ -564,6 +564,11 @@ class Simulation:
             point = writer.resume_point()  # everything checked before any file changes
             check_fingerprint(writer.dir, self.fingerprint)
             check_workers_match(writer, point, team.size)
+            done, cfg = point.round, self.config
+            if point.metrics and done < cfg.rounds and done % cfg.eval_every:  # a finished run now extended:
+                # its last round was evaluated as the last; a run of cfg.rounds from the start does not evaluate it
+                last = point.metrics[-1]
+                point.metrics[-1] = {k: v for k, v in last.items() if not k.startswith(("test_", "train_"))}
             return point, writer.start_from(point)
 
         found = team.first(resume_point)
@@ -811,12 +816,13 @@ def check_reusable(config: ExperimentConfig, run_dir: str | Path) -> None:
 
 def run_or_reuse(config: ExperimentConfig, run_dir: str | Path, *, progress: bool = False) -> list[dict[str, Any]]:
     """The per-round metrics of ``config`` run in ``run_dir``: read back if that run finished (extended when
-    ``config`` has more rounds), resumed if it was interrupted, run otherwise; a run of another config there raises
-    ValueError (never silently reused)."""
+    ``config`` has more rounds), resumed if it was interrupted, run otherwise; a run of another config, or of the
+    same config on other data or another model (its fingerprint), raises ValueError (never silently reused)."""
     check_reusable(config, run_dir)
     if is_finished(run_dir) and read_config(run_dir)["rounds"] == config.rounds:
+        check_fingerprint(run_dir, Simulation(config).fingerprint, "reuse")  # the same config may load other data
         return read_metrics(run_dir)
-    resume = (Path(run_dir) / "metrics.jsonl").exists()
+    resume = (Path(run_dir) / "config.json").exists()  # a run there, of this config (checked), maybe not begun
     return Simulation(config).run(run_dir, resume=resume, progress=progress)
 
 

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from pyfedkern.algorithms import Algorithm, make_algorithm
 from pyfedkern.data.datasets import Dataset
 from pyfedkern.sim.config import ExperimentConfig
@@ -76,6 +78,7 @@ class Experiment:
         unknown = sorted(set(settings) - known)
         if unknown:
             raise TypeError(f"unknown setting(s) {', '.join(unknown)}; valid settings: {', '.join(sorted(known))}")
+        settings = {k: v.item() if isinstance(v, np.generic) else v for k, v in settings.items()}  # NumPy scalars
         if evaluate is not None and not callable(evaluate):
             raise TypeError(f"evaluate must be callable, got {type(evaluate).__name__}")
         if not isinstance(allow_overlap, bool):

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from pyfedkern.algorithms import LocalModel
     from pyfedkern.sim.config import ExperimentConfig
 
+_INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 _PUBLIC = 5  # the public set's random stream (after the seed), as the engine's other streams
 #: ``evaluate(model, x, y)`` → {metric name: value}: the user's own metrics of the global model on the test set.
 Evaluate = Callable[[nn.Module, torch.Tensor, torch.Tensor], dict[str, float]]
@@ -59,12 +60,7 @@ def parts_from_config(config: ExperimentConfig, public_per_class: int = 0) -> Pa
     else:
         spec = models.builtin(config.model)
     spec = replace(spec, factory=_with_keywords(spec.factory, config.model_params))
-    if is_reference(config.dataset):
-        made = call_factory(import_object(config.dataset, "dataset"), "dataset", root=config.data_root)
-        data = as_dataset(made, config.dataset)
-    else:
-        data = datasets.load_dataset(config.dataset, config.data_root, normalize=config.normalize)
-    check_data(data)
+    data = load_data(config.dataset, config.data_root, config.normalize)
     by = (data.y_train, data.num_classes)  # partitions follow the original classes, also for the parity task
     if config.parity:
         data = datasets.to_parity(data)
@@ -72,6 +68,16 @@ def parts_from_config(config: ExperimentConfig, public_per_class: int = 0) -> Pa
         data, config.partition, config.clients, seed=config.seed, public_per_class=public_per_class, by=by
     )
     return Parts(spec, data, partition, public)
+
+
+def load_data(dataset: str, root: str | None = None, normalize: str = "standard") -> datasets.Dataset:
+    """The checked data of a built-in dataset name (``datasets.load_dataset``) or a ``module:factory`` reference."""
+    if is_reference(dataset):
+        data = as_dataset(call_factory(import_object(dataset, "dataset"), "dataset", root=root), dataset)
+    else:
+        data = datasets.load_dataset(dataset, root, normalize=normalize)
+    check_data(data)
+    return data
 
 
 def import_object(reference: str, what: str) -> Callable[..., Any]:
@@ -382,13 +388,38 @@ def build_module(spec: models.ModelSpec, data: datasets.Dataset) -> nn.Module:
         raise TypeError(f"model {spec.name!r}: the factory returned a {type(module).__name__}, not an nn.Module")
     if not any(p.requires_grad for p in module.parameters()):
         raise ValueError(f"model {spec.name!r} has no trainable parameters")
+    if isinstance(module, (models.CharLSTM, models.TransformerClassifier)):
+        _check_tokens(spec.name, data, module.embedding.num_embeddings)
     return module
 
 
+def _check_tokens(name: str, data: datasets.Dataset, vocab: int) -> None:
+    """ValueError naming the first training or test sample with a token id outside 0..vocab−1 (a built-in sequence
+    model's embedding), suggesting the vocab that holds them all."""
+    for split in ("train", "test"):
+        x = getattr(data, f"x_{split}")
+        if x.size == 0 or (x.min() >= 0 and x.max() < vocab):
+            continue
+        outside = (x < 0) | (x >= vocab)
+        row = int(np.flatnonzero(outside.reshape(len(x), -1).any(axis=1))[0])
+        value = x[row][outside[row]][0].item()
+        if value < 0:
+            fix = "token ids must be >= 0"
+        else:
+            needed = int(max(data.x_train.max(initial=0), data.x_test.max(initial=0))) + 1
+            fix = f"pass --model-param vocab={needed} (models.builtin({name!r}, vocab={needed}))"
+        raise ValueError(
+            f"model {name!r}: {split} sample {row} holds token id {value}, outside the model's vocabulary "
+            f"0..{vocab - 1}; {fix}"
+        )
+
+
 def check_model(local: LocalModel, name: str, x: torch.Tensor, y: torch.Tensor, num_classes: int | None) -> None:
-    """ValueError, before any training, when the model's output on two training samples does not fit the targets
-    or the loss: the forward pass or the loss raises, the loss is not a finite scalar with a gradient, or (with
-    the default cross-entropy) the model scores fewer classes than the labels have."""
+    """ValueError, before any training, when the model's output on two training samples does not fit the targets,
+    the loss or the prediction: the forward pass or the loss raises, the loss is not a finite scalar with a
+    gradient, with the default cross-entropy the model scores fewer classes than the labels have or float targets
+    are not class probabilities [B, C ≥ 2] shaped like the output, or (with accuracy) ``predict`` does not return
+    integer classes [B]."""
     module = local.module
     was_training = module.training
     module.eval()  # no batch statistics updated, no dropout drawn
@@ -409,6 +440,14 @@ def check_model(local: LocalModel, name: str, x: torch.Tensor, y: torch.Tensor, 
                 f"model {name!r}: its output {tuple(out.shape)} must score the {num_classes} classes of the labels "
                 f"([B, {num_classes}] logits for the cross-entropy loss)"
             )
+    if local.loss is torch.nn.functional.cross_entropy and y.is_floating_point():  # read as class probabilities
+        probabilities = y.dim() == 2 and y.shape[1] >= 2 and bool((y >= 0).all())
+        if not probabilities or out.shape != y.shape or not torch.allclose(y.sum(1), y.new_ones(()), atol=1e-3):
+            raise ValueError(
+                "loss: the default cross-entropy reads float targets as class probabilities ([B, C] rows of C >= 2 "
+                f"non-negative numbers summing to 1, shaped like the output); got targets {tuple(y.shape)} and output "
+                f"{tuple(out.shape)}: pass a loss for regression targets, e.g. loss=F.mse_loss"
+            )
     try:
         value = local.objective(out, y)
     except Exception as err:
@@ -420,6 +459,25 @@ def check_model(local: LocalModel, name: str, x: torch.Tensor, y: torch.Tensor, 
         raise ValueError("loss: must return a scalar tensor that depends on the model's parameters")
     if not torch.isfinite(value):
         raise ValueError(f"loss: is {value.item()} on two training samples at the initial model")
+    if local.has_accuracy:
+        _check_predict(local, out.detach())
+
+
+def _check_predict(local: LocalModel, out: torch.Tensor) -> None:
+    """ValueError naming ``predict`` when it raises on the output [B, ...] or returns anything but integer classes
+    [B] (compared with the labels [B] for the accuracy)."""
+    try:
+        with torch.no_grad():
+            pred = local.predict(out)
+    except Exception as err:
+        raise ValueError(
+            f"predict: fails on the model's output {tuple(out.shape)} ({type(err).__name__}: {err})"
+        ) from err
+    if not isinstance(pred, torch.Tensor) or pred.shape != out.shape[:1] or pred.dtype not in _INTEGER_DTYPES:
+        got = f"{pred.dtype} {tuple(pred.shape)}" if isinstance(pred, torch.Tensor) else type(pred).__name__
+        raise ValueError(
+            f"predict: must return integer classes [B], one per sample; got {got} for the output {tuple(out.shape)}"
+        )
 
 
 # resume fingerprint -------------------------------------------------------------------------------------------------

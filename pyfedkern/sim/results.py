@@ -495,9 +495,22 @@ def check_new_run_dir(out_dir: str | Path) -> None:
     _check_holds_no_run(path)
 
 
+FINGERPRINT = "fingerprint.json"
+
+#: What a run writes into its directory: a new run refuses a directory that holds any of them (a run, or the user's
+#: own files of those names, which it would overwrite).
+RUN_FILES = ("config.json", "metrics.jsonl", "checkpoints", "model.pt", "summary.json", FINGERPRINT)
+
+
 def _check_holds_no_run(path: Path) -> None:
     if (path / "metrics.jsonl").exists():
         raise FileExistsError(f"{path} already holds a run; resume it or choose another output directory")
+    present = [name for name in RUN_FILES if (path / name).exists()]
+    if present:
+        raise FileExistsError(
+            f"{path} already holds {_listed(present)}, which a new run would overwrite; choose another output "
+            "directory (or resume the run there, if it is one)"
+        )
 
 
 def _check_named(out_dir: str | Path) -> None:
@@ -572,32 +585,29 @@ def _finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
 
 
-FINGERPRINT = "fingerprint.json"
-
-
 def write_fingerprint(run_dir: str | Path, digests: dict[str, str]) -> None:
     """Keep the digests of a run's model structure, data and split in ``run_dir``/fingerprint.json."""
     _atomic_write(Path(run_dir) / FINGERPRINT, _json_bytes(digests, indent=2))
 
 
-def check_fingerprint(run_dir: str | Path, digests: dict[str, str]) -> None:
-    """ValueError naming what changed when ``digests`` differ from those kept in ``run_dir`` (a run without
-    fingerprint.json, or a digest it lacks, is not checked)."""
+def check_fingerprint(run_dir: str | Path, digests: dict[str, str], action: str = "resume") -> None:
+    """ValueError naming what changed when ``digests`` differ from those kept in ``run_dir``, which is about to be
+    resumed or reused (``action``); a run without fingerprint.json, or a digest it lacks, is not checked."""
     path = Path(run_dir) / FINGERPRINT
     if not path.exists():
         return
     try:
         stored = json.loads(path.read_text())
     except (OSError, ValueError) as err:
-        raise ValueError(f"cannot resume {run_dir}: {path} is not readable JSON ({err})") from None
+        raise ValueError(f"cannot {action} {run_dir}: {path} is not readable JSON ({err})") from None
     if not isinstance(stored, dict):
-        raise ValueError(f"cannot resume {run_dir}: {path} does not hold the run's digests")
+        raise ValueError(f"cannot {action} {run_dir}: {path} does not hold the run's digests")
     changed = [key for key, value in digests.items() if key in stored and stored[key] != value]
     if changed:
         raise ValueError(
-            f"cannot resume {run_dir}: {_listed(['the ' + c for c in changed])} "
+            f"cannot {action} {run_dir}: {_listed(['the ' + c for c in changed])} "
             f"{'differ' if len(changed) > 1 else 'differs'} from the run's (see {FINGERPRINT}); "
-            "resume with the same model, data and split, or start a new run"
+            f"{action} it with the same model, data and split, or start a new run"
         )
 
 

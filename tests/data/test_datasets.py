@@ -390,3 +390,67 @@ def test_cifar10_bad_content(tmp_path):
         (folder / "data_batch_5").write_bytes(junk)
         with pytest.raises(ValueError, match=r"CIFAR-10 batch .*data_batch_5"):
             load_dataset("cifar10", tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("data", "labels", "message"),
+    [
+        (np.zeros((0, 3072), np.uint8), [], "test_batch holds no images"),
+        (np.zeros((3, 3072), np.uint8), [1.7, 1.7, 1.7], "test_batch: b'labels' must be integers"),
+        (np.zeros((3, 3072), np.uint8), [[1], [2], [3]], "test_batch: b'labels' must be a flat list"),
+        (np.zeros((3, 3072), np.uint8), [[1, 2], [3]], "test_batch: b'labels' must be a flat list"),
+        (np.zeros((3, 3072), np.uint8), "123", "test_batch: b'labels' must be a flat list"),
+        (np.zeros((3, 3072), np.uint8), [1, 2], "3 images but 2 labels"),
+    ],
+)
+def test_cifar10_refuses_empty_batches_and_labels_that_are_not_flat_integers(tmp_path, data, labels, message):
+    _write_cifar(tmp_path)
+    with open(tmp_path / "test_batch", "wb") as f:
+        pickle.dump({b"data": data, b"labels": labels}, f)
+    with pytest.raises(ValueError, match=message):
+        load_dataset("cifar10", tmp_path)
+
+
+def test_cifar10_labels_may_be_an_integer_array(tmp_path):
+    _write_cifar(tmp_path)
+    with open(tmp_path / "test_batch", "wb") as f:
+        pickle.dump({b"data": np.zeros((3, 3072), np.uint8), b"labels": np.array([1, 2, 9], np.uint8)}, f)
+    assert load_dataset("cifar10", tmp_path).y_test.tolist() == [1, 2, 9]
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("synthetic:1,1,1e12", r"of its 1,000,000,000,000 clients fit \(a smaller N in synthetic:α,β,N\)"),
+        ("synthetic-iid:1e30", r"of its 1e\+30 clients fit \(a smaller N in synthetic-iid:N\)"),
+        ("synthetic:1,1,30,60,1e12", r"drawing a model of 60×1,000,000,000,000 values .* classes fit"),
+        ("synthetic-iid:30,1e300", r"features fit with 2 classes \(a smaller dim\)"),
+    ],
+)
+def test_synthetic_too_large_for_memory_is_refused_before_anything_is_drawn(spec, message):
+    from pyfedkern.sim.config import ExperimentConfig, check_data_memory
+
+    with pytest.raises(ValueError, match=message) as err:
+        check_data_memory(ExperimentConfig(dataset=spec, model="logreg"), 1 << 30)
+    assert str(err.value).startswith(f"dataset {spec}") and " are available" in str(err.value)
+
+
+def test_planned_size_of_huge_synthetic_sets_draws_nothing():
+    """Beyond 10^7 clients the least they hold (50 samples each, 40 of them for training): no array of sizes."""
+    assert datasets.planned_size("synthetic:1,1,1e12") == (40 * 10**12, 10 * 10**12, (60,))
+
+
+def test_synthetic_memory_check_counts_the_classes():
+    from pyfedkern.sim.config import ExperimentConfig, check_data_memory
+
+    check_data_memory(ExperimentConfig(dataset="synthetic:1,1,2,60,10", model="logreg"), 10 << 20)  # fits
+    with pytest.raises(ValueError, match="at most about 1,235 classes fit"):  # 2000 × (60 + 1001) float64: 16 MiB
+        check_data_memory(ExperimentConfig(dataset="synthetic:1,1,2,60,2000", model="logreg"), 10 << 20)
+
+
+def test_the_cli_refuses_a_synthetic_dataset_too_large_in_one_line(capsys):
+    from pyfedkern.cli import main
+
+    assert main(["run", "--dataset", "synthetic:1,1,30,60,1e12", "--model", "logreg", "--rounds", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "classes fit (a smaller classes)" in err

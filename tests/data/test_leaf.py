@@ -130,3 +130,58 @@ def test_damaged_files_are_refused_naming_them(tmp_path, damage, message):
 def test_a_folder_without_train_and_test_is_refused(tmp_path):
     with pytest.raises(FileNotFoundError, match="needs train/ and test/ folders"):
         load_leaf(tmp_path)
+
+
+def _blob(**change):
+    """A LEAF file's object with two users, ``change`` replacing its entries."""
+    blob = {
+        "users": ["a", "b"],
+        "num_samples": [1, 2],
+        "user_data": {"a": {"x": [[0.5, 0.5]], "y": [1]}, "b": {"x": [[0.1, 0.2], [0.3, 0.4]], "y": [0, 1]}},
+    }
+    return {**blob, **change}
+
+
+@pytest.mark.parametrize(
+    ("blob", "message"),
+    [
+        (_blob(user_data=[1, 2]), "'user_data' must be an object keyed by the users"),
+        (_blob(num_samples=5), "'num_samples' must be a list of one count per user"),
+        (_blob(num_samples=[1]), "'num_samples' must be a list of one count per user"),
+        (_blob(users=["a", "b", "a"], num_samples=[1, 2, 1]), "'users' must be a list of distinct user names"),
+        (_blob(users=[["a"], "b"]), "'users' must be a list of distinct user names"),
+        (_blob(users=["a"], num_samples=[1]), "user 'b' is in only one of 'users' and 'user_data'"),
+        (_blob(num_samples=[1, 3]), "user 'b' has 2 x, 2 y and num_samples 3"),
+    ],
+)
+def test_inconsistent_users_are_refused_naming_the_file(tmp_path, blob, message):
+    _write(tmp_path / "test", {"t.json": {"a": ([[0.5, 0.5]], [1])}})
+    (tmp_path / "train").mkdir()
+    (tmp_path / "train" / "a.json").write_text(json.dumps(blob))
+    with pytest.raises(ValueError, match=f"LEAF file {tmp_path / 'train' / 'a.json'}: {message}"):
+        load_leaf(tmp_path)
+    (tmp_path / "train" / "a.json").write_text(json.dumps(_blob()))
+    assert load_leaf(tmp_path).client_ids.tolist() == [0, 1, 1]
+
+
+def test_femnist_is_recognised_by_its_784_pixels_and_has_62_classes(tmp_path):
+    pixels = [[0.5] * 784, [0.25] * 784]
+    _write(tmp_path / "train", {"a.json": {"f_1": (pixels, [3, 4])}})
+    _write(tmp_path / "test", {"t.json": {"f_1": (pixels[:1], [0])}})
+    data = load_leaf(tmp_path)
+    assert data.name == "leaf:femnist" and data.num_classes == 62 and data.x_train.shape == (2, 1, 28, 28)
+    numeric = load_leaf(tmp_path, kind="numeric")  # classes from the labels, the pixels still 28×28
+    assert numeric.name == "leaf:numeric" and numeric.num_classes == 5 and numeric.x_train.shape == (2, 1, 28, 28)
+    _write(tmp_path / "train", {"a.json": {"f_1": (pixels, [3, 62])}})
+    with pytest.raises(ValueError, match=r"train: labels must be in 0\.\.61 \(femnist: 62 classes\), got 3\.\.62"):
+        load_leaf(tmp_path)
+    assert load_leaf(tmp_path, kind="numeric").num_classes == 63
+
+
+def test_other_numbers_have_as_many_classes_as_the_largest_label_and_femnist_needs_784(tmp_path):
+    _write(tmp_path / "train", {"a.json": {"u": ([[0.5, 0.5], [0.1, 0.2]], [0, 2])}})
+    _write(tmp_path / "test", {"t.json": {"u": ([[0.5, 0.5]], [4])}})
+    data = load_leaf(tmp_path)
+    assert data.name == "leaf:numeric" and data.num_classes == 5 and data.x_train.shape == (2, 2)
+    with pytest.raises(ValueError, match="FEMNIST's x are 784 pixels, got 2 numbers"):
+        load_leaf(tmp_path, kind="femnist")

@@ -1,6 +1,7 @@
 """compare: same split for every algorithm, reuse of finished sub-runs only when their config matches."""
 
 import dataclasses
+import json
 import os
 
 import pytest
@@ -81,3 +82,30 @@ def test_an_unusable_comparison_directory_is_a_value_error(tmp_path):
 
 def _numbers(metrics):
     return [{k: v for k, v in m.items() if not k.startswith("time")} for m in metrics]
+
+
+def test_a_finished_run_of_the_same_config_on_other_data_is_not_reused(tmp_path):
+    """The config names the data, but a factory or --data-root can load other data under the same name: the run's
+    fingerprint is checked before its metrics are reused."""
+    run_or_reuse(BASE, tmp_path / "run")
+    fingerprint = tmp_path / "run" / "fingerprint.json"
+    digests = json.loads(fingerprint.read_text())
+    fingerprint.write_text(json.dumps({**digests, "training data": "0" * 32}))  # as if made on other data
+    with pytest.raises(ValueError, match=r"cannot reuse .*: the training data differs from the run's"):
+        run_or_reuse(BASE, tmp_path / "run")
+
+
+def test_a_sub_run_killed_before_its_first_round_is_resumed(tmp_path):
+    """Only config.json written (killed while loading): the next compare resumes it rather than refusing it."""
+    run_or_reuse(BASE, tmp_path / "run")
+    for name in ("metrics.jsonl", "summary.json", "model.pt"):
+        (tmp_path / "run" / name).unlink()
+    for checkpoint in (tmp_path / "run" / "checkpoints").iterdir():
+        checkpoint.unlink()
+    assert [m["round"] for m in run_or_reuse(BASE, tmp_path / "run")] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("target", [float("nan"), float("inf"), -0.1, 0.0, 1.5, True])
+def test_compare_refuses_a_target_that_is_not_an_accuracy(tmp_path, target):
+    with pytest.raises(ValueError, match=r"target must be an accuracy in \(0, 1\]"):
+        compare(BASE, ["fedavg"], tmp_path, target=target)

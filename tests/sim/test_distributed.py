@@ -478,6 +478,43 @@ def test_workers_refusals_are_one_line_errors(tmp_path):
         assert done.returncode == 2 and said in done.stderr and done.stderr.count("\n") == 1, done.stderr
 
 
+def test_a_refusal_in_the_workers_is_said_once(tmp_path):
+    """Every rank refuses a model with running statistics: rank 0 says it, the other ranks and the parent do not
+    repeat it, and the launcher's log lines are not shown."""
+    (tmp_path / "bn_model.py").write_text(
+        "import torch\n\n\ndef make():\n"
+        "    layers = torch.nn.Flatten(), torch.nn.Linear(64, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 10)\n"
+        "    return torch.nn.Sequential(*layers)\n"
+    )
+    done = cli("run", "--rounds", "1", "--model", "bn_model:make", "--workers", "2", "--no-progress", timeout=120,
+               PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}")  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1 and "BatchNorm1d keeps running statistics" in done.stderr, done.stderr
+
+
+def test_interrupting_workers_is_one_line_saying_how_to_resume(tmp_path):
+    """Ctrl-C (SIGINT to the process group) during a --workers run: exit status 130 and one line with the resume
+    command, --workers included (no launcher traceback, no line from each worker)."""
+    run_dir = tmp_path / "run"
+    args = ["run", "--rounds", "400", "--clients", "6", "--partition", "iid", "--model", "logreg", "--threads", "1"]
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "pyfedkern", *args, "--workers", "2", "--out", str(run_dir), "--no-progress"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=ROOT, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "metrics.jsonl").exists() and time.monotonic() < deadline:
+            assert launcher.poll() is None, launcher.communicate()[1]
+            time.sleep(0.2)
+        os.killpg(launcher.pid, signal.SIGINT)
+        _, stderr = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    assert launcher.returncode == 130, stderr
+    assert stderr == f"pyfedkern run: interrupted; resume with `pyfedkern run --resume --out {run_dir} --workers 2`\n"
+
+
 def test_unreachable_rendezvous_names_the_address(tmp_path):
     with socket.socket() as sock:  # a port nobody listens on
         sock.bind(("127.0.0.1", 0))

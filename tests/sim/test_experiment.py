@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pyfedkern import Experiment
+from pyfedkern import Experiment, models
 from pyfedkern.algorithms import ALGORITHMS
 from pyfedkern.cli import main
 from pyfedkern.data.datasets import load_dataset
@@ -327,6 +327,13 @@ def _refused(error, match, *args, **kwargs):
         ({"num_clients": 500}, "clients=500 is more than the 200 training samples"),
         ({"rounds": 0}, "rounds must be an integer from 1 to 2\\^63 - 1, got 0"),
         ({"batch_order": "random"}, "batch_order must be one of reshuffle, fixed"),
+        (
+            {"predict": lambda out: out.argmax(1, keepdim=True)},  # compared with the labels [B]: a [B, B] accuracy
+            r"predict: must return integer classes \[B\], one per sample; got torch.int64 \(2, 1\) for the output",
+        ),
+        ({"predict": lambda out: out.argmax(1).float()}, r"predict: .* got torch.float32 \(2,\)"),
+        ({"predict": lambda out: out.softmax(1)}, r"predict: .* got torch.float32 \(2, 3\)"),
+        ({"predict": lambda out: out[:, 7]}, r"predict: fails on the model's output \(2, 3\) \(IndexError"),
     ],
 )
 @pytest.mark.filterwarnings("ignore:Using a target size")  # mse_loss on class labels: the bad input checked here
@@ -340,6 +347,62 @@ def test_non_finite_features_are_refused():
     _refused(ValueError, r"train: the features hold NaN or inf \(first in sample 17\)", train=(x[:200], y[:200]))
     x[17, 2], x[203, 0] = 0.0, np.inf
     _refused(ValueError, r"test: the features hold NaN or inf \(first in sample 3\)", test=(x[200:], y[200:]))
+
+
+@pytest.mark.parametrize(
+    ("columns", "model"),
+    [(None, nn.Linear(6, 1)), (1, nn.Linear(6, 1)), (3, nn.Linear(6, 3))],  # (1): a cross-entropy of 0, always
+)
+def test_regression_targets_without_a_loss_are_refused(columns, model):
+    x, _ = _blobs()
+    y = np.random.default_rng(2).normal(size=(len(x), *([] if columns is None else [columns]))).astype(np.float32)
+    got = r"\(2,\)" if columns is None else rf"\(2, {columns}\)"
+    match = rf"loss: the default cross-entropy reads float targets as class probabilities .* got targets {got}"
+    train, test = (x[:200], y[:200]), (x[200:], y[200:])
+    _refused(ValueError, match + ".* pass a loss for regression targets", model=model, train=train, test=test)
+
+
+def test_class_probabilities_train_with_the_default_cross_entropy():
+    x, labels = _blobs()
+    y = np.eye(3, dtype=np.float32)[labels] * 0.9 + 0.1 / 3  # smoothed one-hot rows
+    train, test = (x[:200], y[:200]), (x[200:], y[200:])
+    metrics = Experiment(nn.Linear(6, 3), train, test, clients="iid", num_clients=4, rounds=2).run()
+    assert metrics[-1]["test_loss"] < metrics[0]["test_loss"] and math.isnan(metrics[-1]["test_acc"])
+    _refused(ValueError, r"got targets \(2, 3\) and output \(2, 4\)", model=nn.Linear(6, 4), train=train, test=test)
+
+
+@pytest.mark.parametrize("name", ["lstm", "transformer"])
+@pytest.mark.parametrize(
+    ("split", "sample", "token", "fix"),
+    [
+        ("train", 57, 50, "pass --model-param vocab=51"),
+        ("train", 0, 12, "pass --model-param vocab=13"),  # in the samples the model is first run on
+        ("test", 10, 50, "pass --model-param vocab=51"),
+        ("train", 57, -1, "token ids must be >= 0"),
+    ],
+)
+def test_token_ids_outside_a_builtin_model_s_vocabulary_are_refused(name, split, sample, token, fix):
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(0, 10, size=(120, 12)), rng.integers(0, 10, 120)  # vocab: the 10 classes
+    x[sample + (100 if split == "test" else 0), 3] = token
+    match = rf"model '{name}': {split} sample {sample} holds token id {token}, outside the model's vocabulary 0..9; "
+    spec = models.builtin(name, layers=1)
+    _refused(ValueError, match + fix, model=spec, train=(x[:100], y[:100]), test=(x[100:], y[100:]))
+    within = Experiment(spec, (x[:100] % 10, y[:100]), (x[100:] % 10, y[100:]), clients="iid", num_clients=4)
+    assert within.simulation.local.module.embedding.num_embeddings == 10
+
+
+def test_the_cli_refuses_token_ids_outside_the_vocabulary_in_one_line(tmp_path, capsys, monkeypatch):
+    module = "import numpy as np\n\n\ndef tokens():\n    x = np.arange(240).reshape(20, 12) % 30\n"
+    module += "    return (x[:16], np.arange(16) % 10), (x[16:], np.arange(4) % 10)\n"
+    (tmp_path / "vocab_parts.py").write_text(module)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    args = ["run", "--rounds", "1", "--clients", "2", "--partition", "iid", "--no-progress", "--model", "lstm"]
+    assert main([*args, "--dataset", "vocab_parts:tokens", "--model-param", "hidden=4"]) == 2
+    err = capsys.readouterr().err
+    assert "train sample 0 holds token id 10, outside the model's vocabulary 0..9; pass --model-param vocab=30" in err
+    assert err.count("\n") == 1
 
 
 def test_a_factory_that_raises_is_reported_with_its_traceback_as_the_cause():

@@ -264,6 +264,32 @@ def test_rounds_may_grow_but_not_drop_below_a_recorded_round(cut, runs, files_un
     assert _numbers(extended[:6]) == _numbers(runs["metrics"])
 
 
+def test_extending_a_run_whose_last_round_was_off_the_evaluation_schedule_equals_the_longer_run(tmp_path):
+    """Round 3 is evaluated as the last round of a 3-round run with eval_every=2; a 5-round run does not evaluate
+    it, so once extended, neither does the record (nor the summary's means)."""
+    short = dataclasses.replace(CONFIG, rounds=3, eval_every=2, algorithm="fedavg")
+    longer = dataclasses.replace(short, rounds=5)
+    uninterrupted = Simulation(longer).run(tmp_path / "long")
+    assert "test_acc" not in uninterrupted[3]
+    run = tmp_path / "run"
+    assert "test_acc" in Simulation(short).run(run)[3]
+    Simulation(longer).run(run, resume=True)
+    assert _numbers(read_metrics(run)) == _numbers(uninterrupted)
+    summaries = [json.loads((d / "summary.json").read_text()) for d in (run, tmp_path / "long")]
+    assert _numbers([summaries[0]]) == _numbers([summaries[1]])
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.pt", "summary.json", "fingerprint.json", "checkpoints"])
+def test_a_new_run_refuses_a_folder_holding_a_file_it_would_write(tmp_path, name):
+    """The user's own file of a name the run writes is never overwritten (nothing is written at all)."""
+    (tmp_path / name).mkdir() if name == "checkpoints" else (tmp_path / name).write_text("mine")
+    with pytest.raises(FileExistsError, match=f"{tmp_path} already holds {name}, which a new run would overwrite"):
+        Simulation(CONFIG).run(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name]
+    if name != "checkpoints":
+        assert (tmp_path / name).read_text() == "mine"
+
+
 def test_a_finished_run_given_more_rounds_is_extended_to_the_uninterrupted_result(runs, tmp_path):
     """The last round is checkpointed, so a finished run goes on from it; the newest two checkpoints are kept."""
     longer = dataclasses.replace(CONFIG, rounds=8)
