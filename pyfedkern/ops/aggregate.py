@@ -160,6 +160,11 @@ def _weighted_sum_torch(updates: Any, weights: Any, out: Any) -> Any:
     elif not isinstance(weights, torch.Tensor):
         weights = torch.as_tensor(weights, dtype=torch.float64)
     result = _declare.torch_op("weighted_sum")(updates, weights)
+    if out is not None and (out.shape != result.shape or out.dtype != result.dtype or out.device != result.device):
+        raise ValueError(
+            f"out must be a [{result.shape[0]}] {result.dtype} tensor on {result.device}, like the updates' rows; got "
+            f"{tuple(out.shape)} {out.dtype} on {out.device}"
+        )
     return result if out is None else out.copy_(result)
 
 

@@ -290,7 +290,10 @@ def _stacked(rows: Any) -> Any:
 
 
 def _torch_segments(query: Any, segments: Any, include: Any) -> tuple[list[int], list[bool]]:
-    """(offsets, include flags) as Python lists for the operators (checked by the direct path when they run)."""
+    """(offsets, include flags) as Python lists for the operators: checked here in eager calls (floats are not
+    offsets, integers not flags), and by the direct path when a traced call runs."""
+    if not _declare.traced():
+        return _segments(segments, include, query.shape[0])
     if hasattr(segments, "segments") and hasattr(segments, "include_mask"):  # a pyfedkern.flat.FlatLayout
         if include is None:
             include = segments.include_mask()

@@ -212,6 +212,18 @@ def test_gradcheck_row_norms_and_class_feature_norms():
     assert torch.autograd.gradcheck(lambda a: tuple(ops.class_feature_norms(a, y, 4))[:3], (f,))
 
 
+def test_the_differentiable_path_checks_its_arguments_as_the_direct_path_does():
+    """Inputs that require grad take the registered operator: floats are not offsets, integers not flags, and a
+    wrong out= is an error, not a silent cast."""
+    q, bank = _leaf(6), _leaf(3, 6, seed=1)
+    with pytest.raises(TypeError, match="segments must hold integers"):
+        ops.similarity_weights(q, bank, 1.0, segments=[0, 2.7, 6])
+    with pytest.raises(TypeError, match="include must be a boolean mask"):
+        ops.similarity_weights(q, bank, 1.0, segments=[0, 3, 6], include=[1, 0])
+    with pytest.raises(ValueError, match=r"out must be a \[6\] torch.float64 tensor"):
+        ops.weighted_sum(bank, [1.0, 2.0, 3.0], out=torch.empty(6, dtype=torch.float32))
+
+
 def test_class_feature_norms_is_twice_differentiable():
     """With create_graph the backward is a torch formula: the second derivative reaches the features (it was
     silently missing when the backward was the native kernel alone)."""
