@@ -545,12 +545,22 @@ class FedAvg(_FlowerFedAvg):
         return _record(running.mean()), self._metrics(metrics)
 
 
-def _all_finite(array: np.ndarray, chunk: int = 1 << 20) -> bool:
-    """Whether a real array holds no NaN or inf (checked ``chunk`` values at a time: no array-sized temporary)."""
+_ROW = 4096  # values per row of the finiteness probe
+
+
+def _all_finite(array: np.ndarray) -> bool:
+    """Whether a real array holds no NaN or inf. float32/float64: one matrix-vector product of its values, as rows
+    of :data:`_ROW`, with zeros (0·x is 0 for a finite x and NaN for NaN or ±inf), one BLAS pass that takes a
+    quarter of an accumulation's time, where ``np.isfinite`` takes half; other dtypes: ``np.isfinite`` in chunks."""
     if array.dtype.kind != "f":
         return True
     flat = array.reshape(-1)
-    return all(np.isfinite(flat[i : i + chunk]).all() for i in range(0, flat.size, chunk))
+    if flat.dtype not in (np.float32, np.float64):
+        return all(np.isfinite(flat[i : i + _ROW]).all() for i in range(0, flat.size, _ROW))
+    whole = flat.size - flat.size % _ROW
+    with np.errstate(invalid="ignore"):
+        rows = flat[:whole].reshape(-1, _ROW) @ np.zeros(_ROW, flat.dtype)
+    return bool(np.isfinite(rows).all() and np.isfinite(flat[whole:]).all())
 
 
 def _record(arrays: dict[str, np.ndarray]) -> ArrayRecord:

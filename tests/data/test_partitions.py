@@ -316,5 +316,9 @@ def test_plot_names_the_file_it_writes(tmp_path):
         assert part.plot(LABELS, 10, given) == written
         assert written.read_bytes().startswith(magic[written.suffix])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bare.png", "plots", "split.pdf"]
-    with pytest.raises(FileNotFoundError, match=r"new/partition\.png"):  # a directory that does not exist
-        part.plot(LABELS, 10, f"{tmp_path / 'new'}{os.sep}")
+    made = tmp_path / "new" / "partition.png"  # missing folders are made, as compare makes its own
+    assert part.plot(LABELS, 10, f"{tmp_path / 'new'}{os.sep}") == made and made.exists()
+    assert part.plot(LABELS, 10, tmp_path / "deep" / "er" / "split.png").exists()
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="cannot write the plot"):  # a folder where a file is
+        part.plot(LABELS, 10, tmp_path / "file" / "split.png")

@@ -400,6 +400,23 @@ def test_fedavg_leaves_out_a_reply_holding_nan_or_inf_as_failed(bad):
     assert strategy.history[-1].received == [1, 3] and strategy.history[-1].failed == [2]
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_the_finiteness_probe_finds_every_nan_and_inf(dtype):
+    """float32/float64 go through a BLAS product with zeros: a BLAS that skipped zero factors would miss them."""
+    from pyfedkern.integrations.flower import _ROW, _all_finite
+
+    for n in (0, 5, _ROW, 3 * _ROW + 7):
+        values = np.ones(n, dtype)
+        assert _all_finite(values) and _all_finite(values.reshape(-1, 1))
+        for position in {0, n // 2, n - 1} if n else ():
+            for bad in (np.nan, np.inf, -np.inf):
+                values[position] = bad
+                assert not _all_finite(values), (n, position, bad)
+                values[position] = 1
+    assert _all_finite(np.array([np.finfo(dtype).max, np.finfo(dtype).tiny], dtype))  # large or tiny is finite
+    assert _all_finite(np.arange(5))  # integers are always finite
+
+
 def test_fedavg_rejects_reply_without_weight():
     strategy = pf.FedAvg()
     grid = FakeGrid([7], lambda node, msg: RecordDict({"arrays": ArrayRecord({"model": Array(np.ones(2))})}))
