@@ -102,10 +102,12 @@ def _any_requires_grad(xs: tuple[Any, ...]) -> bool:
     fails."""
     for x in xs:
         kind = type(x)
+        if kind is float or x is None:  # the scalars and absent operands most arguments are: passed first
+            continue
         if kind is list or kind is tuple:
             if x and (type(x[0]) is not float or len(set(map(type, x))) > 1) and _requires_grad(x):
                 return True
-        elif kind is not float and x is not None and isinstance(x, _Tensor) and x.requires_grad:
+        elif isinstance(x, _Tensor) and x.requires_grad:
             return True
     return False
 
