@@ -260,6 +260,7 @@ class _RunningMean:
         self.dtypes: dict[str, np.dtype] = {}
         self.total = Fraction(0)  # the exact sum of the weights
         self.count = 0
+        self._mean: dict[str, np.ndarray] | None = None  # deferred: the mean, once made
 
     def add(self, arrays: Iterable[tuple[str, np.ndarray]], weight: float, who: str) -> None:
         if not (math.isfinite(weight) and weight >= 0):
@@ -302,13 +303,29 @@ class _RunningMean:
         if self.count == 0 or self.total <= 0:
             raise ValueError("no results with a positive weight to average")
         if self.deferred:
-            p = _fractions(self.weights)
-            return {name: _layer_mean(views, p) for name, views in self.views.items()}
+            if self._mean is None:
+                p = _fractions(self.weights)
+                self._mean = {name: _layer_mean(views, p) for name, views in self.views.items()}
+            return self._mean
         means = {}
         for name, acc in self.acc.items():
             dtype = self.dtypes[name] if self.dtypes[name].kind == "f" else acc.dtype  # float16 summed in float64
             means[name] = acc.reshape(self.shapes[name]).astype(dtype, copy=False)
         return means
+
+    def drop_nonfinite(self) -> list[int]:
+        """Deferred: remove the clients whose arrays hold NaN or inf when the mean does (one check of the mean, a
+        check of each client only then); their positions, in the order they were added."""
+        assert self.deferred
+        if self.count == 0 or self.total <= 0 or all(_all_finite(m) for m in self.mean().values()):
+            return []
+        bad = [k for k in range(self.count) if not all(_all_finite(v[k]) for v in self.views.values())]
+        keep = [k for k in range(self.count) if k not in bad]
+        self.views = {name: [views[k] for k in keep] for name, views in self.views.items()}
+        self.weights = [self.weights[k] for k in keep]
+        self.total = sum((Fraction(w) for w in self.weights), Fraction(0))
+        self.count, self._mean = len(keep), None
+        return bad
 
 
 def aggregate_inplace(results: list[tuple[Any, Any]]) -> list[np.ndarray]:
@@ -506,19 +523,17 @@ class FedAvg(_FlowerFedAvg):
                 raise ValueError(f"reply of node {node} has {len(content.array_records)} ArrayRecords, expected 1")
             weight = self._reply_weight(content, node)
             arrays = [(k, array_view(a)) for k, a in next(iter(content.array_records.values())).items()]
-            bad = [k for k, a in arrays if not _all_finite(a)]
-            if bad:
-                warnings.warn(
-                    f"round {server_round}: the reply of node {node} holds NaN or inf in {', '.join(map(repr, bad))} "
-                    "(its training diverged?); it is left out of the round as a failed node",
-                    stacklevel=2,
-                )
-                failed.append(node)
+            if not running.deferred and not all(_all_finite(a) for _, a in arrays):  # streamed: checked one by one
+                failed.append(_left_out(server_round, node))
                 continue
             running.add(arrays, weight, f"reply of node {node}")
             metrics.append(RecordDict(dict(content.metric_records)))
             received.append(node)
             del reply, content, arrays
+        if running.deferred:  # all in memory: one check of the mean, and of each reply only when it fails
+            for k in reversed(running.drop_nonfinite()):
+                failed.append(_left_out(server_round, received.pop(k)))
+                del metrics[k]
         if self._grid is not None:
             failed.extend(self._grid.unanswered)
             self._grid.unanswered = []
@@ -543,6 +558,16 @@ class FedAvg(_FlowerFedAvg):
         if running.count == 0 or running.total <= 0:
             return None, None
         return _record(running.mean()), self._metrics(metrics)
+
+
+def _left_out(server_round: int, node: int) -> int:
+    """Warn that ``node``'s reply holds NaN or inf and is left out of the round as a failed node; return ``node``."""
+    warnings.warn(
+        f"round {server_round}: the reply of node {node} holds NaN or inf (its training diverged?); it is left out "
+        "of the round as a failed node",
+        stacklevel=3,
+    )
+    return node
 
 
 _ROW = 4096  # values per row of the finiteness probe

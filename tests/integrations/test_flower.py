@@ -388,16 +388,19 @@ def test_fedavg_leaves_out_a_reply_holding_nan_or_inf_as_failed(bad):
         model = np.full(3, float(node), np.float32)
         if node == 2:
             model[1] = bad  # a client whose training diverged
-        return _reply({"model": model}, 1)
+        return _reply({"model": model}, 1, loss=float(node))
 
-    strategy = pf.FedAvg(min_available_nodes=1, min_train_nodes=1)
-    grid = pf.ArrivalGrid(FakeGrid([1, 2, 3], handler), poll_interval=0.01)
-    strategy._grid = grid
-    msgs = strategy.configure_train(1, ArrayRecord({"model": Array(np.zeros(3, np.float32))}), ConfigRecord(), grid)
-    with pytest.warns(UserWarning, match="round 1: the reply of node 2 holds NaN or inf in 'model'"):
-        arrays, _ = strategy.aggregate_train(1, grid.send_and_receive(msgs, timeout=1))
-    np.testing.assert_array_equal(arrays["model"].numpy(), np.full(3, 2.0))  # the mean of nodes 1 and 3
-    assert strategy.history[-1].received == [1, 3] and strategy.history[-1].failed == [2]
+    for listed in (False, True):  # replies streamed (each checked) or all in memory (the mean checked first)
+        strategy = pf.FedAvg(min_available_nodes=1, min_train_nodes=1)
+        grid = pf.ArrivalGrid(FakeGrid([1, 2, 3], handler), poll_interval=0.01)
+        strategy._grid = grid
+        x0 = ArrayRecord({"model": Array(np.zeros(3, np.float32))})
+        replies = grid.send_and_receive(strategy.configure_train(1, x0, ConfigRecord(), grid), timeout=1)
+        with pytest.warns(UserWarning, match="round 1: the reply of node 2 holds NaN or inf"):
+            arrays, metrics = strategy.aggregate_train(1, list(replies) if listed else replies)
+        np.testing.assert_array_equal(arrays["model"].numpy(), np.full(3, 2.0))  # the mean of nodes 1 and 3
+        assert strategy.history[-1].received == [1, 3] and strategy.history[-1].failed == [2]
+        assert metrics["loss"] == 2.0  # its metrics are left out too
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
