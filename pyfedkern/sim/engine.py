@@ -432,15 +432,16 @@ class Simulation:
         test_loss, test_acc = self.team.evaluate(evaluate, x, y)
         result = {"test_loss": test_loss, "test_acc": test_acc}
         if self.parts.evaluate is not None:
-            result.update(self._user_metrics(x, y))
+            result.update(self._user_metrics(x, y, taken=result))
         if self.config.eval_train_max > 0:
             train_loss, train_acc = self.team.evaluate(evaluate, self.x_eval_train, self.y_eval_train)
             result.update(train_loss=train_loss, train_acc=train_acc)
         return result
 
     @torch.no_grad()
-    def _user_metrics(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
-        """The user's ``evaluate(model, x, y)`` of the model loaded in ``local`` (eval mode), as ``test_<name>``."""
+    def _user_metrics(self, x: torch.Tensor, y: torch.Tensor, taken: dict[str, float]) -> dict[str, float]:
+        """The user's ``evaluate(model, x, y)`` of the model loaded in ``local`` (eval mode), as ``test_<name>``;
+        a name whose ``test_<name>`` is in ``taken`` (the engine's own metrics) is refused."""
         module = self.local.module
         module.eval()
         metrics = self.parts.evaluate(module, x, y)
@@ -448,6 +449,10 @@ class Simulation:
             raise TypeError(f"evaluate must return a dict of metric name → number, got {type(metrics).__name__}")
         out = {}
         for name, value in metrics.items():
+            if f"test_{name}" in taken:
+                raise ValueError(
+                    f"evaluate: metric {name!r} would replace the engine's own test_{name}: give it another name"
+                )
             try:
                 out[f"test_{name}"] = float(value)
             except (TypeError, ValueError):

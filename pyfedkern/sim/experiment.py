@@ -47,7 +47,7 @@ class Experiment:
         penalty: ``penalty(model)`` → a scalar added to the training objective (default: none).
         predict: ``predict(output)`` → int64 [B] classes for accuracy (default: argmax over dim 1).
         evaluate: ``evaluate(model, x_test, y_test)`` → {name: number}, extra test metrics logged as
-            ``test_<name>`` at every evaluation.
+            ``test_<name>`` at every evaluation (the engine's own ``loss`` and ``acc`` are refused as names).
         num_classes: the number of classes (default: the largest label + 1; None for float targets).
         allow_overlap: whether index lists may share samples.
         name: the data's name in config.json.

@@ -230,6 +230,20 @@ def test_index_lists_overlap_only_when_declared_and_an_evaluation_function():
     assert all("test_mean_score" in m for m in metrics) and seen == [False] * 3
 
 
+@pytest.mark.parametrize("name", ["acc", "loss"])
+def test_a_user_metric_named_like_the_engines_own_is_refused(tmp_path, name):
+    """test_acc/test_loss (and summary.json's accuracy) are the engine's: a user's metric of the same name would have
+    replaced them silently."""
+    x, y = _blobs()
+    experiment = Experiment(
+        nn.Linear(6, 3), (x[:200], y[:200]), (x[200:], y[200:]), clients="iid", num_clients=2, rounds=1,
+        evaluate=lambda model, xt, yt: {"f1": 0.5, name: -1.0},
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=rf"evaluate: metric '{name}' would replace the engine's own test_{name}"):
+        experiment.run(tmp_path / "run")
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
 def test_per_sample_client_ids_are_natural_clients():
     x, y = _blobs(n=120)
     ids = np.repeat([7, 3, 5], 40)
