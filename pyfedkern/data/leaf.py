@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import json
 import re
+from bisect import bisect_right
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -48,36 +50,35 @@ def load_leaf(
             f"LEAF data root {str(base)!r} needs train/ and test/ folders of *.json files (or data/train, data/test), "
             "as LEAF's preprocess.sh writes them"
         )
-    train_users, train_x, train_y = _read_split(folder / "train")
-    _, test_x, test_y = _read_split(folder / "test")
+    train, test = _read_split(folder / "train"), _read_split(folder / "test")
     if kind == "auto":
-        kind = _detect(train_x[0], folder / "train")
+        kind = _detect(train.xs[0], folder / "train")
     if kind == "shakespeare":
-        x_train, y_train = _characters(train_x, "train"), _characters(train_y, "train")[:, 0]
-        x_test, y_test = _characters(test_x, "test"), _characters(test_y, "test")[:, 0]
+        x_train, y_train = _characters(train, "x"), _characters(train, "y")[:, 0]
+        x_test, y_test = _characters(test, "x"), _characters(test, "y")[:, 0]
         classes = len(SHAKESPEARE_LETTERS)
     elif kind == "sent140":
-        vocabulary = _vocabulary([_text(x) for x in train_x], vocabulary_size)
-        x_train, x_test = (_words(xs, vocabulary, sequence_length) for xs in (train_x, test_x))
-        y_train, y_test = _labels(train_y, "train"), _labels(test_y, "test")
+        vocabulary = _vocabulary([_text(train, i) for i in range(len(train.xs))], vocabulary_size)
+        x_train, x_test = (_words(split, vocabulary, sequence_length) for split in (train, test))
+        y_train, y_test = _labels(train), _labels(test)
         classes = 2
     else:
-        x_train, x_test = _numbers(train_x, "train"), _numbers(test_x, "test")
+        x_train, x_test = _numbers(train), _numbers(test)
         if kind == "femnist" and x_train.shape[1] != 784:
             raise ValueError(f"LEAF {folder}: FEMNIST's x are 784 pixels, got {x_train.shape[1]} numbers")
         if x_train.shape[1] == 784:
             x_train, x_test = x_train.reshape(-1, 1, 28, 28), x_test.reshape(-1, 1, 28, 28)
-        y_train, y_test = _labels(train_y, "train"), _labels(test_y, "test")
+        y_train, y_test = _labels(train), _labels(test)
         classes = 62 if kind == "femnist" else int(max(y_train.max(), y_test.max(initial=0))) + 1
     if x_train.shape[1:] != x_test.shape[1:]:
         raise ValueError(f"LEAF {folder}: train samples have shape {x_train.shape[1:]}, test {x_test.shape[1:]}")
-    for split, y in (("train", y_train), ("test", y_test)):
-        if y.size and (y.min() < 0 or y.max() >= classes):
+    for split, y in ((train, y_train), (test, y_test)):
+        if y.size and y.max() >= classes:
+            i = int(np.argmax(y >= classes))
             raise ValueError(
-                f"LEAF {folder / split}: labels must be in 0..{classes - 1} ({kind}: {classes} classes), got "
-                f"{int(y.min())}..{int(y.max())}"
+                f"LEAF {split.where(i)}: labels must be in 0..{classes - 1} ({kind}: {classes} classes), got {y[i]}"
             )
-    client_ids = np.repeat(np.arange(len(train_users), dtype=np.int64), [len(u) for u in train_users.values()])
+    client_ids = np.repeat(np.arange(len(train.users), dtype=np.int64), [len(u) for u in train.users.values()])
     return Dataset(
         f"leaf:{kind}",
         x_train,
@@ -91,12 +92,30 @@ def load_leaf(
     )
 
 
-def _read_split(folder: Path) -> tuple[dict[str, list[int]], list, list]:
-    """(user → positions of their samples, every x, every y) of the JSON files in ``folder``, file after file."""
+@dataclass
+class _Split:
+    """The samples of train/ or test/, each user's together: ``users`` maps a user to the positions of their samples
+    in ``xs`` and ``ys``; ``blocks`` holds (first position, file, user) of each user's samples from one file, in
+    order of position."""
+
+    users: dict[str, list[int]]
+    xs: list
+    ys: list
+    blocks: list[tuple[int, Path, str]]
+
+    def where(self, i: int) -> str:
+        """Where sample ``i`` is stored: "file F, user 'u', sample j" (j: its index in that user's x and y)."""
+        start, path, user = self.blocks[bisect_right([b[0] for b in self.blocks], i) - 1]
+        return f"file {path}, user {user!r}, sample {i - start}"
+
+
+def _read_split(folder: Path) -> _Split:
+    """The samples of the JSON files in ``folder``, file after file, each user's moved together."""
     files = sorted(folder.glob("*.json"))
     if not files:
         raise FileNotFoundError(f"LEAF: no *.json files in {folder}")
     users: dict[str, list[int]] = {}
+    chunks: dict[str, list[tuple[Path, int]]] = {}  # user → (file, number of samples) of each file holding them
     xs: list = []
     ys: list = []
     for path in files:
@@ -128,7 +147,8 @@ def _read_split(folder: Path) -> tuple[dict[str, list[int]], list, list]:
                 )
             if not data["y"]:
                 continue
-            users.setdefault(str(user), []).extend(range(len(ys), len(ys) + len(data["y"])))
+            users.setdefault(user, []).extend(range(len(ys), len(ys) + len(data["y"])))
+            chunks.setdefault(user, []).append((path, len(data["y"])))
             xs.extend(data["x"])
             ys.extend(data["y"])
     if not ys:
@@ -136,11 +156,13 @@ def _read_split(folder: Path) -> tuple[dict[str, list[int]], list, list]:
     if any(p != list(range(p[0], p[0] + len(p))) for p in users.values()):  # a user split across files
         order = [i for positions in users.values() for i in positions]
         xs, ys = [xs[i] for i in order], [ys[i] for i in order]
-        start = 0
-        for user, positions in users.items():
-            users[user] = list(range(start, start + len(positions)))
-            start += len(positions)
-    return users, xs, ys
+    blocks, start = [], 0
+    for user, positions in users.items():
+        users[user] = list(range(start, start + len(positions)))
+        for path, count in chunks[user]:
+            blocks.append((start, path, user))
+            start += count
+    return _Split(users, xs, ys, blocks)
 
 
 def _detect(first: object, folder: Path) -> str:
@@ -153,38 +175,61 @@ def _detect(first: object, folder: Path) -> str:
     raise ValueError(f"LEAF {folder}: cannot tell the data's kind from its first x ({str(first)[:60]}); pass kind=")
 
 
-def _numbers(xs: list, split: str) -> np.ndarray:
+def _numbers(split: _Split) -> np.ndarray:
+    """float32 [n, d]: each x a list of finite numbers, all of the first x's shape (d numbers, d ≥ 1)."""
     try:
-        array = np.asarray(xs, dtype=np.float32)
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"LEAF {split}: every x must be a list of numbers of one length ({err})") from None
-    return array.reshape(len(xs), -1)
+        with np.errstate(over="ignore"):  # numbers beyond float32 become inf, refused below
+            array = np.asarray(split.xs, dtype=np.float32).reshape(len(split.xs), -1)
+        if array.size and np.isfinite(array.min()) and np.isfinite(array.max()):  # min/max: NaN propagates
+            return array
+    except (TypeError, ValueError, OverflowError):
+        pass
+    shape = None
+    for i, x in enumerate(split.xs):  # the first sample at fault
+        try:
+            with np.errstate(over="ignore"):
+                row = np.asarray(x, dtype=np.float32)
+        except (TypeError, ValueError, OverflowError):
+            row = np.array([np.nan])
+        shape = row.shape if shape is None else shape
+        if not (row.shape == shape and row.size and np.isfinite(row).all()):
+            raise ValueError(
+                f"LEAF {split.where(i)}: x must be finite float32 numbers shaped as the first x {shape}, got "
+                f"{str(x)[:60]}"
+            )
+    raise ValueError(f"LEAF {split.where(0)}: the x from there on do not form one array of numbers")
 
 
-def _labels(ys: list, split: str) -> np.ndarray:
-    try:
-        array = np.asarray(ys, dtype=np.float64)
-    except (TypeError, ValueError):
-        raise ValueError(f"LEAF {split}: every y must be an integer class label") from None
-    if array.ndim != 1 or not np.all(array == np.round(array)):
-        raise ValueError(f"LEAF {split}: every y must be an integer class label")
-    return array.astype(np.int64)
+def _labels(split: _Split) -> np.ndarray:
+    """int64 [n]: each y a class label (an integer, or an integral float, 0 ≤ y < 2**63)."""
+    for i, y in enumerate(split.ys):
+        number = isinstance(y, (int, float)) and not isinstance(y, bool)
+        if not (number and (isinstance(y, int) or y.is_integer()) and 0 <= y < 2**63):
+            raise ValueError(f"LEAF {split.where(i)}: y must be a class label (an integer ≥ 0), got {str(y)[:60]}")
+    return np.array(split.ys, dtype=np.int64)
 
 
-def _characters(texts: list, split: str) -> np.ndarray:
-    """int64 [n, len] alphabet indices of equally long strings."""
+def _characters(split: _Split, name: str) -> np.ndarray:
+    """int64 [n, len] alphabet indices of the split's x (``name`` "x": non-empty strings as long as the first) or of
+    its y ("y": single characters, len 1)."""
     lookup = {c: i for i, c in enumerate(SHAKESPEARE_LETTERS)}
-    if not all(isinstance(t, str) for t in texts) or len({len(t) for t in texts}) != 1:
-        raise ValueError(f"LEAF shakespeare {split}: every x must be a string of one length, every y one character")
-    try:
-        return np.array([[lookup[c] for c in t] for t in texts], dtype=np.int64)
-    except KeyError as err:
-        raise ValueError(f"LEAF shakespeare {split}: character {err.args[0]!r} is not in LEAF's alphabet") from None
+    texts = split.xs if name == "x" else split.ys
+    length = len(texts[0]) if name == "x" and isinstance(texts[0], str) else 1
+    wanted = "one character" if name == "y" else f"a non-empty string, all as long as the first x ({length})"
+    for i, t in enumerate(texts):
+        if not (isinstance(t, str) and len(t) == length and length):
+            raise ValueError(f"LEAF shakespeare {split.where(i)}: {name} must be {wanted}, got {t!r:.60}")
+        odd = next((c for c in t if c not in lookup), None)
+        if odd is not None:
+            raise ValueError(f"LEAF shakespeare {split.where(i)}: character {odd!r} is not in LEAF's alphabet")
+    return np.array([[lookup[c] for c in t] for t in texts], dtype=np.int64).reshape(len(texts), length)
 
 
-def _text(x: object) -> str:
+def _text(split: _Split, i: int) -> str:
+    """The text of the split's sample ``i`` (a Sent140 x: [id, date, query, user, text])."""
+    x = split.xs[i]
     if not (isinstance(x, list) and len(x) == 5 and isinstance(x[4], str)):
-        raise ValueError(f"LEAF sent140: every x must be [id, date, query, user, text], got {str(x)[:60]}")
+        raise ValueError(f"LEAF sent140 {split.where(i)}: x must be [id, date, query, user, text], got {str(x)[:60]}")
     return x[4]
 
 
@@ -194,9 +239,9 @@ def _vocabulary(texts: list[str], size: int) -> dict[str, int]:
     return {w: i + 2 for i, (w, _) in enumerate(counts.most_common(size))}
 
 
-def _words(xs: list, vocabulary: dict[str, int], length: int) -> np.ndarray:
-    out = np.zeros((len(xs), length), dtype=np.int64)
-    for row, x in enumerate(xs):
-        ids = [vocabulary.get(w, 1) for w in _WORDS.findall(_text(x).lower())][:length]
+def _words(split: _Split, vocabulary: dict[str, int], length: int) -> np.ndarray:
+    out = np.zeros((len(split.xs), length), dtype=np.int64)
+    for row in range(len(split.xs)):
+        ids = [vocabulary.get(w, 1) for w in _WORDS.findall(_text(split, row).lower())][:length]
         out[row, : len(ids)] = ids
     return out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -110,11 +111,11 @@ def test_the_cli_runs_leaf_data_with_its_natural_split(tmp_path, capsys):
         ),
         (
             lambda root: _write(root / "train", {"a.json": {"u": (["abc", "abcd"], ["d", "e"])}}),
-            "every x must be a string of one length",
+            r"user 'u', sample 1: x must be a non-empty string, all as long as the first x \(3\), got 'abcd'",
         ),
         (
             lambda root: _write(root / "train", {"a.json": {"u": (["ab\u00e9"], ["d"])}}),
-            "character 'é' is not in LEAF's alphabet",
+            "user 'u', sample 0: character 'é' is not in LEAF's alphabet",
         ),
         (lambda root: (root / "test" / "t.json").unlink(), "no \\*.json files in"),
     ],
@@ -125,6 +126,73 @@ def test_damaged_files_are_refused_naming_them(tmp_path, damage, message):
     damage(tmp_path)
     with pytest.raises((ValueError, FileNotFoundError), match=message):
         load_leaf(tmp_path)
+
+
+GOOD = {"shakespeare": ("abc", "d"), "numeric": ([0.5, 0.5], 1), "sent140": (["1", "d", "q", "u", "hi"], 1)}
+
+
+def _sample_at_fault(kind, x, y):
+    """LEAF files of ``kind`` whose sample 1 of user 'v' in train/b.json (v's second file) has (x, y)."""
+    good = GOOD[kind]
+    return {
+        "a.json": {"u": ([good[0]], [good[1]]), "v": ([good[0]] * 2, [good[1]] * 2)},
+        "b.json": {"v": ([good[0], x], [good[1], y])},
+    }
+
+
+@pytest.mark.parametrize(
+    ("kind", "x", "y", "message"),
+    [
+        ("shakespeare", "abc", "ab", "y must be one character, got 'ab'"),
+        ("shakespeare", "abc", "", "y must be one character, got ''"),
+        ("shakespeare", "abc", 5, "y must be one character, got 5$"),
+        ("shakespeare", "ab", "d", r"x must be a non-empty string, all as long as the first x \(3\), got 'ab'"),
+        ("shakespeare", "abc", "\u00e9", "character 'é' is not in LEAF's alphabet"),
+        ("numeric", [0.5, 0.5], 1e30, r"y must be a class label \(an integer ≥ 0\), got 1e\+30"),
+        ("numeric", [0.5, 0.5], 10**401, r"y must be a class label \(an integer ≥ 0\), got 1000000000"),
+        ("numeric", [0.5, 0.5], -1, "y must be a class label .*, got -1$"),
+        ("numeric", [0.5, 0.5], 2.5, "y must be a class label .*, got 2.5"),
+        ("numeric", [0.5, 0.5], "1", "y must be a class label .*, got 1"),
+        ("numeric", [0.5, 0.5], True, "y must be a class label .*, got True"),
+        (
+            "numeric",
+            [0.5, 10**401],
+            1,
+            r"x must be finite float32 numbers shaped as the first x \(2,\), got \[0.5, 1000",
+        ),
+        (
+            "numeric",
+            [0.5, 1e39],
+            1,
+            r"x must be finite float32 numbers shaped as the first x \(2,\), got \[0.5, 1e\+39",
+        ),
+        ("numeric", [0.5, float("nan")], 1, "x must be finite float32 numbers .*, got \\[0.5, nan\\]"),
+        ("numeric", [0.5], 1, "x must be finite float32 numbers .*, got \\[0.5\\]"),
+        ("numeric", [0.5, "x"], 1, "x must be finite float32 numbers .*, got \\[0.5, 'x'\\]"),
+        ("sent140", ["1", "d", "q", "u"], 1, r"x must be \[id, date, query, user, text\], got \['1'"),
+        ("sent140", ["1", "d", "q", "u", "hi"], 2, r"labels must be in 0\.\.1 \(sent140: 2 classes\), got 2"),
+    ],
+)
+def test_a_sample_at_fault_is_named_by_file_user_and_index(tmp_path, kind, x, y, message):
+    """Targets of more than one character were read as their first, 1e30 as -2**63, and a 401-digit number or an empty
+    target raised a bare OverflowError/IndexError: each is refused naming where it is (v's samples are moved
+    together, so the position in the loaded split is not the one in the file)."""
+    _write(tmp_path / "train", _sample_at_fault(kind, x, y))
+    _write(tmp_path / "test", {"t.json": _sample_at_fault(kind, x, y)["a.json"]})
+    where = f"file {tmp_path / 'train' / 'b.json'}, user 'v', sample 1: "
+    with pytest.raises(ValueError, match=re.escape(where) + message):
+        load_leaf(tmp_path)
+    _write(tmp_path / "train", _sample_at_fault(kind, *GOOD[kind]))
+    assert load_leaf(tmp_path).x_train.shape[0] == 5
+
+
+def test_the_cli_names_the_leaf_sample_at_fault_in_one_line(tmp_path, capsys):
+    _write(tmp_path / "train", _sample_at_fault("shakespeare", "abc", "ab"))
+    _write(tmp_path / "test", {"t.json": _sample_at_fault("shakespeare", "abc", "d")["a.json"]})
+    args = ["run", "--dataset", "leaf", "--data-root", str(tmp_path), "--model", "logreg", "--no-progress"]
+    assert main([*args, "--partition", "natural", "--clients", "2", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "user 'v', sample 1: y must be one character, got 'ab'" in err, err
 
 
 def test_a_folder_without_train_and_test_is_refused(tmp_path):
@@ -173,7 +241,8 @@ def test_femnist_is_recognised_by_its_784_pixels_and_has_62_classes(tmp_path):
     numeric = load_leaf(tmp_path, kind="numeric")  # classes from the labels, the pixels still 28×28
     assert numeric.name == "leaf:numeric" and numeric.num_classes == 5 and numeric.x_train.shape == (2, 1, 28, 28)
     _write(tmp_path / "train", {"a.json": {"f_1": (pixels, [3, 62])}})
-    with pytest.raises(ValueError, match=r"train: labels must be in 0\.\.61 \(femnist: 62 classes\), got 3\.\.62"):
+    message = r"a.json, user 'f_1', sample 1: labels must be in 0\.\.61 \(femnist: 62 classes\), got 62"
+    with pytest.raises(ValueError, match=message):
         load_leaf(tmp_path)
     assert load_leaf(tmp_path, kind="numeric").num_classes == 63
 
