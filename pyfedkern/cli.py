@@ -108,6 +108,20 @@ _COMMON = [
     ),
     ("client_chunk", "--client-chunk", int, "train at most this many participants at once (none: fit free memory)"),
     ("dtype", "--dtype", str, "float32 | float64 (model and data)"),
+    (
+        "aggregator",
+        "--aggregator",
+        str,
+        "the server's rule for the uploaded models: mean | median | trimmed:β | krum:f | multikrum:f,m | bulyan:f | "
+        "geomed | cclip:τ[,iters] (docs/robust.md)",
+    ),
+    (
+        "attack",
+        "--attack",
+        str,
+        "Byzantine clients: signflip:p | gaussian:p[,σ] | scale:p[,s] | alie:p[,z] | ipm:p[,ε], p the fraction of "
+        "each round's clients",
+    ),
 ]
 
 
@@ -347,6 +361,7 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
         distributed.check_workers(args.workers, config.device)
     if workers > 1:
         distributed.check_algorithm(config.algorithm, config.algorithm_params)
+        distributed.check_one_process_options(config)
         try:
             return distributed.launch_workers(workers, args.argv)
         except distributed.ChildFailedWorkers as err:

@@ -30,8 +30,10 @@ import numpy as np
 import torch
 
 from pyfedkern import ops
+from pyfedkern.algorithms.attacks import ATTACK_STREAM, Attack, parse_attack
 from pyfedkern.algorithms.batched import client_chunks, use_batched
 from pyfedkern.algorithms.local import LocalModel
+from pyfedkern.algorithms.robust import Aggregator, parse_aggregator
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -94,6 +96,9 @@ class FLContext(Protocol):
     #   run on one CPU machine); the budget of client_chunks is split between them.
     # - team (pyfedkern.sim.distributed.Team): the processes a distributed run spreads rounds over; Algorithm.round
     #   trains team.mine(participants) and combines the sums with team.combine(...). Absent: one process.
+    # - aggregator (str or pyfedkern.algorithms.robust.Aggregator, default "mean"): the server's rule for the
+    #   algorithm's robust_vectors (Algorithm.round); attack (str or pyfedkern.algorithms.attacks.Attack, default
+    #   None): Byzantine participants (Algorithm.round).
 
     def rng(self, *keys: int) -> np.random.Generator:
         """An independent random stream for (seed, ``*keys``)."""
@@ -183,6 +188,28 @@ class ClientUpdates:
         )
 
     @classmethod
+    def concat(cls, parts: Sequence[ClientUpdates]) -> ClientUpdates:
+        """The chunks ``parts`` of a round as one update, its rows ordered by client id (the loop's order; a stable
+        sort), so that a rule that depends on the order sees the same rows on every path."""
+        clients = np.concatenate([p.clients for p in parts])
+        order = np.argsort(clients, kind="stable")
+        first = parts[0]
+        index = torch.as_tensor(order, device=first.losses.device)
+
+        def rows(values: list[torch.Tensor]) -> torch.Tensor:
+            joined = torch.cat(values) if len(values) > 1 else values[0]
+            return joined.index_select(0, index.to(joined.device))
+
+        return cls(
+            clients=clients[order],
+            weights=np.concatenate([p.weights for p in parts])[order],
+            vectors={name: rows([p.vectors[name] for p in parts]) for name in first.vectors},
+            losses=rows([p.losses for p in parts]),
+            steps=np.concatenate([p.steps for p in parts])[order],
+            extras={key: np.concatenate([p.extras[key] for p in parts])[order] for key in first.extras},
+        )
+
+    @classmethod
     def stack(cls, messages: Sequence[ClientMessage], device: torch.device | str = "cpu") -> ClientUpdates:
         """The messages of a per-client loop as one stacked update (each client's vectors become a row)."""
         if not messages:
@@ -240,13 +267,14 @@ class RoundSums:
 
 @dataclass
 class RoundStats:
-    """What a round reports to the engine: mean local loss, participants, traffic (floats), extra metrics."""
+    """What a round reports to the engine: mean local loss, participants, traffic (floats), extra metrics (numbers,
+    or lists of numbers such as the attacking clients' ids)."""
 
     clients: np.ndarray
     local_loss: float
     upload_floats: int
     download_floats: int
-    extras: dict[str, float] = field(default_factory=dict)
+    extras: dict[str, Any] = field(default_factory=dict)
 
 
 class ClientStore:
@@ -378,6 +406,10 @@ class Algorithm:
     #: with ``owned=owned_clients(ctx)``. A subclass that overrides ``round`` must set it again itself (True when its
     #: round still goes through ``ctx.team``), else it runs in one process only.
     distributed: ClassVar[bool] = True
+    #: The uploaded vectors whose server step is a weighted mean, ``sums.vector(name) / sums.scalar("weight")``: a
+    #: robust aggregator (``ctx.aggregator``) replaces that mean by its rule, and an attack (``ctx.attack``) replaces
+    #: the attackers' rows of them (:meth:`round`). Empty: the algorithm refuses both.
+    robust_vectors: ClassVar[tuple[str, ...]] = ()
 
     x: torch.Tensor
 
@@ -443,21 +475,39 @@ class Algorithm:
         """One round: the participants' local updates (in chunks that fit memory), then the server step.
 
         With ``ctx.team`` (several processes, :mod:`pyfedkern.sim.distributed`), each process trains the participants
-        it owns and the team combines the processes' sums before the server step, which every process takes."""
+        it owns and the team combines the processes' sums before the server step, which every process takes.
+
+        With a robust ``ctx.aggregator`` or an ``ctx.attack`` (:meth:`robust_settings`), the round keeps its
+        participants' uploads (K rows of each of :attr:`robust_vectors`), replaces the attackers' rows, folds them into
+        the sums and replaces the weighted means of :attr:`robust_vectors` by the aggregator's rule."""
         clients = self.participants(t, ctx)
         team = getattr(ctx, "team", None)
+        aggregator, attack = self.robust_settings(ctx)
+        keep = aggregator is not None or attack is not None
+        if keep and getattr(team, "size", 1) > 1:
+            raise ValueError(
+                "aggregator and attack need every upload of a round in one process; distributed runs refuse them "
+                "(run without --workers or torchrun)"
+            )
         sums = RoundSums()
         losses: list[torch.Tensor] = []
+        kept: list[ClientUpdates] = []
+        extras: dict[str, Any] = {}
         upload = 0
         own = clients if team is None else team.mine(clients)
         for chunk in client_chunks(ctx, own, self.state_rows_per_client(ctx)):
             with ctx.timer("local"):
                 updates = self.client_updates(t, chunk, ctx)
-            with ctx.timer("aggregation"):
-                self.accumulate(t, sums, updates, ctx)
+            if keep:
+                kept.append(updates)
+            else:
+                with ctx.timer("aggregation"):
+                    self.accumulate(t, sums, updates, ctx)
             losses.append(updates.losses)
             upload += updates.upload_floats
         with ctx.timer("aggregation"):
+            if kept:
+                extras = self.robust_accumulate(t, sums, ClientUpdates.concat(kept), aggregator, attack, ctx)
             if team is not None:
                 sums, losses, upload = team.combine(t, sums, losses, upload)
             if len(clients):
@@ -467,7 +517,47 @@ class Algorithm:
             local_loss=mean_loss(losses),
             upload_floats=upload,
             download_floats=len(clients) * self.broadcast_floats(),
+            extras=extras,
         )
+
+    def robust_settings(self, ctx: FLContext) -> tuple[Aggregator | None, Attack | None]:
+        """(the robust aggregator, the attack) of ``ctx`` (None for the weighted mean and for no attack); ValueError
+        naming the algorithm when it has no :attr:`robust_vectors` and either is asked for."""
+        aggregator = parse_aggregator(getattr(ctx, "aggregator", None))
+        attack = parse_attack(getattr(ctx, "attack", None))
+        check_robust(type(self), aggregator, attack)
+        return (None if aggregator.is_mean else aggregator), attack
+
+    def robust_centre(self, name: str) -> torch.Tensor:
+        """The point the uploads of ``name`` (one of :attr:`robust_vectors`) are updates around: the global model."""
+        return self.x
+
+    def robust_accumulate(
+        self,
+        t: int,
+        sums: RoundSums,
+        updates: ClientUpdates,
+        aggregator: Aggregator | None,
+        attack: Attack | None,
+        ctx: FLContext,
+    ) -> dict[str, Any]:
+        """Fold a whole round's ``updates`` (rows ordered by client) into ``sums``: first the attackers' rows of
+        :attr:`robust_vectors` are replaced (``attack``), then after :meth:`accumulate` each of their weighted sums
+        becomes Σw·(the aggregator's rule). Returns the metrics of the attack (attackers, attacked_clients)."""
+        extras: dict[str, Any] = {}
+        if attack is not None:
+            rng = ctx.rng(ATTACK_STREAM, t)
+            who = attack.attackers(t, len(updates), rng)
+            for name in self.robust_vectors:
+                attack.apply_(updates.vectors[name], self.robust_centre(name), who, rng)
+            extras = {"attackers": int(who.size), "attacked_clients": updates.clients[who].tolist()}
+        self.accumulate(t, sums, updates, ctx)
+        if aggregator is not None and len(updates):
+            weight = sums.scalar("weight")
+            for name in self.robust_vectors:
+                robust = aggregator.combine(updates.vectors[name], updates.weights, self.robust_centre(name))
+                sums.vectors[name] = robust.mul_(weight)
+        return extras
 
     def global_model(self) -> torch.Tensor:
         """The vector to evaluate [d]."""
@@ -487,6 +577,19 @@ class Algorithm:
         if not dataclasses.is_dataclass(cls):
             return {}
         return {f.name: f for f in dataclasses.fields(cls) if f.init}
+
+
+def check_robust(cls: type[Algorithm], aggregator: Aggregator, attack: Attack | None) -> None:
+    """ValueError naming the algorithm unless ``cls`` can take the ``aggregator`` and the ``attack`` (any algorithm
+    takes the mean and no attack; the others need :attr:`Algorithm.robust_vectors`)."""
+    if (aggregator.is_mean and attack is None) or cls.robust_vectors:
+        return
+    asked = [f"aggregator {aggregator.spec!r}"] if not aggregator.is_mean else []
+    asked += [f"attack {attack.spec!r}"] if attack is not None else []
+    raise ValueError(
+        f"algorithm {cls.name!r} refuses {' and '.join(asked)}: its server step is not a weighted mean of the "
+        "uploads (robust aggregation and attacks apply to fedavg, fedprox, scaffold, fedsam, fedcm and fedadam)"
+    )
 
 
 def mean_loss(losses: Sequence[torch.Tensor] | torch.Tensor) -> float:

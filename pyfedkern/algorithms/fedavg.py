@@ -100,6 +100,7 @@ class FedAvg(Algorithm):
     """
 
     name = "fedavg"
+    robust_vectors = ("model",)
     server_lr: float = 1.0
     ref_compat: bool = False
     clip_norm: float = 10.0

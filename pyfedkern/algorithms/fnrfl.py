@@ -213,6 +213,7 @@ class FNRFL(FedAvg):
     """
 
     distributed = True  # its round goes through ctx.team (see round)
+    robust_vectors = ()  # its round has a second phase on the server's refinement, not a weighted mean
 
     name = "fnrfl"
     lam: float = 0.01

@@ -52,7 +52,9 @@ class ExperimentConfig:
     None: all). eval_train_max: 0 skips the train-set evaluation. sample_with_replacement: draw each round's
     clients with replacement (a client drawn twice trains twice and counts twice). batch_order: "reshuffle" (a new
     order each epoch, unless the algorithm asks for a fixed one) or "fixed" (each client keeps one batch order
-    across rounds, pfl's default).
+    across rounds, pfl's default). aggregator: the server's rule for the algorithm's uploaded models ("mean", or a
+    robust rule such as "median" or "trimmed:0.1", :mod:`pyfedkern.algorithms.robust`); attack: Byzantine clients,
+    ``NAME:fraction[,parameter]`` (:mod:`pyfedkern.algorithms.attacks`), None for none.
     """
 
     algorithm: str = "fedavg"
@@ -88,6 +90,8 @@ class ExperimentConfig:
     eval_test_max: int | None = None
     sample_with_replacement: bool = False
     batch_order: str = "reshuffle"
+    aggregator: str = "mean"
+    attack: str | None = None
 
     def validate(self) -> None:
         """Raise ValueError for invalid settings, before any work starts (no data is loaded).
@@ -119,7 +123,9 @@ class ExperimentConfig:
         """Raise ValueError for invalid run settings (everything but the model, the dataset and its split, which
         a run from Python objects gives itself)."""
         from pyfedkern.algorithms import make_algorithm
-        from pyfedkern.algorithms.base import FLOAT32_MAX
+        from pyfedkern.algorithms.attacks import parse_attack
+        from pyfedkern.algorithms.base import FLOAT32_MAX, check_robust
+        from pyfedkern.algorithms.robust import parse_aggregator
 
         def positive_int(name: str, value: Any) -> None:
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= INT64_MAX:
@@ -130,7 +136,7 @@ class ExperimentConfig:
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
             return value
 
-        for name in ("algorithm", "dataset", "normalize", "partition", "model", "lr_schedule", "device"):
+        for name in ("algorithm", "dataset", "normalize", "partition", "model", "lr_schedule", "device", "aggregator"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"{name} must be a string, got {getattr(self, name)!r}")
         for name in ("algorithm_params", "model_params"):
@@ -177,7 +183,8 @@ class ExperimentConfig:
         parse_lr_schedule(self.lr_schedule)
         if not DEVICE.fullmatch(self.device):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N' (N a GPU index), got {self.device!r}")
-        make_algorithm(self.algorithm, **self.algorithm_params)
+        algorithm = make_algorithm(self.algorithm, **self.algorithm_params)
+        check_robust(type(algorithm), parse_aggregator(self.aggregator), parse_attack(self.attack))
 
     def to_dict(self) -> dict[str, Any]:
         """The config as a plain dict of JSON values (what ``config.json`` holds)."""

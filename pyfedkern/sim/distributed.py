@@ -362,6 +362,22 @@ def check_algorithm(name: str, params: dict[str, Any] | None = None) -> None:
             )
 
 
+def check_one_process_options(config: Any) -> None:
+    """ValueError when ``config`` asks for what needs all of a round's uploads in one process: a robust aggregator or
+    an attack (:meth:`Algorithm.round <pyfedkern.algorithms.Algorithm.round>` keeps the uploads' rows; a distributed
+    run only combines sums)."""
+    from pyfedkern.algorithms.attacks import parse_attack
+    from pyfedkern.algorithms.robust import parse_aggregator
+
+    asked = [] if parse_aggregator(config.aggregator).is_mean else [f"--aggregator {config.aggregator}"]
+    asked += [f"--attack {config.attack}"] if parse_attack(config.attack) is not None else []
+    if asked:
+        raise ValueError(
+            f"{' and '.join(asked)}: robust aggregation and attacks need every upload of a round in one process, "
+            "so distributed runs refuse them (run without --workers or torchrun)"
+        )
+
+
 def launch_workers(workers: int, argv: list[str]) -> int:
     """Run ``python -m pyfedkern ARGV`` in ``workers`` local processes through torch's elastic launcher (what
     torchrun runs: a c10d rendezvous on localhost, no restarts); 0, or :class:`ChildFailedWorkers` naming the rank that
@@ -438,6 +454,7 @@ def run_distributed(
     from pyfedkern.sim.engine import Simulation
 
     check_algorithm(config.algorithm, config.algorithm_params)
+    check_one_process_options(config)
     device = rank_device(config.device)
     init_process_group(device)
     try:

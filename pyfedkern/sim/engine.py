@@ -29,6 +29,8 @@ import torch
 
 from pyfedkern import models
 from pyfedkern.algorithms import Algorithm, LocalModel, make_algorithm
+from pyfedkern.algorithms.attacks import parse_attack
+from pyfedkern.algorithms.base import check_robust
 from pyfedkern.algorithms.batched import (
     can_batch,
     choose_layout,
@@ -37,6 +39,7 @@ from pyfedkern.algorithms.batched import (
     is_image_batch,
     padding_weights,
 )
+from pyfedkern.algorithms.robust import parse_aggregator
 from pyfedkern.ops import seeded_permutations
 from pyfedkern.sim.config import (
     ExperimentConfig,
@@ -94,6 +97,9 @@ class Simulation:
         self.weight_decay = config.weight_decay
         self._lr_schedule = parse_lr_schedule(config.lr_schedule)
         self.algorithm = algorithm or make_algorithm(config.algorithm, **config.algorithm_params)
+        #: The server's rule and the Byzantine clients (FLContext.aggregator and .attack, read by Algorithm.round).
+        self.aggregator, self.attack = parse_aggregator(config.aggregator), parse_attack(config.attack)
+        check_robust(type(self.algorithm), self.aggregator, self.attack)
         if parts is None:
             parts = parts_from_config(config, int(getattr(self.algorithm, "public_per_class", 0)))
         self.parts = parts
