@@ -17,6 +17,7 @@ LAYERS = {
     "ops": 3,
     "flat": 3,
     "persample": 4,
+    "dpsgd": 4,
     "testing": 4,
     "data": 5,
     "models": 5,

@@ -1,0 +1,242 @@
+"""Local DP-SGD (pyfedkern.dpsgd): book-keeping clipped sums against per-sample gradients (Opacus and a plain
+per-sample loop), the noise stream, and misuse."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pyfedkern.dpsgd import DPSGD, units
+from pyfedkern.models import build_model
+
+
+def _clip_reference(per_sample: list[torch.Tensor], clip: float) -> list[torch.Tensor]:
+    """Σ_n min(1, C/‖g_n‖)·g_n from per-sample gradients [B, *shape] of each parameter (plain torch)."""
+    B = per_sample[0].shape[0]
+    norms = torch.stack([g.reshape(B, -1).square().sum(1) for g in per_sample]).sum(0).sqrt()
+    factors = torch.clamp(clip / norms, max=1.0)
+    return [torch.einsum("b,b...->...", factors, g) for g in per_sample]
+
+
+def _loop_per_sample(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
+    """Per-sample gradients of cross-entropy, one backward per sample."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    per = [torch.autograd.grad(F.cross_entropy(model(x[i : i + 1]), y[i : i + 1]), params) for i in range(len(x))]
+    return [torch.stack([g[j] for g in per]) for j in range(len(params))]
+
+
+class _Tokens(nn.Module):
+    def __init__(self, padding_idx: int | None = None) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 6, padding_idx=padding_idx)
+        self.conv = nn.Conv1d(6, 5, 3, padding="same")
+        self.norm = nn.LayerNorm(5)
+        self.out = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv(self.embed(x).transpose(1, 2)).transpose(1, 2)
+        return self.out(self.norm(h).mean(1))
+
+
+class _Image(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, stride=2, padding=1)
+        self.norm = nn.GroupNorm(2, 8)
+        self.conv2 = nn.Conv2d(8, 4, 3, padding="same", bias=False)
+        self.conv1 = nn.Conv1d(4, 4, 2, stride=2, dilation=1)
+        self.out = nn.Linear(4 * 8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv2(torch.relu(self.norm(self.conv(x))))
+        return self.out(self.conv1(h.flatten(2)).flatten(1))
+
+
+class _Recurrent(nn.Module):
+    def __init__(self, cell: type) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(9, 4)
+        self.rnn = cell(4, 5, 2, batch_first=True)
+        self.out = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, _ = self.rnn(self.embed(x))
+        return self.out(h[:, -1])
+
+
+def _tokens(B: int, T: int, vocab: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (B, T), generator=gen)
+    ids[0, :2] = ids[0, 2]  # repeated tokens within a sample
+    return ids
+
+
+CASES = {
+    "tokens": (_Tokens, lambda: _tokens(7, 6, 11, 1)),
+    "image": (_Image, lambda: torch.randn(7, 3, 8, 8, dtype=torch.float64)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("clip", [0.05, 1e6])
+def test_clipped_sum_equals_opacus(case, clip):
+    """σ = 0: the book-keeping sum equals Opacus 1.6's GradSampleModule per-sample gradients, clipped (Linear,
+    Conv1d, Conv2d, Embedding, LayerNorm, GroupNorm; clipped and unclipped)."""
+    opacus = pytest.importorskip("opacus")
+    torch.manual_seed(0)
+    build, inputs = CASES[case]
+    model = build().double()
+    x, y = inputs(), torch.randint(0, 3, (7,))
+    sums, norms, _ = DPSGD(clip, 0.0).clipped_sum(model, F.cross_entropy, x, y)
+    wrapped = opacus.GradSampleModule(model, loss_reduction="sum")
+    F.cross_entropy(wrapped(x), y, reduction="sum").backward()
+    per_sample = [p.grad_sample for p in model.parameters()]
+    wrapped._close()
+    expected = _clip_reference(per_sample, clip)
+    for got, want in zip(sums, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    want_norms = torch.stack([g.reshape(7, -1).square().sum(1) for g in per_sample]).sum(0).sqrt()
+    torch.testing.assert_close(norms, want_norms, rtol=1e-10, atol=1e-12)
+
+
+def test_embedding_padding_row_has_no_gradient():
+    """A padding_idx row gets no gradient, as in torch's own backward (Opacus 1.6 gives it one)."""
+    torch.manual_seed(5)
+    model = _Tokens(padding_idx=0).double()
+    x, y = _tokens(6, 5, 11, 4), torch.randint(0, 3, (6,))
+    x[1, 3] = 0
+    sums, _, _ = DPSGD(0.2, 0.0).clipped_sum(model, F.cross_entropy, x, y)
+    for got, want in zip(sums, _clip_reference(_loop_per_sample(model, x, y), 0.2), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    assert not sums[0][0].any()
+
+
+@pytest.mark.parametrize("cell", [nn.LSTM, nn.GRU])
+def test_recurrent_layers_equal_per_sample_loop(cell, caplog):
+    """LSTM/GRU go through torch.func (named in a log line) and equal one backward per sample."""
+    torch.manual_seed(1)
+    model = _Recurrent(cell).double()
+    x, y = _tokens(5, 6, 9, 2), torch.randint(0, 3, (5,))
+    with caplog.at_level(logging.INFO, logger="pyfedkern"):
+        sums, _, _ = DPSGD(0.1, 0.0).clipped_sum(model, F.cross_entropy, x, y)
+    for got, want in zip(sums, _clip_reference(_loop_per_sample(model, x, y), 0.1), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    assert any("torch.func" in r.message and cell.__name__ in r.message for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    "name,shape,kwargs",
+    [
+        ("simple_cnn", (3, 10, 10), {"dropout": False}),
+        ("mlp", (12,), {}),
+        ("lstm", (6,), {"hidden": 8}),
+        ("resnet18", (3, 8, 8), {}),
+        ("transformer", (6,), {"dim": 8, "heads": 2, "ff": 16}),
+    ],
+)
+def test_builtin_models_equal_per_sample_loop(name, shape, kwargs):
+    torch.manual_seed(2)
+    model = build_model(name, shape, 4, **kwargs).double()
+    B = 3
+    x = _tokens(B, shape[0], 4, 3) if name in ("lstm", "transformer") else torch.randn(B, *shape, dtype=torch.float64)
+    y = torch.randint(0, 4, (B,))
+    sums, _, total = DPSGD(0.3, 0.0).clipped_sum(model, F.cross_entropy, x, y)
+    for got, want in zip(sums, _clip_reference(_loop_per_sample(model, x, y), 0.3), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(total, F.cross_entropy(model(x), y, reduction="sum"))
+
+
+def test_gradient_writes_mean_plus_noise_into_the_flat_buffer():
+    """gradient_: (clipped sum + σC·ξ)/b in .grad; the noise has standard deviation σC/b, is reproducible per key,
+    differs between keys, does not depend on the thread count, and a Poisson step divides by the expected size."""
+    torch.manual_seed(3)
+    model = nn.Linear(300, 100).double()
+    x, y = torch.randn(4, 300, dtype=torch.float64), torch.randint(0, 100, (4,))
+    dp = DPSGD(0.5, 2.0, seed=7)
+    flat = torch.zeros(sum(p.numel() for p in model.parameters()), dtype=torch.float64)
+    offset = 0
+    for p in model.parameters():
+        p.grad = flat[offset : offset + p.numel()].view_as(p)
+        offset += p.numel()
+    clean, _, _ = DPSGD(0.5, 0.0).clipped_sum(model, F.cross_entropy, x, y)
+    clean_flat = torch.cat([c.reshape(-1) for c in clean]) / 4
+    dp.gradient_(model, F.cross_entropy, x, y, (1, 2, 3), flat)
+    noise = (flat - clean_flat) * 4 / (2.0 * 0.5)  # ξ ~ N(0, I)
+    assert abs(float(noise.std()) - 1.0) < 0.03 and abs(float(noise.mean())) < 0.03
+    first = flat.clone()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        dp.gradient_(model, F.cross_entropy, x, y, (1, 2, 3), flat)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(flat, first, rtol=1e-12, atol=1e-12)
+    dp.gradient_(model, F.cross_entropy, x, y, (1, 2, 4), flat)
+    assert not torch.allclose(flat, first)
+    poisson = DPSGD(0.5, 2.0, seed=7, expected_batch=8.0)
+    poisson.gradient_(model, F.cross_entropy, x, y, (1, 2, 3), flat)
+    torch.testing.assert_close(flat, first * 4 / 8, rtol=1e-12, atol=1e-12)
+
+
+def test_noise_standard_deviation_over_many_keys():
+    dp = DPSGD(1.5, 0.8, seed=0)
+    draws = torch.stack([dp.add_noise_(torch.zeros(50), (0, 0, s), 0.5) for s in range(400)])
+    assert abs(float(draws.std()) / (0.8 * 1.5 * 0.5) - 1.0) < 0.02
+
+
+def test_penalty_is_added_unclipped():
+    torch.manual_seed(4)
+    model = nn.Linear(5, 3).double()
+    x, y = torch.randn(6, 5, dtype=torch.float64), torch.randint(0, 3, (6,))
+    dp = DPSGD(0.01, 0.0)
+    dp.gradient_(model, F.cross_entropy, x, y, (0,))
+    plain = [p.grad.clone() for p in model.parameters()]
+    dp.gradient_(model, F.cross_entropy, x, y, (0,), penalty=lambda m: 0.5 * m.weight.square().sum())
+    torch.testing.assert_close(model.weight.grad, plain[0] + model.weight.detach())
+    torch.testing.assert_close(model.bias.grad, plain[1])
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"clip": 0.0, "noise_multiplier": 1.0}, "clip"),
+        ({"clip": float("inf"), "noise_multiplier": 1.0}, "clip"),
+        ({"clip": float("nan"), "noise_multiplier": 1.0}, "clip"),
+        ({"clip": 1.0, "noise_multiplier": -1.0}, "noise_multiplier"),
+        ({"clip": 1.0, "noise_multiplier": float("nan")}, "noise_multiplier"),
+        ({"clip": 1.0, "noise_multiplier": 1.0, "seed": -1}, "seed"),
+        ({"clip": 1.0, "noise_multiplier": 1.0, "expected_batch": 0}, "expected_batch"),
+    ],
+)
+def test_bad_settings(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DPSGD(**kwargs)
+
+
+def test_batchnorm_in_training_mode_is_refused_by_name():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4 * 36, 2))
+    with pytest.raises(ValueError, match=r"1 is a BatchNorm2d in training mode"):
+        units(model)
+    model.eval()
+    assert [u.name for u in units(model)] == ["0", "1", "3"]
+
+
+def test_shared_parameters_and_unhandled_layers_are_refused():
+    lin = nn.Linear(3, 3)
+    with pytest.raises(ValueError, match="called more than once"):
+        DPSGD(1.0, 0.0).clipped_sum(nn.Sequential(lin, lin), F.cross_entropy, torch.randn(2, 3), torch.tensor([0, 1]))
+
+    class Odd(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.w * float(x.sum())  # .item()-like: torch.func cannot run it
+
+    with pytest.raises(TypeError, match="Odd"):
+        DPSGD(1.0, 0.0).clipped_sum(Odd(), F.cross_entropy, torch.randn(2, 3), torch.tensor([0, 1]))
