@@ -50,6 +50,7 @@ import numpy as np
 import torch
 
 from pyfedkern import ops
+from pyfedkern.reference import robust as robust_ops  # TODO(D2): pyfedkern.ops.robust once it lands
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 MODEL_KEY = "model"
@@ -717,6 +718,175 @@ class FedSpeed(FedAvg):
         super().__init__(*args, **kwargs)
 
 
+# Byzantine-robust strategies ------------------------------------------------------------------------------
+
+
+def _robust_layer(views: list[np.ndarray], rule: Callable[[list[np.ndarray]], np.ndarray]) -> np.ndarray:
+    """``rule`` (a :mod:`pyfedkern.ops.robust` op on K rows) per coordinate of one array of K replies, in the dtype
+    NumPy's own rule would give: float32/float64 arrays of one dtype are read in place as rows; other dtypes and
+    mixed ones are stacked and taken in float64 (cast to the dtype ``np.median`` returns for them)."""
+    first = views[0]
+    _check_shapes(views)
+    if first.dtype in _FLOATS and all(v.dtype == first.dtype for v in views):
+        if first.size == 0:
+            return np.empty(first.shape, dtype=first.dtype)
+        return np.asarray(rule([v.reshape(-1) for v in views])).reshape(first.shape)
+    stacked = np.stack(views)
+    dtype = np.median(stacked.reshape(len(views), -1)[:, :0], axis=0).dtype  # NumPy's result dtype
+    rows = stacked.reshape(len(views), -1).astype(np.float64)
+    return np.asarray(rule(list(rows))).reshape(first.shape).astype(dtype)
+
+
+def _check_count(value: Any, name: str, least: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+        raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+    return int(value)
+
+
+class _RobustFedAvg(FedAvg):
+    """A :class:`FedAvg` whose round combines the replies with a robust rule instead of their mean: the round's
+    replies are kept (zero-copy views of their bytes, K models of memory where the mean streams in one), replies
+    with NaN or inf are left out as failed nodes (:class:`RoundRecord`), and :meth:`combine` gives the new arrays
+    and the replies whose metrics count."""
+
+    def combine(self, running: _RunningMean) -> tuple[dict[str, np.ndarray] | None, list[int]]:
+        """(the new arrays, or None to skip the round; positions of the replies whose metrics the round reports)."""
+        raise NotImplementedError
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        running, metrics = self.stream_train(server_round, list(replies))
+        if running.count == 0:
+            return None, None
+        arrays, chosen = self.combine(running)
+        if arrays is None:
+            return None, None
+        return _record(arrays), self._metrics([metrics[k] for k in chosen])
+
+    def _krum_rows(self, running: _RunningMean) -> list[np.ndarray]:
+        """Each reply's arrays as one row (a view when it has one float array; else concatenated, as Flower)."""
+        views = running.views
+        if len(views) == 1:
+            (arrays,) = views.values()
+            if all(a.dtype in _FLOATS and a.dtype == arrays[0].dtype for a in arrays):
+                return [a.reshape(-1) for a in arrays]
+        return [np.concatenate([views[name][k].reshape(-1) for name in views]) for k in range(running.count)]
+
+    def _select(self, running: _RunningMean, f: int, m: int) -> list[int]:
+        """Multi-Krum's choice: the m replies of lowest Krum score, lowest first (ties: the earlier reply)."""
+        return [int(k) for k in robust_ops.krum_select(self._krum_rows(running), f, m=m)]
+
+
+class FedMedian(_RobustFedAvg):
+    """``flwr.serverapp.strategy.FedMedian`` on :func:`pyfedkern.ops.robust.coordinate_median`: each array the
+    coordinate-wise median of the replies' (the mean of the two middle values for an even count, as ``np.median``),
+    the weights ignored; Flower's results bit for bit for float32/float64 arrays. Same arguments as :class:`FedAvg`."""
+
+    def combine(self, running):
+        arrays = {name: _robust_layer(views, robust_ops.coordinate_median) for name, views in running.views.items()}
+        return arrays, list(range(running.count))
+
+
+class FedTrimmedAvg(_RobustFedAvg):
+    """``flwr.serverapp.strategy.FedTrimmedAvg`` on :func:`pyfedkern.ops.robust.trimmed_mean`: per coordinate the
+    mean after dropping the ⌊β·K⌋ smallest and largest of the K replies' values (Flower's results to rounding: the
+    kept values are summed in float64).
+
+    Args:
+        beta: the fraction β cut at each end, 0 ≤ β < 0.5 (Flower's default 0.2).
+    """
+
+    def __init__(self, *args: Any, beta: float = 0.2, **kwargs: Any) -> None:
+        if isinstance(beta, bool) or not isinstance(beta, numbers.Real) or not 0.0 <= beta < 0.5:
+            raise ValueError(f"beta must be in the range [0, 0.5), got {beta!r}")
+        super().__init__(*args, **kwargs)
+        self.beta = float(beta)
+
+    def combine(self, running):
+        def trimmed(rows):
+            return robust_ops.trimmed_mean(rows, self.beta)
+
+        arrays = {name: _robust_layer(views, trimmed) for name, views in running.views.items()}
+        return arrays, list(range(running.count))
+
+
+class MultiKrum(_RobustFedAvg):
+    """``flwr.serverapp.strategy.MultiKrum`` on :func:`pyfedkern.ops.robust.krum_select` (the pairwise distances
+    through one Gram product): the ``num_nodes_to_select`` replies of lowest Krum score (the sum of squared
+    distances to its max(1, K − f − 2) nearest others), averaged with the weights of ``weighted_by_key`` in that
+    order, as Flower's ``aggregate_arrayrecords`` (float32/float64 arrays bit for bit); the round's metrics are the
+    chosen replies'.
+
+    Args:
+        num_malicious_nodes: f ≥ 0.
+        num_nodes_to_select: m ≥ 1 (1: Krum).
+    """
+
+    def __init__(self, *args: Any, num_malicious_nodes: int = 0, num_nodes_to_select: int = 1, **kwargs: Any) -> None:
+        self.num_malicious_nodes = _check_count(num_malicious_nodes, "num_malicious_nodes", 0)
+        self.num_nodes_to_select = _check_count(num_nodes_to_select, "num_nodes_to_select", 1)
+        super().__init__(*args, **kwargs)
+
+    def combine(self, running):
+        chosen = self._select(running, self.num_malicious_nodes, min(self.num_nodes_to_select, running.count))
+        weights = [running.weights[k] for k in chosen]
+        total = sum(weights)
+        if not total > 0:
+            raise ValueError(f"the chosen replies' {self.weighted_by_key!r} must have a positive sum, got {total}")
+        factors = [w / total for w in weights]
+        arrays = {name: _flower_layer_sum([views[k] for k in chosen], factors) for name, views in running.views.items()}
+        return arrays, chosen
+
+
+class Krum(MultiKrum):
+    """``flwr.serverapp.strategy.Krum``: :class:`MultiKrum` choosing one reply (the new arrays are its own).
+
+    Args:
+        num_malicious_nodes: f ≥ 0.
+    """
+
+    def __init__(self, *args: Any, num_malicious_nodes: int = 0, **kwargs: Any) -> None:
+        super().__init__(*args, num_malicious_nodes=num_malicious_nodes, num_nodes_to_select=1, **kwargs)
+
+
+class Bulyan(_RobustFedAvg):
+    """``flwr.serverapp.strategy.Bulyan`` with Multi-Krum's selection on :func:`pyfedkern.ops.robust.krum_select`:
+    θ = K − 2f replies of lowest Krum score, then per coordinate the mean of the β = θ − 2f of their values nearest
+    their median (:func:`pyfedkern.ops.robust.coordinate_median`), as Flower's (its results to rounding; values
+    equally near the median may be taken in another order). With fewer than 4f + 3 replies the round is skipped (a
+    warning), as Flower's; the round's metrics are the θ chosen replies'.
+
+    Args:
+        num_malicious_nodes: f ≥ 0.
+    """
+
+    def __init__(self, *args: Any, num_malicious_nodes: int = 0, **kwargs: Any) -> None:
+        self.num_malicious_nodes = _check_count(num_malicious_nodes, "num_malicious_nodes", 0)
+        super().__init__(*args, **kwargs)
+
+    def combine(self, running):
+        f, count = self.num_malicious_nodes, running.count
+        if count < 4 * f + 3:
+            warnings.warn(
+                f"Bulyan skips the round: it needs at least {4 * f + 3} replies (4·num_malicious_nodes + 3), "
+                f"got {count}",
+                stacklevel=3,
+            )
+            return None, []
+        theta = count - 2 * f
+        beta = theta - 2 * f
+        chosen = self._select(running, f, theta)
+        arrays = {}
+        for name, views in running.views.items():
+            picked = [views[k] for k in chosen]
+            median = _robust_layer(picked, robust_ops.coordinate_median)
+            stacked = np.stack(picked)
+            nearest = np.argpartition(np.abs(stacked - median), beta - 1, axis=0)[:beta]
+            arrays[name] = np.mean(np.take_along_axis(stacked, nearest, axis=0), axis=0)
+        return arrays, chosen
+
+
 def _check_config(config: Any) -> None:
     from pyfedkern.sim.config import ExperimentConfig
 
@@ -1092,11 +1262,16 @@ __all__ = [
     "MODEL_KEY",
     "ArrivalGrid",
     "BHerd",
+    "Bulyan",
     "DynamicInit",
     "FedAvg",
+    "FedMedian",
     "FedPBC",
     "FedSpeed",
+    "FedTrimmedAvg",
+    "Krum",
     "LegacyFedAvg",
+    "MultiKrum",
     "RoundRecord",
     "aggregate",
     "aggregate_inplace",
