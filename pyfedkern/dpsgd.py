@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pyfedkern.ops.norms import per_sample_grad_norms
-from pyfedkern.persample import _loss_sum
+from pyfedkern.persample import _cross_entropy_options, _loss_sum
 
 logger = logging.getLogger("pyfedkern")
 
@@ -160,62 +161,97 @@ def _capture(
 
 
 class _Layer:
-    """Per-sample squared norms and clip-weighted gradient sums of one captured unit."""
+    """Per-sample squared norms and clip-weighted gradient sums of one captured unit.
 
-    def __init__(self, cap: _Captured, grads: list[torch.Tensor | None]) -> None:
-        self.unit, self.cap, self.grads = cap.unit, cap, grads
+    ``rows`` None: one model, the captured tensors [B, ...]. ``rows`` = k: k models (clients) captured under vmap,
+    the tensors [k, B, ...]; a fallback unit then reads each row's parameters from ``row_params`` (full names).
+    """
+
+    def __init__(
+        self,
+        cap: _Captured,
+        grads: list[torch.Tensor | None],
+        rows: int | None = None,
+        row_params: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        self.unit, self.rows = cap.unit, rows
         module = cap.unit.module
-        self.a = cap.args[0] if cap.args else None
-        self.g = grads[0]
         self._per_sample: dict[str, torch.Tensor] | None = None  # fallback, LayerNorm, GroupNorm
+        self.a = self.g = None
+        if cap.unit.fallback and rows is not None:
+            prefix = f"{cap.unit.name}." if cap.unit.name else ""
+            parts = []
+            for r in range(rows):
+                own = {n: row_params[prefix + n][r] for n, _ in cap.unit.params}
+                parts.append(_fallback_grads(_row(cap, r), [None if g is None else g[r] for g in grads], own))
+            self._per_sample = {n: torch.cat([part[n] for part in parts]) for n in parts[0]}
+            return
         if cap.unit.fallback:
             self._per_sample = _fallback_grads(cap, grads)
-        elif isinstance(module, (nn.LayerNorm, nn.GroupNorm)):
+            return
+        self.a, self.g = cap.args[0], grads[0]
+        if rows is not None:  # the samples of every row as one batch
+            self.a, self.g = self.a.flatten(0, 1), self.g.flatten(0, 1)
+        if isinstance(module, (nn.LayerNorm, nn.GroupNorm)):
             self._per_sample = _norm_layer_grads(module, self.a, self.g)
 
     def sq_norms(self) -> torch.Tensor:
+        """[k·B] squared norms of the unit's per-sample gradients."""
         module, a, g = self.unit.module, self.a, self.g
         if self._per_sample is not None:
-            B = next(iter(self._per_sample.values())).shape[0]
-            total = torch.zeros(B, dtype=torch.float64 if g is None else g.dtype, device=self._device())
-            for v in self._per_sample.values():
-                total = total + v.reshape(B, -1).square().sum(1)
-            return total
+            values = list(self._per_sample.values())
+            B = values[0].shape[0]
+            return torch.stack([v.reshape(B, -1).square().sum(1) for v in values]).sum(0)
         if isinstance(module, (nn.Linear, nn.Conv2d)):
             return per_sample_grad_norms(module, a, g, squared=True)
         if isinstance(module, nn.Conv1d):
             return per_sample_grad_norms(_conv1d_as_2d(module), a.unsqueeze(2), g.unsqueeze(2), squared=True)
         return _embedding_sq_norms(module, a, g)
 
-    def _device(self) -> torch.device:
-        return next(iter(self._per_sample.values())).device
-
     def clipped_sums(self, factors: torch.Tensor) -> dict[str, torch.Tensor]:
-        """{parameter name: Σ_n factors[n]·∇_param ℓ_n} for the unit's trainable parameters."""
+        """{parameter name: Σ_n factors[n]·∇_param ℓ_n} for the unit's trainable parameters, one sum per row
+        ([k, *shape]; [*shape] for one model). ``factors``: [k·B]."""
+        k = 1 if self.rows is None else self.rows
+        out: dict[str, torch.Tensor] = {}
         if self._per_sample is not None:
-            return {n: torch.tensordot(factors.to(v.dtype), v, dims=1) for n, v in self._per_sample.items()}
+            f = factors.reshape(k, -1)
+            for n, v in self._per_sample.items():
+                out[n] = torch.einsum("kb,kb...->k...", f.to(v.dtype), v.reshape(k, -1, *v.shape[1:]))
+            return out if self.rows is not None else {n: v[0] for n, v in out.items()}
         module, a = self.unit.module, self.a
         gc = self.g * factors.to(self.g.dtype).view(-1, *([1] * (self.g.dim() - 1)))
         wanted = dict(self.unit.params)
-        out: dict[str, torch.Tensor] = {}
         if isinstance(module, nn.Linear):
-            g2, a2 = gc.reshape(-1, gc.shape[-1]), a.reshape(-1, a.shape[-1])
+            g3, a3 = gc.reshape(k, -1, gc.shape[-1]), a.reshape(k, -1, a.shape[-1])
             if "weight" in wanted:
-                out["weight"] = g2.T @ a2
+                out["weight"] = torch.bmm(g3.mT, a3)
             if "bias" in wanted:
-                out["bias"] = g2.sum(0)
+                out["bias"] = g3.sum(1)
         elif isinstance(module, (nn.Conv1d, nn.Conv2d)):
             if "weight" in wanted:
-                out["weight"] = _conv_weight_grad(module, a, gc)
+                out["weight"] = _conv_weight_grads(module, a, gc, k)
             if "bias" in wanted:
-                out["bias"] = gc.sum([0, *range(2, gc.dim())])
-        else:  # Embedding
-            ids, rows = a.reshape(-1), gc.reshape(-1, gc.shape[-1])
+                out["bias"] = gc.reshape(k, -1, gc.shape[1], gc[0, 0].numel()).sum((1, 3))
+        else:  # Embedding: the rows' tables stacked, row r's token ids offset by r·V
+            V = module.num_embeddings
+            ids = (a.reshape(k, -1) + torch.arange(k, device=a.device)[:, None] * V).reshape(-1)
+            vecs = gc.reshape(-1, gc.shape[-1])
             if module.padding_idx is not None:
-                keep = ids != module.padding_idx
-                ids, rows = ids[keep], rows[keep]
-            out["weight"] = torch.zeros_like(module.weight).index_add_(0, ids, rows.to(module.weight.dtype))
-        return out
+                keep = a.reshape(-1) != module.padding_idx
+                ids, vecs = ids[keep], vecs[keep]
+            table = torch.zeros(k * V, module.embedding_dim, dtype=vecs.dtype, device=vecs.device)
+            out["weight"] = table.index_add_(0, ids, vecs).reshape(k, V, -1)
+        return out if self.rows is not None else {n: v[0] for n, v in out.items()}
+
+
+def _row(cap: _Captured, r: int) -> _Captured:
+    """Row r of a capture made under vmap over rows (every tensor's first dimension)."""
+
+    def pick(v: Any) -> Any:
+        return v[r] if isinstance(v, torch.Tensor) else v
+
+    args = tuple(torch.utils._pytree.tree_map(pick, list(cap.args)))
+    return _Captured(cap.unit, args, {k: pick(v) for k, v in cap.kwargs.items()}, cap.outputs)
 
 
 def _conv1d_as_2d(layer: nn.Conv1d) -> nn.Conv2d:
@@ -236,16 +272,22 @@ def _conv1d_as_2d(layer: nn.Conv1d) -> nn.Conv2d:
     return conv
 
 
-def _conv_weight_grad(layer: nn.Module, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """Σ over the batch of a Conv1d/Conv2d's weight gradient for input a and output gradient g (torch's kernel)."""
+def _conv_weight_grads(layer: nn.Module, a: torch.Tensor, g: torch.Tensor, k: int) -> torch.Tensor:
+    """[k, *weight shape]: each row's Σ over its samples of a Conv1d/Conv2d's weight gradient, for inputs a and output
+    gradients g of k rows' samples [k·B, C, ...] (torch's weight-gradient kernel, one group per row)."""
     padding = layer.padding
     if padding == "same":
         a = F.pad(a, layer._reversed_padding_repeated_twice)
         padding = 0
     elif padding == "valid":
         padding = 0
+    if k > 1:  # [k·B, C, ...] → [B, k·C, ...]: row r's channels are group r
+        a = a.reshape(k, -1, *a.shape[1:]).transpose(0, 1).flatten(1, 2)
+        g = g.reshape(k, -1, *g.shape[1:]).transpose(0, 1).flatten(1, 2)
     weight_grad = torch.nn.grad.conv1d_weight if isinstance(layer, nn.Conv1d) else torch.nn.grad.conv2d_weight
-    return weight_grad(a, layer.weight.shape, g, layer.stride, padding, layer.dilation, layer.groups)
+    shape = (k * layer.out_channels, *layer.weight.shape[1:])
+    grad = weight_grad(a, shape, g, layer.stride, padding, layer.dilation, k)
+    return grad.reshape(k, *layer.weight.shape)
 
 
 def _embedding_sq_norms(layer: nn.Embedding, ids: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -275,9 +317,12 @@ def _norm_layer_grads(module: nn.Module, a: torch.Tensor, g: torch.Tensor) -> di
     return out
 
 
-def _fallback_grads(cap: _Captured, grads: list[torch.Tensor | None]) -> dict[str, torch.Tensor]:
-    """Per-sample gradients {name: [B, *shape]} of a fallback unit's parameters: torch.func's vmap over samples of
-    the gradient of ⟨unit(inputs_n), output gradient_n⟩, the unit alone (its inputs held fixed)."""
+def _fallback_grads(
+    cap: _Captured, grads: list[torch.Tensor | None], params: dict[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
+    """Per-sample gradients {name: [B, *shape]} of a fallback unit's parameters (default: its own; ``params``: by
+    name relative to the unit): torch.func's vmap over samples of the gradient of ⟨unit(inputs_n), output
+    gradient_n⟩, the unit alone (its inputs held fixed)."""
     unit = cap.unit
     dims = _batch_dims(unit, len(cap.outputs))
     B = next(g.shape[d] for g, d in zip(grads, dims, strict=True) if g is not None)
@@ -304,7 +349,7 @@ def _fallback_grads(cap: _Captured, grads: list[torch.Tensor | None]) -> dict[st
             )
         arg_dims = [in_dim(v, 0) for v in args]
     kw_dims = [in_dim(cap.kwargs[k], 0) for k in keys]
-    params = {n: p.detach() for n, p in unit.params}
+    params = {n: p.detach() for n, p in unit.params} if params is None else params
 
     def one(v: Any, dim: Any) -> Any:  # a sample as a batch of one
         if isinstance(dim, tuple):
@@ -340,6 +385,140 @@ def _rnn_zero_state(module: nn.RNNBase, x: torch.Tensor) -> Any:
     layers = module.num_layers * (2 if module.bidirectional else 1)
     h = x.new_zeros(layers, B, module.proj_size or module.hidden_size)
     return (h, x.new_zeros(layers, B, module.hidden_size)) if isinstance(module, nn.LSTM) else h
+
+
+@dataclass(frozen=True)
+class _Leaf:
+    """A tensor of a unit's inputs or output, as seen on one model's batch (the probe of :func:`_probe`)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class _Probe:
+    """What each unit is called with and returns on one model's batch: the argument structure (non-tensor values
+    kept, tensors as None) and the output's tensors; None for a unit that is not called."""
+
+    calls: list[tuple[Any, list[Any], list[_Leaf]] | None]
+
+
+_PROBES: weakref.WeakKeyDictionary[nn.Module, dict[tuple, _Probe]] = weakref.WeakKeyDictionary()
+
+
+def _probe(model: nn.Module, found: list[_Unit], x: torch.Tensor) -> _Probe:
+    """The units' call structure on one model's batch ``x`` (one forward without gradients, kept per input shape)."""
+    cache = _PROBES.setdefault(model, {})
+    key = (tuple(x.shape), x.dtype, tuple(id(u.module) for u in found))
+    if key not in cache:
+        calls: list[Any] = [None] * len(found)
+
+        def hook(i: int) -> Callable:
+            def record(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
+                leaves, spec = torch.utils._pytree.tree_flatten((args, kwargs))
+                outs = [_Leaf(tuple(t.shape), t.dtype) for t in torch.utils._pytree.tree_leaves(out)]
+                kept = [None if isinstance(v, torch.Tensor) else v for v in leaves]
+                calls[i] = (spec, kept, outs)
+
+            return record
+
+        handles = [u.module.register_forward_hook(hook(i), with_kwargs=True) for i, u in enumerate(found)]
+        try:
+            with torch.no_grad():
+                model(x)
+        finally:
+            for h in handles:
+                h.remove()
+        cache[key] = _Probe(calls)
+    return cache[key]
+
+
+def _masked_loss_sum(loss_fn: Any, out: torch.Tensor, y: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Σ_n mask_n·ℓ_n (mask None: Σ_n ℓ_n) in out's autograd graph."""
+    if mask is None:
+        return _loss_sum(loss_fn, out, y)
+    options = _cross_entropy_options(loss_fn) if out.dim() == 2 else None
+    if options is not None:
+        return (F.cross_entropy(out, y, reduction="none", **options) * mask).sum()
+    losses = torch.func.vmap(lambda o, t: loss_fn(o.unsqueeze(0), t.unsqueeze(0)))(out, y)
+    return (losses * mask).sum()
+
+
+def _batched_capture(
+    model: nn.Module,
+    found: list[_Unit],
+    loss_fn: Any,
+    params: dict[str, torch.Tensor],
+    xb: torch.Tensor,
+    yb: torch.Tensor,
+    mask: torch.Tensor | None,
+) -> tuple[list[tuple[_Captured, list[torch.Tensor | None]]], torch.Tensor]:
+    """The capture of :func:`_capture` for k models at once (``params`` {name: [k, *shape]}, batches xb [k, B, ...],
+    yb [k, B]), under torch.func: each unit's output gets a zero probe added, whose gradient is the output gradient.
+    Returns ((unit capture, output gradients), [k, B, ...] tensors) for each unit called, and the [k] loss sums."""
+    k = xb.shape[0]
+    probe = _probe(model, found, xb[0])
+    floating = [[leaf.dtype.is_floating_point for leaf in c[2]] if c else [] for c in probe.calls]
+    zs = [
+        [
+            torch.zeros((k, *leaf.shape), dtype=leaf.dtype, device=xb.device)
+            for leaf in c[2]
+            if leaf.dtype.is_floating_point
+        ]
+        if c
+        else []
+        for c in probe.calls
+    ]
+
+    def objective(z: list, p: dict, x: torch.Tensor, y: torch.Tensor, m: torch.Tensor | None) -> tuple:
+        inputs: list[list[torch.Tensor]] = [[] for _ in found]
+
+        def hook(i: int) -> Callable:
+            def add_probe(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
+                leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+                inputs[i] = [v for v in leaves if isinstance(v, torch.Tensor)]
+                outs, spec = torch.utils._pytree.tree_flatten(out)
+                probes = iter(z[i])
+                outs = [o + next(probes) if f else o for o, f in zip(outs, floating[i], strict=True)]
+                return torch.utils._pytree.tree_unflatten(outs, spec)
+
+            return add_probe
+
+        handles = [u.module.register_forward_hook(hook(i), with_kwargs=True) for i, u in enumerate(found)]
+        try:
+            total = _masked_loss_sum(loss_fn, torch.func.functional_call(model, p, (x,)), y, m)
+        finally:
+            for h in handles:
+                h.remove()
+        return total, (inputs, total.detach())
+
+    step = torch.func.grad(objective, has_aux=True)
+    in_dims = (0, 0, 0, 0, None if mask is None else 0)
+    grads, (inputs, totals) = torch.func.vmap(step, in_dims=in_dims, randomness="different")(zs, params, xb, yb, mask)
+    result = []
+    for i, unit in enumerate(found):
+        call = probe.calls[i]
+        if call is None:
+            continue
+        spec, kept, outs = call
+        tensors = iter(inputs[i])
+        args, kwargs = torch.utils._pytree.tree_unflatten([next(tensors) if v is None else v for v in kept], spec)
+        g = iter(grads[i])
+        out_grads = [next(g) if leaf.dtype.is_floating_point else None for leaf in outs]
+        result.append((_Captured(unit, tuple(args), dict(kwargs), [None] * len(outs)), out_grads))
+    return result, totals
+
+
+class _Penalty(nn.Module):
+    """forward() = penalty(model), so that torch.func can swap the model's parameters under it."""
+
+    def __init__(self, model: nn.Module, penalty: Callable[[nn.Module], torch.Tensor]) -> None:
+        super().__init__()
+        self.model = model
+        self.penalty = [penalty]  # a plain list: not a submodule
+
+    def forward(self) -> torch.Tensor:
+        return self.penalty[0](self.model)
 
 
 @dataclass(frozen=True)
@@ -415,6 +594,91 @@ class DPSGD:
                 if n in named:
                     sums[id(p)] = named[n].to(p.dtype)
         return [sums.get(id(p), torch.zeros_like(p)) for p in trainable], norms, total
+
+    def batched_clipped_sums(
+        self,
+        model: nn.Module,
+        loss_fn: Any,
+        params: dict[str, torch.Tensor],
+        xb: torch.Tensor,
+        yb: torch.Tensor,
+        mask: torch.Tensor | None = None,
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+        """:meth:`clipped_sum` of k models at once, as one batched step (torch.func over the rows).
+
+        Args:
+            params: {name: [k, *shape]}: every trainable parameter of ``model`` (its ``named_parameters`` names),
+                row r model r's.
+            xb, yb: the rows' batches [k, B, ...], [k, B].
+            mask: [k, B] 1 on real samples, 0 on padding (padding adds nothing); None: all real.
+
+        Returns ({name: [k, *shape]} clipped sums, per-sample gradient norms [k, B], [k] loss sums).
+        """
+        found = units(model)
+        k, B = xb.shape[:2]
+        captured, totals = _batched_capture(model, found, loss_fn, params, xb, yb, mask)
+        layers = [_Layer(c, g, rows=k, row_params=params) for c, g in captured]
+        dtype = next(iter(params.values())).dtype
+        sq = torch.zeros(k * B, dtype=dtype, device=xb.device)
+        for layer in layers:
+            sq = sq + layer.sq_norms().to(dtype)
+        norms = sq.sqrt()
+        factors = torch.where(norms > self.clip, self.clip / norms, torch.ones_like(norms))
+        if mask is not None:
+            factors = factors * mask.reshape(-1).to(dtype)
+        sums: dict[str, torch.Tensor] = {}
+        for layer in layers:
+            prefix = f"{layer.unit.name}." if layer.unit.name else ""
+            for n, v in layer.clipped_sums(factors).items():
+                sums[prefix + n] = v.to(dtype)
+        out = {n: sums[n] if n in sums else torch.zeros_like(p) for n, p in params.items()}
+        return out, norms.reshape(k, B), totals
+
+    def batched_gradients(
+        self,
+        model: nn.Module,
+        loss_fn: Any,
+        params: dict[str, torch.Tensor],
+        xb: torch.Tensor,
+        yb: torch.Tensor,
+        keys: Sequence[Sequence[int]],
+        weights: torch.Tensor | None = None,
+        *,
+        penalty: Callable[[nn.Module], torch.Tensor] | None = None,
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """:meth:`gradient_` of k models at once: ({name: [k, *shape]} gradients, [k] objective values).
+
+        Row r's gradient is (its clipped sum + σC·ξ_r)/b_r plus ∇penalty at its parameters, ξ_r from the stream
+        ``keys[r]`` drawn over the parameters in ``params``' order: with ``params`` in the flat layout's order, the
+        loop's gradient for the same key. ``weights`` [k, B]: > 0 on row r's b_r real samples, 0 on its padding
+        (None: every row has B samples).
+        """
+        k, B = xb.shape[:2]
+        dtype = next(iter(params.values())).dtype
+        mask = None if weights is None else (weights > 0).to(dtype)
+        sums, _, totals = self.batched_clipped_sums(model, loss_fn, params, xb, yb, mask)
+        sizes = torch.full((k,), float(B), dtype=dtype, device=xb.device) if mask is None else mask.sum(1)
+        b = sizes if self.expected_batch is None else torch.full_like(sizes, float(self.expected_batch))
+        b = torch.where(b > 0, b, torch.ones_like(b))
+        flat = torch.cat([sums[n].reshape(k, -1) for n in params], 1).div_(b[:, None])
+        for r, scale in enumerate((1.0 / b).tolist()):
+            self.add_noise_(flat[r], keys[r], scale)
+        losses = totals.to(torch.float64) / sizes.to(torch.float64)
+        if penalty is not None:
+            wrapper = _Penalty(model, penalty)
+
+            def value(p: dict[str, torch.Tensor]) -> torch.Tensor:
+                return torch.func.functional_call(wrapper, {f"model.{n}": v for n, v in p.items()}, ())
+
+            extra, values = torch.func.vmap(torch.func.grad_and_value(value))(params)
+            flat += torch.cat([extra[n].reshape(k, -1) for n in params], 1)
+            losses = losses + values.detach().to(torch.float64)
+        out, offset = {}, 0
+        for n, p in params.items():
+            size = p[0].numel()
+            out[n] = flat[:, offset : offset + size].view_as(p)
+            offset += size
+        return out, losses
 
     def gradient_(
         self,

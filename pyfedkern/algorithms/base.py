@@ -99,6 +99,8 @@ class FLContext(Protocol):
     # - aggregator (str or pyfedkern.algorithms.robust.Aggregator, default "mean"): the server's rule for the
     #   algorithm's robust_vectors (Algorithm.round); attack (str or pyfedkern.algorithms.attacks.Attack, default
     #   None): Byzantine participants (Algorithm.round).
+    # - dpsgd (pyfedkern.dpsgd.DPSGD, default None): local DP-SGD; every local step's minibatch gradient is its
+    #   clipped per-sample sum plus noise keyed by (round, client, step), on the loop and the batched path alike.
 
     def rng(self, *keys: int) -> np.random.Generator:
         """An independent random stream for (seed, ``*keys``)."""
@@ -649,14 +651,18 @@ def local_sgd(
     wd = ctx.weight_decay if weight_decay is None else weight_decay
     momentum_buf: torch.Tensor | None = None
     total, n = 0.0, 0
-    plain = correction is None and on_gradient is None and not wd and not ctx.momentum
+    dp = getattr(ctx, "dpsgd", None)
+    plain = dp is None and correction is None and on_gradient is None and not wd and not ctx.momentum
     for n, (xb, yb) in enumerate(
         ctx.batches(cid, t, epochs=epochs, steps=steps, order=order, drop_last=drop_last), start=1
     ):
         if plain:  # x ← x − lr·g without the flat gradient
             total += local.sgd_step_(xb, yb, lr)
             continue
-        total += local.loss_and_grad(xb, yb)
+        if dp is not None:  # the noise of step n - 1 of client cid in round t
+            total += local.private_loss_and_grad(dp, xb, yb, (t, cid, n - 1))
+        else:
+            total += local.loss_and_grad(xb, yb)
         if on_gradient is not None:
             on_gradient(n - 1, g)
         if wd:

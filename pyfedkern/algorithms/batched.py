@@ -675,7 +675,10 @@ class BatchedLocal:
         self.steps = np.asarray(self.batches.steps, dtype=np.int64)
         self.index = torch.as_tensor(self.clients, device=ctx.device)
         self.lr = ctx.lr(t) if lr is None else lr
+        self.t = t
         self.trainer = trainer_for(ctx.local)
+        #: local DP-SGD (``ctx.dpsgd``): every step's gradients are private ones, noise keyed by (t, client, step)
+        self.dp = getattr(ctx, "dpsgd", None)
         self.loss_sum = torch.zeros(len(self.clients), dtype=torch.float64, device=ctx.device)
         #: a distillation teacher (module) and weight, when the context's model has them (dynamic's Continuous)
         self.teacher = getattr(ctx.local, "teacher", None)
@@ -704,12 +707,29 @@ class BatchedLocal:
     def gradients(self, step: Step, x: torch.Tensor | None = None, *, record: bool = True) -> torch.Tensor:
         """Gradients [rows, d] of the step's rows at ``x`` (default: their models) on their minibatches; their
         losses are added to ``loss_sum`` unless ``record`` is False."""
-        g, losses = self.trainer.gradients(
-            step.x if x is None else x, step.xb, step.yb, step.wb, step.soft, self.kd_weight
-        )
+        if self.dp is not None:
+            g, losses = self._private_gradients(step, step.x if x is None else x)
+        else:
+            g, losses = self.trainer.gradients(
+                step.x if x is None else x, step.xb, step.yb, step.wb, step.soft, self.kd_weight
+            )
         if record:
             self.loss_sum[: step.rows] += losses
         return g
+
+    def _private_gradients(self, step: Step, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """DP-SGD gradients [rows, d] and losses [rows] of the step's rows at x, as one batched step
+        (:meth:`pyfedkern.dpsgd.DPSGD.batched_gradients`); row r's noise is the loop's for client ``clients[r]``."""
+        if step.soft is not None:
+            raise ValueError("dpsgd: local DP-SGD with a distillation teacher is not supported")
+        local, rows = self.ctx.local, x.shape[0]
+        params = {e.name: x[:, e.offset : e.offset + e.numel].view(rows, *e.shape) for e in self.trainer.entries}
+        keys = [(self.t, int(c), step.index) for c in self.clients[:rows]]
+        local.module.train()
+        grads, losses = self.dp.batched_gradients(
+            local.module, local.loss, params, step.xb, step.yb, keys, step.wb, penalty=local.penalty
+        )
+        return torch.cat([grads[e.name].reshape(rows, -1) for e in self.trainer.entries], dim=1), losses
 
     def sgd_(
         self,

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pyfedkern.dpsgd import DPSGD
 from pyfedkern.flat import FlatParameters
 
 
@@ -67,6 +68,13 @@ class LocalModel:
         loss = self.objective(self.module(x), y)
         loss.backward()
         return float(loss.detach())
+
+    def private_loss_and_grad(self, dp: DPSGD, x: torch.Tensor, y: torch.Tensor, key: tuple[int, ...]) -> float:
+        """Set ``flat.grad`` to a DP-SGD gradient of one batch (:meth:`pyfedkern.dpsgd.DPSGD.gradient_`: clipped
+        per-sample sum plus noise from the stream ``key``, over the batch size, plus the penalty's gradient); return
+        the objective's value."""
+        self.module.train()
+        return dp.gradient_(self.module, self.loss, x, y, key, self.flat.grad, penalty=self.penalty)
 
     def sgd_step_(self, x: torch.Tensor, y: torch.Tensor, lr: float) -> float:
         """One plain SGD step on a batch, p ← p − lr·∇p of the objective; return the objective's value.
