@@ -33,7 +33,7 @@ def make_strategy(config):
         return pf.FedSpeed(**common)
     if config.algorithm == "dynamic":
         return pf.DynamicInit(config, **common)
-    return pf.FedAvg(**common)
+    return pf.robust_strategy(config.aggregator, **common)  # FedAvg for the default aggregator, mean
 
 
 def evaluate_each_round(config, pause_dir: str):

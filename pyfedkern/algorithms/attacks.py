@@ -90,6 +90,7 @@ class Attack:
         rows.index_copy_(0, index, bad + centre)
 
     def parameter_or_default(self) -> float:
+        """σ, s or ε: the given parameter or the attack's default."""
         return _DEFAULTS[self.name] if self.parameter is None else self.parameter
 
 

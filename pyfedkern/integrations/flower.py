@@ -887,6 +887,32 @@ class Bulyan(_RobustFedAvg):
         return arrays, chosen
 
 
+def robust_strategy(aggregator: str, **kwargs: Any) -> FedAvg:
+    """The strategy of a run config's ``aggregator`` (:mod:`pyfedkern.algorithms.robust`): :class:`FedMedian` for
+    ``median``, :class:`FedTrimmedAvg` for ``trimmed:β``, :class:`Krum`, :class:`MultiKrum` and :class:`Bulyan` for
+    ``krum:f``, ``multikrum:f,m`` and ``bulyan:f``, :class:`FedAvg` for ``mean``; ``kwargs`` go to its constructor.
+    The simulator's ``geomed`` and ``cclip`` have no Flower strategy (a ValueError naming ``aggregator``)."""
+    from pyfedkern.algorithms.robust import parse_aggregator
+
+    rule = parse_aggregator(aggregator)
+    if rule.rule == "mean":
+        return FedAvg(**kwargs)
+    if rule.rule == "median":
+        return FedMedian(**kwargs)
+    if rule.rule == "trimmed":
+        return FedTrimmedAvg(beta=rule.beta, **kwargs)
+    if rule.rule == "krum":
+        return Krum(num_malicious_nodes=rule.f, **kwargs)
+    if rule.rule == "multikrum":
+        return MultiKrum(num_malicious_nodes=rule.f, num_nodes_to_select=rule.m, **kwargs)
+    if rule.rule == "bulyan":
+        return Bulyan(num_malicious_nodes=rule.f, **kwargs)
+    raise ValueError(
+        f"aggregator {rule.spec!r} has no Flower strategy (Flower runs take mean, median, trimmed:β, krum:f, "
+        "multikrum:f,m and bulyan:f)"
+    )
+
+
 def _check_config(config: Any) -> None:
     from pyfedkern.sim.config import ExperimentConfig
 
@@ -1082,7 +1108,8 @@ def config_from_run_config(run_config: dict[str, Any]) -> Any:
 
     Keys are ExperimentConfig fields with ``-`` for ``_`` (``local-steps``, ``lr-schedule``, ...);
     ``algorithm-params`` and ``model-params`` are JSON objects; ``local-steps = 0`` (and ``client-chunk = 0``) means
-    unset; other keys are ignored (they belong to the app).
+    unset; other keys are ignored (they belong to the app). ``aggregator`` chooses the server's strategy
+    (:func:`robust_strategy`); ``attack`` is refused (the simulator's Byzantine clients).
     """
     from pyfedkern.sim.config import ExperimentConfig
 
@@ -1102,6 +1129,11 @@ def config_from_run_config(run_config: dict[str, Any]) -> Any:
         values[name] = value
     config = ExperimentConfig(**values)
     config.validate()
+    if config.attack is not None and config.attack.strip().lower() != "none":
+        raise ValueError(
+            f"attack {config.attack!r} is a simulator setting: Flower runs have no Byzantine clients (remove it from "
+            "the run config)"
+        )
     return config
 
 
@@ -1283,5 +1315,6 @@ __all__ = [
     "initial_arrays",
     "make_client_app",
     "mean_metrics",
+    "robust_strategy",
     "server_evaluation",
 ]

@@ -164,3 +164,30 @@ def test_a_reply_holding_nan_is_left_out_as_a_failed_node():
 def test_bad_arguments_are_named(make, match):
     with pytest.raises(ValueError, match=match):
         make()
+
+
+@pytest.mark.parametrize(
+    ("spec", "cls", "settings"),
+    [
+        ("mean", pf.FedAvg, {}),
+        ("median", pf.FedMedian, {}),
+        ("trimmed:0.1", pf.FedTrimmedAvg, {"beta": 0.1}),
+        ("krum:2", pf.Krum, {"num_malicious_nodes": 2, "num_nodes_to_select": 1}),
+        ("multikrum:1,4", pf.MultiKrum, {"num_malicious_nodes": 1, "num_nodes_to_select": 4}),
+        ("bulyan:3", pf.Bulyan, {"num_malicious_nodes": 3}),
+    ],
+)
+def test_the_run_config_s_aggregator_chooses_the_strategy(spec, cls, settings):
+    config = pf.config_from_run_config({"aggregator": spec, "rounds": 2})
+    strategy = pf.robust_strategy(config.aggregator, min_train_nodes=1)
+    assert type(strategy) is cls and strategy.min_train_nodes == 1
+    assert all(getattr(strategy, key) == value for key, value in settings.items())
+
+
+def test_the_run_config_refuses_what_flower_cannot_run():
+    with pytest.raises(ValueError, match="aggregator 'geomed' has no Flower strategy"):
+        pf.robust_strategy("geomed")
+    with pytest.raises(ValueError, match=r"attack 'signflip:0\.2' is a simulator setting"):
+        pf.config_from_run_config({"attack": "signflip:0.2"})
+    with pytest.raises(ValueError, match="unknown aggregator 'avg'"):
+        pf.config_from_run_config({"aggregator": "avg"})
