@@ -15,4 +15,5 @@ PYBIND11_MODULE(_C, m) {
   pfk::bind_fedspeed(m);
   pfk::bind_herding(m);
   pfk::bind_similarity(m);
+  pfk::bind_robust(m);
 }

@@ -10,6 +10,15 @@ from pyfedkern.ops.fedspeed import fedspeed_round_end_, fedspeed_update_, sam_pe
 from pyfedkern.ops.herding import GrabBalancer, centred_gram, grab_select, herding_order, herding_select
 from pyfedkern.ops.norms import FeatureNorms, class_feature_norms, per_sample_grad_norms, row_norms
 from pyfedkern.ops.pbc import mifa_update_, pbc_agg_bcast_, weighted_delta_
+from pyfedkern.ops.robust import (
+    bulyan,
+    centred_clip,
+    coordinate_median,
+    geometric_median,
+    krum_scores,
+    krum_select,
+    trimmed_mean,
+)
 from pyfedkern.ops.sampling import seeded_permutations
 from pyfedkern.ops.similarity import similarity_combine, similarity_weights
 
@@ -20,14 +29,20 @@ __all__ = [
     "GrabBalancer",
     # aggregate
     "accumulate_",
+    "bulyan",
+    "centred_clip",
     "centred_gram",
     "class_feature_norms",
+    "coordinate_median",
     # fedspeed
     "fedspeed_round_end_",
     "fedspeed_update_",
+    "geometric_median",
     "grab_select",
     "herding_order",
     "herding_select",
+    "krum_scores",
+    "krum_select",
     # pbc
     "mifa_update_",
     "pbc_agg_bcast_",
@@ -39,6 +54,7 @@ __all__ = [
     # similarity
     "similarity_combine",
     "similarity_weights",
+    "trimmed_mean",
     "weighted_delta_",
     "weighted_sum",
 ]

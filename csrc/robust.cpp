@@ -1,0 +1,257 @@
+// Robust aggregation kernels: coordinate-wise order statistics of K rows (median, trimmed mean, Bulyan's mean of
+// the values closest to the median, weighted median).
+//
+// Selection, not sorting per coordinate: the d coordinates are cut into tiles of B columns; a tile's K rows are
+// copied into a [K, B] buffer that stays in L1 (each row read once, contiguously), and a sorting network, pruned
+// to the output ranks the rule needs, runs across the B columns at once: each compare-exchange of ranks (a, b) is a
+// vectorised min/max of two buffer rows. Batcher's odd-even merge network for the next power of two, with the
+// comparators past K dropped (the missing ranks act as +inf, which those comparators would never move). Every
+// coordinate is computed alone, so results do not depend on the thread count.
+#include <pybind11/numpy.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "bindings.h"
+#include "half.h"
+#include "parallel.h"
+#include "simd.h"
+#include "types.h"
+
+namespace pfk {
+namespace {
+
+enum class Rule : int { Median = 0, Trimmed = 1, Closest = 2, WeightedMedian = 3 };
+
+using Comparator = std::pair<int, int>;
+
+// Batcher's odd-even merge sort on n ranks, pruned to the comparators that can affect a rank in `needed`.
+std::vector<Comparator> selection_network(int n, const std::vector<bool>& needed) {
+  int p2 = 1;
+  while (p2 < n) p2 <<= 1;
+  std::vector<Comparator> all;
+  for (int p = 1; p < p2; p <<= 1)
+    for (int k = p; k >= 1; k >>= 1)
+      for (int j = k % p; j + k < p2; j += 2 * k)
+        for (int i = 0; i < std::min(k, p2 - j - k); ++i)
+          if ((i + j) / (2 * p) == (i + j + k) / (2 * p) && i + j + k < n) all.emplace_back(i + j, i + j + k);
+  std::vector<bool> live = needed;
+  std::vector<Comparator> kept;
+  for (auto it = all.rbegin(); it != all.rend(); ++it) {
+    if (live[it->first] || live[it->second]) {
+      live[it->first] = live[it->second] = true;
+      kept.push_back(*it);
+    }
+  }
+  std::reverse(kept.begin(), kept.end());
+  return kept;
+}
+
+constexpr int64_t kChunk = 4096;  // coordinates per parallel chunk (fixed: results never depend on threads)
+constexpr int64_t kTileBytes = 24 * 1024;
+
+struct Plan {
+  Rule rule;
+  int64_t K;
+  int64_t param;  // Trimmed: values cut at each end; Closest: values averaged
+  std::vector<Comparator> network;
+  const double* weights;  // WeightedMedian: K positive weights
+};
+
+template <typename V>
+PFK_ALWAYS_INLINE void compare_exchange(V* __restrict__ lo, V* __restrict__ hi, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) {
+    const V a = lo[j], b = hi[j];
+    lo[j] = a < b ? a : b;
+    hi[j] = a < b ? b : a;
+  }
+}
+
+// Mean of sorted ranks [first, last) of column j, summed in ascending order in double.
+template <typename V>
+PFK_ALWAYS_INLINE double ranks_mean(const V* buf, int64_t B, int64_t j, int64_t first, int64_t last) {
+  double s = 0.0;
+  for (int64_t r = first; r < last; ++r) s += static_cast<double>(buf[r * B + j]);
+  return s / static_cast<double>(last - first);
+}
+
+template <typename V>
+double median_of_sorted(const V* buf, int64_t B, int64_t j, int64_t K) {
+  if (K % 2) return static_cast<double>(buf[(K / 2) * B + j]);
+  return (static_cast<double>(buf[(K / 2 - 1) * B + j]) + static_cast<double>(buf[(K / 2) * B + j])) * 0.5;
+}
+
+// Bulyan: mean of the `beta` sorted values closest to the median (equal distances: the smaller value first).
+template <typename V>
+double closest_mean(const V* buf, int64_t B, int64_t j, int64_t K, int64_t beta) {
+  const double m = median_of_sorted(buf, B, j, K);
+  int64_t lo = (K - 1) / 2, hi = lo + 1;
+  for (int64_t t = 0; t < beta; ++t) {
+    if (lo >= 0 && (hi >= K || m - static_cast<double>(buf[lo * B + j]) <= static_cast<double>(buf[hi * B + j]) - m))
+      --lo;
+    else
+      ++hi;
+  }
+  return ranks_mean(buf, B, j, lo + 1, hi);
+}
+
+// Weighted median of column j (values ordered by value then row; see pyfedkern.reference.robust).
+template <typename V>
+double weighted_median(const V* buf, int64_t B, int64_t j, int64_t K, const double* w,
+                       std::vector<std::pair<V, int64_t>>& order) {
+  for (int64_t k = 0; k < K; ++k) order[k] = {buf[k * B + j], k};
+  std::sort(order.begin(), order.end());
+  double total = 0.0;
+  for (int64_t k = 0; k < K; ++k) total += w[order[k].second];
+  double c = 0.0;
+  for (int64_t r = 0; r < K; ++r) {
+    c += w[order[r].second];
+    if (2.0 * c >= total) {  // total is the same running sum: rank K - 1 always qualifies
+      if (2.0 * c == total && r + 1 < K)
+        return (static_cast<double>(order[r].first) + static_cast<double>(order[r + 1].first)) * 0.5;
+      return static_cast<double>(order[r].first);
+    }
+  }
+  return static_cast<double>(order[K - 1].first);
+}
+
+template <typename T>
+PFK_ALWAYS_INLINE void store(T* out, double v) {
+  if constexpr (std::is_same_v<T, double> || std::is_same_v<T, float>) {
+    *out = static_cast<T>(v);
+  } else {
+    *out = Store<T>::from(static_cast<float>(v));
+  }
+}
+
+// One chunk [begin, end) of coordinates; returns false when a value read was NaN or infinite.
+template <typename T>
+PFK_ALWAYS_INLINE bool robust_chunk_body(int64_t begin, int64_t end, T* out, int64_t out_stride,
+                                         const std::vector<RowRef>& rows, const Plan& plan) {
+  using V = typename AccOf<T>::type;
+  const int64_t K = plan.K;
+  const int64_t B = std::max<int64_t>(16, std::min<int64_t>(256, (kTileBytes / (K * int64_t(sizeof(V)))) & ~15));
+  std::vector<V> buf(static_cast<size_t>(K * B));
+  std::vector<V> probe(static_cast<size_t>(B));
+  std::vector<std::pair<V, int64_t>> order(plan.rule == Rule::WeightedMedian ? K : 0);
+  bool finite = true;
+  for (int64_t t0 = begin; t0 < end; t0 += B) {
+    const int64_t n = std::min(B, end - t0);
+    std::fill(probe.begin(), probe.begin() + n, V(0));
+    for (int64_t k = 0; k < K; ++k) {
+      const T* r = static_cast<const T*>(rows[k].ptr);
+      const int64_t s = rows[k].stride;
+      V* __restrict__ dst = buf.data() + k * B;
+      V* __restrict__ pr = probe.data();
+      if (s == 1) {
+        for (int64_t j = 0; j < n; ++j) dst[j] = to_acc(r[t0 + j]);
+      } else {
+        for (int64_t j = 0; j < n; ++j) dst[j] = to_acc(r[(t0 + j) * s]);
+      }
+      for (int64_t j = 0; j < n; ++j) pr[j] = pr[j] + dst[j] * V(0);  // NaN once any value is NaN or infinite
+    }
+    for (int64_t j = 0; j < n; ++j) finite = finite && probe[j] == V(0);
+    if (!finite) return false;
+    for (const auto& c : plan.network) compare_exchange(buf.data() + c.first * B, buf.data() + c.second * B, n);
+    T* o = out + t0 * out_stride;
+    for (int64_t j = 0; j < n; ++j) {
+      double v;
+      switch (plan.rule) {
+        case Rule::Median:
+          v = median_of_sorted(buf.data(), B, j, K);
+          break;
+        case Rule::Trimmed:
+          v = ranks_mean(buf.data(), B, j, plan.param, K - plan.param);
+          break;
+        case Rule::Closest:
+          v = closest_mean(buf.data(), B, j, K, plan.param);
+          break;
+        default:
+          v = weighted_median(buf.data(), B, j, K, plan.weights, order);
+      }
+      store(o + j * out_stride, v);
+    }
+  }
+  return true;
+}
+
+PFK_ISA_DISPATCH(template <typename T>, <T>, bool, robust_chunk,
+                 (int64_t begin, int64_t end, T* out, int64_t out_stride, const std::vector<RowRef>& rows,
+                  const Plan& plan),
+                 (begin, end, out, out_stride, rows, plan), robust_chunk_body)
+
+template <typename T>
+bool robust_typed(int64_t d, void* out, int64_t out_stride, const std::vector<RowRef>& rows, const Plan& plan) {
+  const int64_t nchunks = (d + kChunk - 1) / kChunk;
+  std::vector<char> ok(static_cast<size_t>(nchunks), 1);
+  const int64_t work = (plan.K + 1) * d * (plan.network.size() > 64 ? 2 : 1);
+  parallel_chunks(d, kChunk, work, [&](int64_t c, int64_t begin, int64_t end) {
+    ok[c] = robust_chunk<T>(begin, end, static_cast<T*>(out), out_stride, rows, plan) ? 1 : 0;
+  });
+  return std::all_of(ok.begin(), ok.end(), [](char v) { return v != 0; });
+}
+
+// Entry point from Python (arguments validated there): writes the rule's [d] result into out and returns whether
+// every value read was finite (false: the output is incomplete, and the Python layer names the offending row).
+bool robust_coordinate(const std::string& dtype_name, int64_t d, uintptr_t out, int64_t out_stride,
+                       const std::vector<uintptr_t>& ptrs, const std::vector<int64_t>& strides, uintptr_t base,
+                       int64_t step_bytes, int64_t count, int64_t col_stride, int rule, int64_t param,
+                       const py::array_t<double, py::array::c_style>& weights) {
+  const DType dtype = dtype_from_name(dtype_name);
+  if (d < 1) throw ArgumentError("robust_coordinate: d must be >= 1");
+  if (out == 0) throw ArgumentError("robust_coordinate: out is a null pointer");
+  if (rule < 0 || rule > 3) throw ArgumentError("robust_coordinate: unknown rule");
+  const std::vector<RowRef> rows = make_rows(ptrs, strides, base, step_bytes, count, col_stride);
+  const int64_t K = static_cast<int64_t>(rows.size());
+  if (K < 1) throw ArgumentError("robust_coordinate: need at least one row");
+  Plan plan{static_cast<Rule>(rule), K, param, {}, nullptr};
+  std::vector<bool> needed(static_cast<size_t>(K), false);
+  switch (plan.rule) {
+    case Rule::Median:
+      needed[K / 2] = true;
+      if (K % 2 == 0) needed[K / 2 - 1] = true;
+      break;
+    case Rule::Trimmed:
+      if (param < 0 || 2 * param >= K) throw ArgumentError("robust_coordinate: trimmed cut out of range");
+      for (int64_t r = param; r < K - param; ++r) needed[r] = true;
+      break;
+    case Rule::Closest:
+      if (param < 1 || param > K) throw ArgumentError("robust_coordinate: closest count out of range");
+      std::fill(needed.begin(), needed.end(), true);
+      break;
+    case Rule::WeightedMedian:
+      if (weights.size() != K) throw ArgumentError("robust_coordinate: one weight per row is needed");
+      plan.weights = weights.data();
+      break;
+  }
+  if (plan.rule != Rule::WeightedMedian) plan.network = selection_network(static_cast<int>(K), needed);
+  void* o = reinterpret_cast<void*>(out);
+  switch (dtype) {
+    case DType::F32:
+      return robust_typed<float>(d, o, out_stride, rows, plan);
+    case DType::F64:
+      return robust_typed<double>(d, o, out_stride, rows, plan);
+    case DType::F16:
+      return robust_typed<f16_t>(d, o, out_stride, rows, plan);
+    case DType::BF16:
+      return robust_typed<bf16_t>(d, o, out_stride, rows, plan);
+  }
+  return true;
+}
+
+}  // namespace
+
+void bind_robust(py::module_& m) {
+  m.def("robust_coordinate", &robust_coordinate, py::arg("dtype"), py::arg("d"), py::arg("out"), py::arg("out_stride"),
+        py::arg("ptrs"), py::arg("strides"), py::arg("base"), py::arg("step_bytes"), py::arg("count"),
+        py::arg("col_stride"), py::arg("rule"), py::arg("param"), py::arg("weights"),
+        py::call_guard<py::gil_scoped_release>(),
+        "Coordinate-wise rule over K rows (0 median, 1 trimmed mean cutting `param` per side, 2 mean of the `param` "
+        "values closest to the median, 3 weighted median); returns False when a value read was not finite.");
+}
+
+}  // namespace pfk
