@@ -7,6 +7,13 @@
   BatchNorm's ``num_batches_tracked``) are *carried* beside it unchanged and are never averaged as floats.
 - :class:`FlatParameters` rebinds a module's parameters and gradients to views of two flat buffers, so the
   optimizer, aggregation and FL state can all work on ``[d]`` vectors with no copies.
+
+The federated vector is a module's *trainable* parameters (:func:`trainable_parameters`: ``requires_grad=True``,
+each distinct tensor once, so tied weights and a module used twice count once): :class:`FlatParameters`,
+:func:`parameters_to_vector` and :func:`vector_to_parameters_` hold and write only those. Frozen parameters and
+buffers stay in the module, shared by everything that uses it. :func:`state_dict_to_vector` and
+:func:`vector_to_state_dict` are the whole ``state_dict`` (frozen parameters and buffers included), for saving or
+loading a complete model, not for federating it.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ __all__ = [
     "pack",
     "parameters_to_vector",
     "state_dict_to_vector",
+    "trainable_parameters",
     "unpack",
     "vector_to_ndarrays",
     "vector_to_parameters_",
@@ -190,35 +198,45 @@ def vector_to_ndarrays(vector: np.ndarray, layout: FlatLayout, carried: Mapping[
     return list(unpack(np.asarray(vector), layout, carried).values())
 
 
+def trainable_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """(name, parameter) of the module's trainable parameters (``requires_grad=True``) in ``named_parameters``
+    order, each distinct tensor once under its first name (tied weights and a module used twice count once);
+    ValueError when there is none."""
+    params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    if not params:
+        raise ValueError(f"module {type(module).__name__} has no trainable parameters (none with requires_grad=True)")
+    return params
+
+
 def parameters_to_vector(module: nn.Module, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A new flat copy of the module's parameters (in ``named_parameters`` order)."""
-    vec, _, _ = pack(list(module.named_parameters()), dtype=dtype)
+    """A new flat copy of the module's trainable parameters (:func:`trainable_parameters`)."""
+    vec, _, _ = pack(trainable_parameters(module), dtype=dtype)
     return vec
 
 
 def vector_to_parameters_(vector: torch.Tensor, module: nn.Module) -> None:
-    """Copy a flat vector into the module's parameters in place."""
-    params = list(module.named_parameters())
+    """Copy a flat vector into the module's trainable parameters in place (frozen ones are left as they are)."""
+    params = trainable_parameters(module)
     layout = FlatLayout.of(params)
     if tuple(vector.shape) != (layout.size,):
-        raise ValueError(f"vector has shape {tuple(vector.shape)}, the module has {layout.size} parameters")
+        raise ValueError(f"vector has shape {tuple(vector.shape)}, the module has {layout.size} trainable parameters")
     with torch.no_grad():
         for (_, p), e in zip(params, layout.entries, strict=True):
             p.copy_(vector[e.offset : e.offset + e.numel].view(e.shape))
 
 
 class FlatParameters:
-    """Rebind a module's parameters and their ``.grad`` to views of two flat buffers ``data`` and ``grad`` [d].
+    """Rebind a module's trainable parameters (:func:`trainable_parameters`) and their ``.grad`` to views of two
+    flat buffers ``data`` and ``grad`` [d]; frozen parameters are left where they are.
 
-    After this, ``model(x).backward()`` accumulates straight into ``grad``; writing into ``data`` changes the
-    model. Clear gradients with :meth:`zero_grad` (torch's ``optimizer.zero_grad()`` would detach ``.grad`` from the
-    buffer by setting it to None). All parameters must share one floating-point dtype and device.
+    After this, ``model(x).backward()`` accumulates straight into ``grad`` (a tied weight's gradients summed, as
+    torch does); writing into ``data`` changes the model. Clear gradients with :meth:`zero_grad` (torch's
+    ``optimizer.zero_grad()`` would detach ``.grad`` from the buffer by setting it to None). All trainable
+    parameters must share one floating-point dtype and device.
     """
 
     def __init__(self, module: nn.Module) -> None:
-        params = [(n, p) for n, p in module.named_parameters()]
-        if not params:
-            raise ValueError("module has no parameters")
+        params = trainable_parameters(module)
         dtypes = {p.dtype for _, p in params}
         devices = {p.device for _, p in params}
         if len(dtypes) != 1 or len(devices) != 1:

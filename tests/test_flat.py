@@ -122,7 +122,7 @@ def test_bad_input_errors():
         unpack(vec, layout, {})
     with pytest.raises(ValueError, match="do not match"):
         pack([("x", torch.zeros(2))], layout)
-    with pytest.raises(ValueError, match="no parameters"):
+    with pytest.raises(ValueError, match="ReLU has no trainable parameters"):
         FlatParameters(nn.ReLU())
     with pytest.raises(ValueError, match="dtype"):
         FlatParameters(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).double()))

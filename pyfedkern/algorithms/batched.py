@@ -13,11 +13,16 @@ Gradients:
 - models that are a chain of Flatten / Linear / ReLU layers under cross-entropy (an ``nn.Sequential`` of them, or
   a model whose ``layer_chain()`` lists them, like the engine's ``mlp`` and ``logreg``) skip autograd: their
   forward and backward for all k clients are a few batched matmuls (:class:`LinearChainGradients`);
-- any other model without buffers (CNNs, ResNets with GroupNorm, models with another loss or a penalty) uses
-  ``torch.func``: ``vmap(grad(objective))`` over (parameters, batch) pairs, each client's parameters views of its
-  row;
-- models with buffers (BatchNorm running statistics) cannot be vmapped this way: :func:`use_batched` is False for
-  them and the engine loops over clients.
+- any other model without persistent buffers (CNNs, ResNets with GroupNorm, transformers, models with another loss
+  or a penalty) uses ``torch.func``: ``vmap(grad(objective))`` over (parameters, batch) pairs, each client's
+  parameters views of its row;
+- models with persistent buffers (BatchNorm running statistics) cannot be vmapped this way: :func:`use_batched` is
+  False for them and the engine loops over clients.
+
+A row holds the model's trainable parameters only (:func:`pyfedkern.flat.trainable_parameters`): frozen parameters
+and buffers are the module's own tensors, read by every row and never copied (a frozen backbone or ``peft`` LoRA
+adapters cost memory per row in proportion to what trains). A tied weight or a module used twice has one entry in
+the row, its gradient the sum over its uses, as torch's on the per-client loop.
 
 Batching is not always the faster path: on the CPU, vmapped convolutions and LSTM layers run slower than the same
 layers called once per client. :func:`choose_path` picks the faster path for a model (rules where the answer is
@@ -48,7 +53,7 @@ from torch.func import functional_call, grad_and_value, vmap
 from torch.nn.utils.rnn import pad_sequence
 
 from pyfedkern.algorithms.local import LocalModel
-from pyfedkern.flat import Entry
+from pyfedkern.flat import Entry, trainable_parameters
 
 if TYPE_CHECKING:
     from pyfedkern.algorithms.base import FLContext
@@ -97,8 +102,14 @@ class Unbatchable(ValueError):
 
 
 def can_batch(local: LocalModel) -> bool:
-    """Whether the model can be trained with the vmapped step (no buffers, one float dtype)."""
-    return not any(True for _ in local.module.buffers())
+    """Whether the model can be trained with the vmapped step: no persistent buffer (running statistics, which
+    training updates); non-persistent ones (constant masks, position ids) are read by every row."""
+    return not any(
+        name not in module._non_persistent_buffers_set
+        for module in local.module.modules()
+        for name, buffer in module._buffers.items()
+        if buffer is not None
+    )
 
 
 def layer_chain(module: nn.Module) -> list[nn.Module] | None:
@@ -128,10 +139,16 @@ def layer_chain(module: nn.Module) -> list[nn.Module] | None:
 
 @dataclass(frozen=True)
 class _Linear:
-    """A Linear layer of a chain: where its weight [out, in] and bias [out] (None without one) sit in the row."""
+    """A Linear layer of a chain: its weight [out, in] and bias [out] (None without one), each where it sits in the
+    row when it trains, else the frozen tensor itself."""
 
-    weight: Entry
-    bias: Entry | None
+    weight: Entry | torch.Tensor
+    bias: Entry | torch.Tensor | None
+
+    @property
+    def trains(self) -> bool:
+        """Whether the layer has a trainable parameter."""
+        return isinstance(self.weight, Entry) or isinstance(self.bias, Entry)
 
 
 class LinearChainGradients:
@@ -139,21 +156,26 @@ class LinearChainGradients:
 
     With the k rows' weights W_l [k, out, in] (views of the rows), activations h_l [k, B, ·] and per-sample weights
     w [k, B]: logits z = h_L W_Lᵀ + b_L; loss_r = Σ_j w_rj·CE(z_rj, y_rj); ∂loss/∂z = w·(softmax(z) − onehot(y));
-    then per Linear layer ∂W = (∂z)ᵀh, ∂b = Σ_j ∂z, ∂h = (∂z)W, masked by h > 0 through each ReLU.
+    then per Linear layer ∂W = (∂z)ᵀh, ∂b = Σ_j ∂z, ∂h = (∂z)W, masked by h > 0 through each ReLU. Frozen weights
+    and biases are the module's tensors, shared by the rows, and get no gradient; a weight used by several layers
+    (tied, or a layer used twice) gets the sum of their gradients.
     """
 
     def __init__(self, layers: list[nn.Module], entries: dict[str, Entry], module: nn.Module) -> None:
-        names = {id(p): n for n, p in module.named_parameters()}
+        names = {id(p): n for n, p in trainable_parameters(module)}
+
+        def ref(p: torch.Tensor | None) -> Entry | torch.Tensor | None:
+            return None if p is None else entries[names[id(p)]] if id(p) in names else p.detach()
+
         #: the chain without its Flatten layers: a _Linear per Linear layer, "relu" per ReLU
         self.plan: list[_Linear | str] = []
         for layer in layers:
             if isinstance(layer, nn.Linear):
-                bias = None if layer.bias is None else entries[names[id(layer.bias)]]
-                self.plan.append(_Linear(entries[names[id(layer.weight)]], bias))
+                self.plan.append(_Linear(ref(layer.weight), ref(layer.bias)))
             elif isinstance(layer, nn.ReLU):
                 self.plan.append("relu")
-        #: position in the plan of the first Linear layer (the backward pass stops there)
-        self.first_linear = next(i for i, step in enumerate(self.plan) if step != "relu")
+        #: position in the plan of the first Linear layer that trains (the backward pass stops there)
+        self.first_linear = next(i for i, step in enumerate(self.plan) if step != "relu" and step.trains)
         before_first_linear = layers[: next(i for i, layer in enumerate(layers) if isinstance(layer, nn.Linear))]
         #: whether the chain flattens every sample before its first Linear layer (else samples must be vectors)
         self.flattens_input = any(isinstance(layer, nn.Flatten) for layer in before_first_linear)
@@ -161,7 +183,7 @@ class LinearChainGradients:
     @staticmethod
     def applies(local: LocalModel) -> list[nn.Module] | None:
         """The chain of ``local``'s module when this class computes its objective (plain cross-entropy, every
-        parameter in the chain's Linear layers, each layer used once), else None."""
+        parameter in the chain's Linear layers), else None."""
         module = local.module
         if local.loss is not F.cross_entropy or local.penalty is not None:
             return None
@@ -169,8 +191,6 @@ class LinearChainGradients:
         if layers is None:
             return None
         linears = [layer for layer in layers if isinstance(layer, nn.Linear)]
-        if len({id(layer) for layer in linears}) != len(linears):  # a layer used twice: its gradients would add up
-            return None
         chained = {id(p) for layer in linears for p in layer.parameters()}
         return layers if chained and chained == {id(p) for p in module.parameters()} else None
 
@@ -199,9 +219,11 @@ class LinearChainGradients:
             if step == "relu":
                 h = torch.relu(h)
             else:
-                h = torch.bmm(h, self._view(rows, step.weight).mT)
-                if step.bias is not None:
+                h = torch.matmul(h, self._value(rows, step.weight).mT)
+                if isinstance(step.bias, Entry):
                     h += self._view(rows, step.bias)[:, None]
+                elif step.bias is not None:
+                    h += step.bias
         if weights is None:
             weights = torch.full((k, batch), 1.0 / batch, dtype=h.dtype, device=h.device)
         # log-softmax by hand: torch's kernel is slow over a last dimension as short as the number of classes
@@ -219,21 +241,50 @@ class LinearChainGradients:
         dz.scatter_add_(-1, target, torch.full(target.shape, -1.0, dtype=dz.dtype, device=dz.device))
         dz.mul_(weights[..., None])
         grads = torch.empty_like(rows)
+        written: set[int] = set()  # offsets of the entries written: a weight used again adds its gradient
+
+        def put(e: Entry, g: torch.Tensor) -> None:
+            view = self._view(grads, e)
+            if e.offset in written:
+                view.add_(g)
+            else:
+                view.copy_(g)
+                written.add(e.offset)
+
         for i in range(len(self.plan) - 1, self.first_linear - 1, -1):
             step, h_in = self.plan[i], inputs[i]
             if step == "relu":
                 dz = dz * (h_in > 0)
                 continue
-            self._view(grads, step.weight).copy_(torch.bmm(dz.mT, h_in))
-            if step.bias is not None:
-                self._view(grads, step.bias).copy_(dz.sum(1))
+            if isinstance(step.weight, Entry):
+                put(step.weight, torch.bmm(dz.mT, h_in))
+            if isinstance(step.bias, Entry):
+                put(step.bias, dz.sum(1))
             if i > self.first_linear:
-                dz = torch.bmm(dz, self._view(rows, step.weight))
+                dz = torch.matmul(dz, self._value(rows, step.weight))
         return grads, losses
 
     @staticmethod
     def _view(rows: torch.Tensor, e: Entry) -> torch.Tensor:
         return rows[:, e.offset : e.offset + e.numel].view(rows.shape[0], *e.shape)
+
+    @classmethod
+    def _value(cls, rows: torch.Tensor, ref: Entry | torch.Tensor) -> torch.Tensor:
+        """The rows' views [k, ...] of a trained entry, or the frozen tensor (broadcast over the rows)."""
+        return cls._view(rows, ref) if isinstance(ref, Entry) else ref
+
+
+def _parameter_slots(module: nn.Module) -> list[tuple[str, str]]:
+    """(place, name) of every place a trainable parameter sits in ``module`` (a submodule's attribute, each
+    submodule once however often it is used) and the parameter's name in :func:`trainable_parameters`."""
+    names = {id(p): n for n, p in trainable_parameters(module)}
+    slots, seen = [], set()
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        for attr, p in sub._parameters.items():
+            if p is not None and id(p) in names and (id(sub), attr) not in seen:
+                seen.add((id(sub), attr))
+                slots.append((f"{prefix}.{attr}" if prefix else attr, names[id(p)]))
+    return slots
 
 
 class BatchedTrainer:
@@ -245,8 +296,10 @@ class BatchedTrainer:
         self.objective = _Objective(local)
         self.entries = [e for e in local.flat.layout.entries if not e.carried]
 
+        self._slots = _parameter_slots(local.module)
+
         def objective(params: dict[str, torch.Tensor], *batch: torch.Tensor) -> torch.Tensor:
-            return functional_call(self.objective, params, batch)
+            return self.call(self.objective, params, batch)
 
         step = grad_and_value(objective)
         self._step = vmap(step, randomness="different")  # (params, xb, yb[, wb[, soft]])
@@ -262,6 +315,14 @@ class BatchedTrainer:
         """Each row's parameters as views, keyed "model.<name>" (a submodule named ``model`` holding the module)."""
         k = rows.shape[0]
         return {f"model.{e.name}": rows[:, e.offset : e.offset + e.numel].view(k, *e.shape) for e in self.entries}
+
+    def call(self, wrapper: nn.Module, params: dict[str, torch.Tensor], args: tuple) -> Any:
+        """``wrapper(*args)`` (a module holding the model as submodule ``model``) with the model's trainable
+        parameters replaced by ``params`` (keyed as :meth:`params`'s): every place a trained tensor sits gets its
+        value (a tied weight the same tensor at each place, so autograd sums its gradients; a module used twice is
+        one place, swapped once); frozen parameters and buffers stay the module's own."""
+        swapped = {f"model.{slot}": params[f"model.{name}"] for slot, name in self._slots}
+        return functional_call(wrapper, swapped, args, tie_weights=False)
 
     def gradients(
         self,
@@ -378,13 +439,13 @@ _CHOICES: dict[tuple, PathChoice] = {}
 def choose_path(ctx: FLContext, rows: int) -> PathChoice:
     """The faster local-training path for ``ctx``'s model when ``rows`` participants train at once.
 
-    Rules first: a model with buffers takes the loop (it cannot be batched); a Flatten/Linear/ReLU chain takes the
-    batched path (its hand-written backward is many times faster than the loop). Any other model is measured: one
-    local step (gradient and update) of min(rows, :data:`PROBE_ROWS`) clients on their first minibatch of round 0,
-    batched and looped (``_measure_paths``); the faster wins (:func:`faster_path`), the loop when the batched step
-    fails (:class:`Unbatchable`: a model ``vmap`` cannot run). The measurement leaves the model's parameters and
-    torch's random state as it found them, and is kept for the process, per model structure, device, dtype, rows,
-    batch shape and thread count, so every simulation of that model in the process takes the same path.
+    Rules first: a model with persistent buffers takes the loop (it cannot be batched); a Flatten/Linear/ReLU chain
+    takes the batched path (its hand-written backward is many times faster than the loop). Any other model is
+    measured: one local step (gradient and update) of min(rows, :data:`PROBE_ROWS`) clients on their first minibatch
+    of round 0, batched and looped (``_measure_paths``); the faster wins (:func:`faster_path`), the loop when the
+    batched step fails (:class:`Unbatchable`: a model ``vmap`` cannot run). The measurement leaves the model's
+    parameters and torch's random state as it found them, and is kept for the process, per model structure, device,
+    dtype, rows, batch shape and thread count, so every simulation of that model in the process takes the same path.
     """
     local = ctx.local
     if not can_batch(local):
@@ -808,11 +869,10 @@ def free_memory(device: torch.device) -> int:
     """Bytes free on ``device``: ``torch.cuda.mem_get_info`` on a GPU, MemAvailable (else total RAM) on the CPU."""
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
+    free = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     try:
         with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+            free = next((int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")), free)
     except OSError:
         pass
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))

@@ -35,6 +35,7 @@ from pyfedkern.algorithms.base import (
     owned_clients,
 )
 from pyfedkern.algorithms.batched import BatchedLocal, Step
+from pyfedkern.flat import trainable_parameters
 from pyfedkern.ops.herding import check_alpha, selection_size
 
 BUFFER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -106,10 +107,11 @@ class GradientRecorder:
         self._next_row().copy_(grad.detach())
 
     def record_module(self, module: nn.Module) -> None:
-        """Append the gradients of ``module.parameters()`` as one flat row (parameters without a gradient give 0)."""
+        """Append the gradients of the module's trainable parameters (:func:`pyfedkern.flat.trainable_parameters`, the
+        federated vector's layout) as one flat row (parameters without a gradient give 0)."""
         row = self._next_row()
         offset = 0
-        for p in module.parameters():
+        for _, p in trainable_parameters(module):
             n = p.numel()
             if p.grad is None:
                 row[offset : offset + n].zero_()

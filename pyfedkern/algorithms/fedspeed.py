@@ -35,6 +35,7 @@ from pyfedkern.algorithms.base import (
     owned_clients,
 )
 from pyfedkern.algorithms.batched import BatchedLocal, client_chunks, use_batched
+from pyfedkern.flat import trainable_parameters
 
 RHO_MODES = ("normalized", "raw")
 CORR_AVG = ("active", "all")
@@ -435,7 +436,7 @@ class FedSpeed(Algorithm):
         self._acc = torch.zeros_like(self.x)
         module = ctx.local.module
         self.optimizer = FedSpeedOptimizer(
-            module.parameters(),
+            [p for _, p in trainable_parameters(module)],
             lr=0.0,
             rho=self.rho if self.use_perturb else 0.0,
             alpha=self.alpha,

@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-from torch.func import functional_call, grad_and_value, vmap
+from torch.func import grad_and_value, vmap
 
 from pyfedkern import ops
 from pyfedkern.algorithms.base import ClientUpdates, FLContext, RoundStats, RoundSums, mean_loss
@@ -322,8 +322,9 @@ class FNRFL(FedAvg):
         module.eval()
         K, P = _num_classes(module), px.shape[0]
         heads = _Heads(module)
-        forward = vmap(lambda params: functional_call(heads, params, (px,)))
-        params = trainer_for(ctx.local).params(models)
+        trainer = trainer_for(ctx.local)
+        forward = vmap(lambda params: trainer.call(heads, params, (px,)))
+        params = trainer.params(models)
         counts = torch.bincount(py, minlength=K)
         present = counts > 0
         group = self._stat_rows(P, module)
@@ -372,11 +373,12 @@ class FNRFL(FedAvg):
         if r:
             ctx.seed_model_randomness(t, int(clients[0]), r, _REFINE_STREAM)  # the group's dropout
         objective = _RefineObjective(local, self.reg_mode, self.lam, K)
+        trainer = trainer_for(local)
         step_fn = vmap(  # each client its own dropout masks, as in batched local training
-            grad_and_value(lambda p, *batch: functional_call(objective, p, batch), has_aux=True), randomness="different"
+            grad_and_value(lambda p, *batch: trainer.call(objective, p, batch), has_aux=True), randomness="different"
         )
         x = starts.clone()
-        params = trainer_for(local).params(x)
+        params = trainer.params(x)
         momentum = torch.zeros_like(x) if ctx.momentum else None
         reg_sum = torch.zeros(r, dtype=torch.float64, device=x.device)
         local.module.train()

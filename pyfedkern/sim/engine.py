@@ -57,11 +57,13 @@ from pyfedkern.sim.results import (
     ResumePoint,
     RunWriter,
     check_fingerprint,
+    check_frozen,
     config_differences,
     is_finished,
     read_config,
     read_metrics,
     write_fingerprint,
+    write_frozen,
 )
 
 # Purposes of the random streams (first key after the seed).
@@ -150,6 +152,8 @@ class Simulation:
         self.initial_vector = self.local.flat.data.detach().clone()
         #: Digests of the model's structure, the data and the split, kept in the run directory (checked on resume).
         self.fingerprint = fingerprint(parts, module)
+        #: The model's frozen parameters {name: tensor}: not federated, kept once in the run directory (frozen.pt).
+        self.frozen = {name: p for name, p in module.named_parameters() if not p.requires_grad}
         #: Batched training of each round's participants (FLContext.batched), in chunks of client_chunk; None until
         #: the engine's choice is made (see the ``batched`` property).
         self._batched = config.batched
@@ -160,7 +164,8 @@ class Simulation:
         self.sample_input = self._all_x[0]
         if config.batched and not can_batch(self.local):
             logger.warning(
-                "model %r has buffers (e.g. BatchNorm statistics): its clients train one after another, not batched",
+                "model %r has persistent buffers (e.g. BatchNorm statistics): its clients train one after another, "
+                "not batched",
                 spec.name,
             )
         self._timers: dict[str, float] = {}
@@ -513,6 +518,7 @@ class Simulation:
             start, metrics = self._resume(writer)
         elif writer is not None:
             write_fingerprint(writer.dir, self.fingerprint)
+            write_frozen(writer.dir, self.frozen)
         if start == 0:  # a new run, or one interrupted before its first checkpoint
             evaluation = self._timed_evaluation(algo.global_model()) if cfg.eval_initial else {}
             record = {"round": 0, **evaluation}
@@ -574,6 +580,7 @@ class Simulation:
         def resume_point():
             point = writer.resume_point()  # everything checked before any file changes
             check_fingerprint(writer.dir, self.fingerprint)
+            check_frozen(writer.dir, self.frozen)
             check_workers_match(writer, point, team.size)
             done, cfg = point.round, self.config
             if point.metrics and done < cfg.rounds and done % cfg.eval_every:  # a finished run now extended:
@@ -831,7 +838,9 @@ def run_or_reuse(config: ExperimentConfig, run_dir: str | Path, *, progress: boo
     same config on other data or another model (its fingerprint), raises ValueError (never silently reused)."""
     check_reusable(config, run_dir)
     if is_finished(run_dir) and read_config(run_dir)["rounds"] == config.rounds:
-        check_fingerprint(run_dir, Simulation(config).fingerprint, "reuse")  # the same config may load other data
+        sim = Simulation(config)
+        check_fingerprint(run_dir, sim.fingerprint, "reuse")  # the same config may load other data
+        check_frozen(run_dir, sim.frozen, "reuse")
         return read_metrics(run_dir)
     resume = (Path(run_dir) / "config.json").exists()  # a run there, of this config (checked), maybe not begun
     return Simulation(config).run(run_dir, resume=resume, progress=progress)

@@ -484,8 +484,8 @@ def _check_predict(local: LocalModel, out: torch.Tensor) -> None:
 
 
 def fingerprint(parts: Parts, module: nn.Module) -> dict[str, str]:
-    """Digests of what a run trains on: the model's structure (layers, parameter names and shapes, loss), the
-    training data, the test data and the split (client lists and public set)."""
+    """Digests of what a run trains on: the model's structure (layers, parameter names and shapes, which are frozen,
+    loss), the training data, the test data and the split (client lists and public set)."""
 
     def digest(*chunks: Any) -> str:
         h = hashlib.blake2b(digest_size=16)
@@ -496,10 +496,11 @@ def fingerprint(parts: Parts, module: nn.Module) -> dict[str, str]:
 
     spec, data = parts.model, parts.data
     shapes = [(n, tuple(p.shape)) for n, p in module.named_parameters()]
+    frozen = [n for n, p in module.named_parameters() if not p.requires_grad]
     # names, not reprs: a partial's or a callable object's repr can hold a memory address, new in every process
     scoring = [getattr(f, "__qualname__", type(f).__qualname__) for f in (spec.loss, spec.penalty, spec.predict)]
     return {
-        "model structure": digest(repr(module), shapes, scoring),
+        "model structure": digest(repr(module), shapes, scoring, *([frozen] if frozen else [])),
         "training data": digest(data.x_train.dtype, data.x_train.shape, data.x_train, data.y_train.dtype, data.y_train),
         "test data": digest(data.x_test.dtype, data.x_test.shape, data.x_test, data.y_test.dtype, data.y_test),
         "client split": digest(*[np.asarray(ix) for ix in parts.partition.client_indices], "public", parts.public),

@@ -9,7 +9,10 @@ A run directory holds
   each with ``round_NNNNNN.pt.sha256`` beside it (the SHA-256 of the checkpoint, in ``sha256sum`` format). A
   checkpoint holds its round, the config it was made under and the algorithm's state: tensors, numbers, strings,
   lists and dicts only, loaded with ``torch.load(weights_only=True)``, so no pickled code runs on resume;
-- at the end ``model.pt`` (the final global vector) and ``summary.json`` (written last: it marks the run finished);
+- at the end ``model.pt`` (the final global vector: the model's trainable parameters) and ``summary.json`` (written
+  last: it marks the run finished);
+- ``frozen.pt``, for a model with frozen parameters: their values, written once when the run starts (they never
+  change: checkpoints hold the trainable vector only), and checked on resume;
 - ``.lock``: the lock of the process writing the directory (:class:`DirectoryLock`), with its PID while it runs.
 
 Every file but metrics.jsonl is written whole to a temporary name and renamed into place, so a killed run leaves
@@ -496,10 +499,11 @@ def check_new_run_dir(out_dir: str | Path) -> None:
 
 
 FINGERPRINT = "fingerprint.json"
+FROZEN = "frozen.pt"
 
 #: What a run writes into its directory: a new run refuses a directory that holds any of them (a run, or the user's
 #: own files of those names, which it would overwrite).
-RUN_FILES = ("config.json", "metrics.jsonl", "checkpoints", "model.pt", "summary.json", FINGERPRINT)
+RUN_FILES = ("config.json", "metrics.jsonl", "checkpoints", "model.pt", "summary.json", FINGERPRINT, FROZEN)
 
 
 def _check_holds_no_run(path: Path) -> None:
@@ -609,6 +613,37 @@ def check_fingerprint(run_dir: str | Path, digests: dict[str, str], action: str 
             f"{'differ' if len(changed) > 1 else 'differs'} from the run's (see {FINGERPRINT}); "
             f"{action} it with the same model, data and split, or start a new run"
         )
+
+
+def write_frozen(run_dir: str | Path, frozen: dict[str, torch.Tensor]) -> None:
+    """Keep a model's frozen parameters {name: tensor} in ``run_dir``/frozen.pt (nothing when there are none)."""
+    if frozen:
+        buffer = io.BytesIO()
+        torch.save({name: value.detach().cpu().clone() for name, value in frozen.items()}, buffer)
+        _atomic_write(Path(run_dir) / FROZEN, buffer.getvalue())
+
+
+def check_frozen(run_dir: str | Path, frozen: dict[str, torch.Tensor], action: str = "resume") -> None:
+    """ValueError naming the first frozen parameter of ``frozen`` {name: tensor} whose name, shape or values differ
+    from those kept in ``run_dir``/frozen.pt (none kept: the run's model had no frozen parameter)."""
+    path = Path(run_dir) / FROZEN
+    try:
+        stored = torch.load(path, weights_only=True) if path.exists() else {}
+    except Exception as err:  # a damaged file: torch raises several types
+        raise ValueError(f"cannot {action} {run_dir}: {path} is not readable ({type(err).__name__})") from None
+    if not isinstance(stored, dict) or stored.keys() != frozen.keys():
+        held = ", ".join(map(str, stored)) if isinstance(stored, dict) and stored else "none"
+        raise ValueError(
+            f"cannot {action} {run_dir}: the run's frozen parameters ({held}) are not the model's "
+            f"({', '.join(frozen) or 'none'})"
+        )
+    for name, value in frozen.items():
+        kept = stored[name]
+        if not isinstance(kept, torch.Tensor) or not torch.equal(kept, value.detach().cpu()):
+            raise ValueError(
+                f"cannot {action} {run_dir}: the frozen parameter {name} differs from the run's ({path}); "
+                f"{action} it with the same model"
+            )
 
 
 def _listed(items: list[str]) -> str:

@@ -25,6 +25,7 @@ MODELS = {
     "mlp": lambda: build_model("mlp", (3, 4), 5, hidden=(8, 6)),
     "logreg": lambda: build_model("logreg", (3, 4), 5),
     "sequential": _nested_sequential,
+    "applied twice": _one_layer_applied_twice,  # its weight's gradient: the sum over its two uses
 }
 
 
@@ -93,7 +94,6 @@ def test_samples_that_are_not_vectors_need_a_flatten_first():
         build_model("cnn", (1, 8, 8), 5),
         nn.Sequential(nn.Flatten(), nn.Linear(12, 5), nn.Tanh(), nn.Linear(5, 5)),
         nn.Sequential(nn.Flatten(start_dim=2), nn.Linear(4, 5)),
-        _one_layer_applied_twice(),
     ],
 )
 def test_other_models_use_the_vmapped_step(module):
