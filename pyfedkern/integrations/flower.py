@@ -35,6 +35,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without flwr
     raise ImportError('pyfedkern.integrations.flower needs Flower: pip install "flwr>=1.20"') from exc
 
 import dataclasses
+import functools
 import io
 import json
 import math
@@ -148,13 +149,19 @@ def _check_shapes(layers: list[np.ndarray]) -> None:
             raise ValueError(f"results[{k}] has a layer of shape {layer.shape}, expected {layers[0].shape}")
 
 
+def _mean_dtype(dtypes: Iterable[np.dtype]) -> np.dtype:
+    """The dtype of a mean of arrays of ``dtypes``, whatever their order: NumPy's promotion of them (float32 and
+    float64 → float64, float16 and float32 → float32) when that is float16/32/64, else float64 (integers)."""
+    dtype = functools.reduce(np.promote_types, dtypes)
+    return dtype if dtype in _FLOATS or dtype == np.float16 else np.dtype(np.float64)
+
+
 def _layer_mean(layers: list[np.ndarray], p: np.ndarray) -> np.ndarray:
-    """Σ_k p_k·layers[k] for one layer: float layers in their dtype through ops.weighted_sum (float16 accumulated
-    in float32), other dtypes in float64."""
+    """Σ_k p_k·layers[k] for one layer, in :func:`_mean_dtype` of the layers through ops.weighted_sum (float16
+    accumulated in float32)."""
     _check_shapes(layers)
     first = layers[0]
-    floats = first.dtype in _FLOATS or first.dtype == np.float16
-    dtype = first.dtype if floats and all(x.dtype == first.dtype for x in layers) else np.dtype(np.float64)
+    dtype = _mean_dtype(x.dtype for x in layers)
     out = np.empty(first.shape, dtype=dtype)
     if first.size:
         ops.weighted_sum([x.reshape(-1).astype(dtype, copy=False) for x in layers], p, out=out.reshape(-1))
@@ -249,7 +256,8 @@ class _RunningMean:
     both shares computed from the exact (rational) totals W, so no weight of any size multiplies a layer and nothing
     overflows or underflows. ``deferred=True``, for clients that are all in memory already (a list of replies):
     only views are kept, and :meth:`mean` makes one weighted-sum pass per name over all clients with the shares
-    w_k / Σ w (:func:`_fractions`).
+    w_k / Σ w (:func:`_fractions`). Either way a mean's dtype is :func:`_mean_dtype` of the clients' (a streamed
+    float32 mean is widened to float64 when a float64 client comes), so it does not depend on their order.
     """
 
     def __init__(self, deferred: bool = False) -> None:
@@ -280,16 +288,18 @@ class _RunningMean:
                 if self.count:
                     raise ValueError(f"{who} has an array {name!r} that earlier results did not have")
                 self.shapes[name] = value.shape
-                self.dtypes[name] = value.dtype
                 self.views[name] = []
             if value.shape != self.shapes[name]:
                 raise ValueError(f"{who}: array {name!r} has shape {value.shape}, expected {self.shapes[name]}")
             if self.deferred:
                 self.views[name].append(value)
                 continue
+            self.dtypes[name] = _mean_dtype([self.dtypes.get(name, value.dtype), value.dtype])
             flat = value.reshape(-1)
-            if name not in self.acc:
-                self.acc[name] = np.zeros(flat.size, dtype=flat.dtype if flat.dtype in _FLOATS else np.float64)
+            wanted = self.dtypes[name] if self.dtypes[name] in _FLOATS else np.dtype(np.float64)  # float16: float64
+            if name not in self.acc or self.acc[name].dtype.itemsize < wanted.itemsize:
+                old = self.acc.get(name)
+                self.acc[name] = np.zeros(flat.size, dtype=wanted) if old is None else old.astype(wanted)
             acc = self.acc[name]
             if flat.size and take:
                 x = flat if flat.dtype == acc.dtype else flat.astype(acc.dtype)
@@ -308,11 +318,9 @@ class _RunningMean:
                 p = _fractions(self.weights)
                 self._mean = {name: _layer_mean(views, p) for name, views in self.views.items()}
             return self._mean
-        means = {}
-        for name, acc in self.acc.items():
-            dtype = self.dtypes[name] if self.dtypes[name].kind == "f" else acc.dtype  # float16 summed in float64
-            means[name] = acc.reshape(self.shapes[name]).astype(dtype, copy=False)
-        return means
+        return {
+            name: acc.reshape(self.shapes[name]).astype(self.dtypes[name], copy=False) for name, acc in self.acc.items()
+        }
 
     def drop_nonfinite(self) -> list[int]:
         """Deferred: remove the clients whose arrays hold NaN or inf when the mean does (one check of the mean, a
@@ -336,7 +344,8 @@ def aggregate_inplace(results: list[tuple[Any, Any]]) -> list[np.ndarray]:
         results: K pairs (ClientProxy, FitRes) as ``Strategy.aggregate_fit`` receives them.
 
     Returns:
-        The L averaged layers Σ_k (n_k/N)·layer_k, float layers in their dtype (as Flower's): float64 ones bit
+        The L averaged layers Σ_k (n_k/N)·layer_k, float layers in their dtype (as Flower's; layers of different
+        dtypes in NumPy's promotion of them, where Flower's keeps the first result's dtype): float64 ones bit
         for bit Flower's (but +0.0 where all of an element's terms are -0.0), float32 ones to rounding (Flower
         rounds each product, formed in float64, to float32; pyfedkern forms it in float32), float16 ones summed in
         float32. Each result's serialized tensors are read in place (no deserialized copy); unlike Flower's, the

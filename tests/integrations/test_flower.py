@@ -364,6 +364,40 @@ def test_fedavg_aggregate_train_matches_flower_strategy():
     assert ours.history[-1].received == [1, 2, 3] and ours.history[-1].failed == []
 
 
+@pytest.mark.parametrize(
+    ("dtypes", "promoted"),
+    [
+        ((np.float32, np.float64), np.float64),
+        ((np.float64, np.float32), np.float64),
+        ((np.float32, np.float16, np.float32), np.float32),
+        ((np.float16, np.int8), np.float16),
+        ((np.int32, np.float32), np.float64),
+        ((np.int64, np.int64), np.float64),
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize("arrival", ["streamed", "list"])
+def test_fedavg_replies_of_different_dtypes_average_in_numpys_promotion_of_them(dtypes, promoted, arrival):
+    """A float32 reply then a float64 one gave float32 streamed and float64 listed: now both give NumPy's promotion
+    of the replies' dtypes, in whatever order they arrive (aggregate_inplace too)."""
+    rng = np.random.default_rng(len(dtypes))
+    payload = [(rng.standard_normal(4099) * 20).astype(dtype) for dtype in dtypes]
+    counts = [3, 1, 2][: len(dtypes)]
+    exact = sum(x.astype(np.float64) * n for x, n in zip(payload, counts, strict=True)) / sum(counts)
+    nodes = list(range(1, len(dtypes) + 1))
+    grid = FakeGrid(nodes, lambda node, msg: _reply({"model": payload[node - 1]}, counts[node - 1]))
+    msgs = [Message(RecordDict({"x": ConfigRecord({})}), message_type="train", dst_node_id=n) for n in nodes]
+    replies = pf.ArrivalGrid(grid).send_and_receive(msgs, timeout=5)
+    arrays, _ = pf.FedAvg().aggregate_train(1, list(replies) if arrival == "list" else replies)
+    got = arrays["model"].numpy()
+    tol = 4 * np.finfo(promoted).eps * 20  # a few roundings of values of size ~20·4
+    assert got.dtype == promoted
+    np.testing.assert_allclose(got, exact, rtol=tol, atol=tol * 4)
+    inplace = pf.aggregate_inplace(_fit_results([([x], n) for x, n in zip(payload, counts, strict=True)]))
+    assert inplace[0].dtype == promoted
+    np.testing.assert_allclose(inplace[0], exact, rtol=tol, atol=tol * 4)
+
+
 def test_fedavg_counts_errors_and_timeouts_as_failures():
     def handler(node, msg):
         if node == 2:
