@@ -29,7 +29,7 @@ import torch
 
 from pyfedkern import ops
 from pyfedkern.data.spec import parse_spec
-from pyfedkern.reference import robust as robust_ops  # TODO(D2): pyfedkern.ops.robust once it lands
+from pyfedkern.ops import robust as robust_ops
 
 RULES = ("mean", "median", "trimmed", "krum", "multikrum", "bulyan", "geomed", "cclip")
 #: The spec of each rule, for error messages and help.

@@ -51,7 +51,7 @@ import numpy as np
 import torch
 
 from pyfedkern import ops
-from pyfedkern.reference import robust as robust_ops  # TODO(D2): pyfedkern.ops.robust once it lands
+from pyfedkern.ops import robust as robust_ops
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 MODEL_KEY = "model"
