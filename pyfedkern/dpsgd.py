@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pyfedkern.ops.norms import per_sample_grad_norms
+from pyfedkern.ops.norms import gram_is_cheaper, per_sample_grad_norms
 from pyfedkern.persample import _cross_entropy_options, _loss_sum
 
 logger = logging.getLogger("pyfedkern")
@@ -194,6 +194,8 @@ class _Layer:
             self.a, self.g = self.a.flatten(0, 1), self.g.flatten(0, 1)
         if isinstance(module, (nn.LayerNorm, nn.GroupNorm)):
             self._per_sample = _norm_layer_grads(module, self.a, self.g)
+        elif isinstance(module, (nn.Conv1d, nn.Conv2d)) and _materialise_conv(module, self.a, self.g):
+            self._per_sample = _conv_per_sample_grads(module, self.a, self.g)
 
     def sq_norms(self) -> torch.Tensor:
         """[k·B] squared norms of the unit's per-sample gradients."""
@@ -270,6 +272,49 @@ def _conv1d_as_2d(layer: nn.Conv1d) -> nn.Conv2d:
     )
     conv.weight.requires_grad_(layer.weight.requires_grad)
     return conv
+
+
+#: Elements of a conv layer's per-sample gradients [B, *weight shape] kept for its clipped sum (64 MiB of float32).
+PER_SAMPLE_ELEMENTS = 1 << 24
+
+
+def _materialise_conv(layer: nn.Module, a: torch.Tensor, g: torch.Tensor) -> bool:
+    """Whether a conv layer's per-sample weight gradients are the cheaper way to its norms (few weights a sample
+    next to its output positions) and small enough to keep: then the clipped sum is a weighted sum of them, not a
+    second weight-gradient convolution."""
+    positions = g[0, 0].numel()
+    return not gram_is_cheaper(positions, layer.weight[0].numel(), layer.out_channels) and (
+        a.shape[0] * layer.weight.numel() <= PER_SAMPLE_ELEMENTS
+    )
+
+
+def _conv_per_sample_grads(layer: nn.Module, a: torch.Tensor, g: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-sample gradients {name: [B, *shape]} of a Conv1d/Conv2d's trainable weight and bias: the weight's as one
+    weight-gradient convolution with one group per sample."""
+    wanted = {n for n, p in layer.named_parameters(recurse=False) if p.requires_grad}
+    B, out = a.shape[0], {}
+    if "weight" in wanted:
+        padding = layer.padding
+        if padding == "same":
+            a = F.pad(a, layer._reversed_padding_repeated_twice)
+            padding = 0
+        elif padding == "valid":
+            padding = 0
+        weight_grad = torch.nn.grad.conv1d_weight if isinstance(layer, nn.Conv1d) else torch.nn.grad.conv2d_weight
+        shape = (B * layer.out_channels, *layer.weight.shape[1:])
+        grads = weight_grad(
+            a.reshape(1, -1, *a.shape[2:]),
+            shape,
+            g.reshape(1, -1, *g.shape[2:]),
+            layer.stride,
+            padding,
+            layer.dilation,
+            B,
+        )
+        out["weight"] = grads.reshape(B, *layer.weight.shape)
+    if "bias" in wanted:
+        out["bias"] = g.flatten(2).sum(2)
+    return out
 
 
 def _conv_weight_grads(layer: nn.Module, a: torch.Tensor, g: torch.Tensor, k: int) -> torch.Tensor:

@@ -11,6 +11,8 @@ from typing import Any
 FAMILIES = [
     "aggregate",
     "compile",
+    "dp",
+    "dpsgd",
     "engine",
     "engine_models",
     "fedspeed",
