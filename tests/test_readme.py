@@ -62,3 +62,22 @@ def test_readme_own_model_and_data_runs_from_python_and_the_cli(tmp_path, monkey
 
     assert numbers(from_cli) == numbers(metrics)
     sys.modules.pop(name.removesuffix(".py"), None)
+
+
+EXPERIMENTS = README.parent / "docs" / "experiments.md"
+
+
+@pytest.mark.skipif(not EXPERIMENTS.exists(), reason="docs/ not next to the tests (installed package only)")
+def test_experiments_what_is_federated_examples_run():
+    """docs/experiments.md's "What is federated" examples run as written (their asserts check what they say); the
+    LoRA one needs the llm extra."""
+    text = EXPERIMENTS.read_text()
+    start = text.index("## What is federated")
+    section = text[start : text.index("\n## ", start + 1)]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.DOTALL)
+    assert len(blocks) == 3
+    for block in blocks:
+        if "import peft" in block:
+            pytest.importorskip("peft")
+            pytest.importorskip("transformers")
+        exec(compile(block, "docs/experiments.md", "exec"), {"__name__": "docs_example"})
