@@ -53,8 +53,8 @@ class Attack:
         tail = "" if self.parameter is None else f",{self.parameter:g}"
         return f"{self.name}:{self.fraction:g}{tail}"
 
-    def attackers(self, t: int, k: int, rng: np.random.Generator) -> np.ndarray:
-        """The sorted positions (int64, among k participants) of round t's attackers, drawn from ``rng``."""
+    def attackers(self, k: int, rng: np.random.Generator) -> np.ndarray:
+        """The sorted positions (int64, among a round's k participants) of its attackers, drawn from ``rng``."""
         count = min(k, round(self.fraction * k))
         return np.sort(rng.choice(k, size=count, replace=False)).astype(np.int64)
 

@@ -549,7 +549,7 @@ class Algorithm:
         extras: dict[str, Any] = {}
         if attack is not None:
             rng = ctx.rng(ATTACK_STREAM, t)
-            who = attack.attackers(t, len(updates), rng)
+            who = attack.attackers(len(updates), rng)
             for name in self.robust_vectors:
                 attack.apply_(updates.vectors[name], self.robust_centre(name), who, rng)
             extras = {"attackers": int(who.size), "attacked_clients": updates.clients[who].tolist()}

@@ -146,7 +146,7 @@ def test_a_rule_needs_enough_uploads():
 def _attacked(spec: str, rows: torch.Tensor, centre: torch.Tensor, seed: int = 5) -> tuple[torch.Tensor, np.ndarray]:
     attack = parse_attack(spec)
     rng = np.random.default_rng(seed)
-    who = attack.attackers(0, rows.shape[0], rng)
+    who = attack.attackers(rows.shape[0], rng)
     out = rows.clone()
     attack.apply_(out, centre, who, rng)
     return out, who
@@ -154,12 +154,12 @@ def _attacked(spec: str, rows: torch.Tensor, centre: torch.Tensor, seed: int = 5
 
 def test_attackers_are_a_seeded_draw_of_the_requested_share():
     attack = parse_attack("signflip:0.3")
-    draws = [attack.attackers(0, 10, np.random.default_rng(s)) for s in range(20)]
+    draws = [attack.attackers(10, np.random.default_rng(s)) for s in range(20)]
     assert all(len(w) == 3 and np.all(np.diff(w) > 0) and w.min() >= 0 and w.max() < 10 for w in draws)
     assert len({tuple(w) for w in draws}) > 1  # the stream decides
-    again = attack.attackers(0, 10, np.random.default_rng(0))
+    again = attack.attackers(10, np.random.default_rng(0))
     np.testing.assert_array_equal(again, draws[0])
-    assert parse_attack("ipm:1").attackers(0, 4, np.random.default_rng(0)).tolist() == [0, 1, 2, 3]
+    assert parse_attack("ipm:1").attackers(4, np.random.default_rng(0)).tolist() == [0, 1, 2, 3]
 
 
 @pytest.mark.parametrize(
@@ -178,7 +178,7 @@ def test_each_attack_follows_its_formula(spec):
         want = centre + (attack.parameter or 10.0) * delta[who]
     elif attack.name == "gaussian":
         rng = np.random.default_rng(5)
-        attack.attackers(0, 10, rng)  # the same stream: who, then the noise
+        attack.attackers(10, rng)  # the same stream: who, then the noise
         want = centre + 0.5 * torch.as_tensor(rng.standard_normal((len(who), 40)))
     elif attack.name == "ipm":
         want = (centre - 0.1 * delta.mean(0)).expand(len(who), -1)
