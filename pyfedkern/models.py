@@ -483,9 +483,20 @@ _SCORING: dict[str, dict[str, object]] = {
 }
 
 
-def builtin(name: str, **kwargs: object) -> ModelSpec:
+def builtin(name: str, /, **kwargs: object) -> ModelSpec:
     """Model ``name`` as a :class:`ModelSpec`: its factory is ``build_model(name, input_shape, num_classes,
-    **kwargs)`` (kwargs are checked when it builds), with the model's own loss, penalty and prediction."""
+    **kwargs)`` (kwargs are checked when it builds; input_shape and num_classes come from the data), with the
+    model's own loss, penalty and prediction."""
     if name not in _BUILDERS:
         raise ValueError(f"unknown model {name!r}; valid choices: {', '.join(sorted(MODELS))}")
+    taken = sorted({"input_shape", "num_classes"} & set(kwargs))
+    if taken:
+        raise ValueError(f"model {name!r} takes {' and '.join(taken)} from the data, not as arguments")
     return ModelSpec(factory=partial(build_model, name, **kwargs), name=name, **_SCORING.get(name, {}))
+
+
+def builtin_name(spec: ModelSpec) -> str | None:
+    """The built-in model ``spec`` builds (its factory is one :func:`builtin` made), else None: decided by the
+    factory's identity, not by ``spec.name`` (a user's factory may be called ``cnn``)."""
+    factory = spec.factory
+    return factory.args[0] if isinstance(factory, partial) and factory.func is build_model else None

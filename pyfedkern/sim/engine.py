@@ -137,7 +137,7 @@ class Simulation:
         self.eval_labels: np.ndarray | None = None
 
         spec = parts.model
-        if spec.name in models.MODELS:  # a built-in model's size is checked before it is built (a user's is not)
+        if models.builtin_name(spec):  # a built-in model's size is checked before it is built (a user's is not)
             shape, classes = tuple(data.input_shape), data.num_classes
             check_model_memory(
                 config, lambda: spec.factory(input_shape=shape, num_classes=classes), free_memory(self.device)

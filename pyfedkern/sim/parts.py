@@ -56,10 +56,10 @@ def parts_from_config(config: ExperimentConfig, public_per_class: int = 0) -> Pa
     """The parts a config names: built-in or ``module:attr`` model and dataset, split as ``config.partition`` says
     (``public_per_class`` samples per class held out first, for algorithms that need a public set)."""
     if is_reference(config.model):
-        spec = models.ModelSpec(factory=import_object(config.model, "model"), name=config.model)
+        factory = _with_keywords(import_object(config.model, "model"), config.model_params)
+        spec = models.ModelSpec(factory=factory, name=config.model)
     else:
-        spec = models.builtin(config.model)
-    spec = replace(spec, factory=_with_keywords(spec.factory, config.model_params))
+        spec = models.builtin(config.model, **config.model_params)
     data = load_data(config.dataset, config.data_root, config.normalize)
     by = (data.y_train, data.num_classes)  # partitions follow the original classes, also for the parity task
     if config.parity:

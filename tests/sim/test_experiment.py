@@ -244,6 +244,23 @@ def test_a_user_metric_named_like_the_engines_own_is_refused(tmp_path, name):
     assert not (tmp_path / "run" / "summary.json").exists()
 
 
+def test_a_user_factory_named_like_a_built_in_model_is_the_users(tmp_path):
+    """A built-in is told by its factory (the one models.builtin makes), not by name: a user's ``cnn`` was called as
+    the built-in is (with input_shape) before it was built, and failed with a TypeError."""
+
+    def cnn(num_classes):
+        return nn.Sequential(nn.Flatten(), nn.Linear(6, num_classes))
+
+    assert models.builtin_name(models.builtin("cnn", channels=4)) == "cnn"
+    assert models.builtin_name(models.ModelSpec(factory=cnn, name="cnn")) is None
+    x, y = _blobs()
+    experiment = Experiment(cnn, (x[:200], y[:200]), (x[200:], y[200:]), clients="iid", num_clients=2, rounds=1)
+    assert experiment.config.model == "cnn" and np.isfinite(experiment.run(tmp_path / "run")[-1]["test_loss"])
+    assert experiment.simulation.initial_vector.numel() == 6 * 3 + 3  # the user's model, not the built-in CNN
+    with pytest.raises(ValueError, match="model 'mlp' takes input_shape from the data"):
+        models.builtin("mlp", input_shape=(6,))
+
+
 def test_per_sample_client_ids_are_natural_clients():
     x, y = _blobs(n=120)
     ids = np.repeat([7, 3, 5], 40)
