@@ -61,8 +61,9 @@ class ArrayRef:
         return self.span
 
     def overlaps(self, other: ArrayRef) -> bool:
-        """Whether the two arrays' byte spans intersect on the same device (a conservative aliasing test)."""
-        if self.device != other.device:
+        """Whether the two arrays' byte spans intersect on the same device (a conservative aliasing test; empty and
+        fake arrays, of pointer 0, overlap nothing)."""
+        if self.device != other.device or not self.ptr or not other.ptr:  # (fake tensors: pointer 0)
             return False
         a0, a1 = self.byte_span()
         b0, b1 = other.byte_span()
@@ -228,14 +229,26 @@ def _describe_torch(x: Any, name: str) -> ArrayRef:
         raise TypeError(f"{name} is on torch device {x.device}; pyfedkern supports cpu and cuda")
     if x.is_conj() or x.is_neg():
         raise TypeError(f"{name} is a lazily conjugated/negated view; call .resolve_conj()/.resolve_neg() first")
-    ptr = x.data_ptr()
-    if ptr == 0 and x.numel():
+    try:
+        ptr = x.data_ptr()
+    except RuntimeError:  # no memory to point at (a fake or functorch-wrapped tensor)
+        ptr = 0
+    if ptr == 0 and not _is_fake(x) and x.numel():
         raise TypeError(f"{name} is a {type(x).__qualname__} tensor without memory of its own (a wrapper subclass)")
     dtype = _TORCH_DTYPE_NAMES.get(x.dtype) or str(x.dtype).removeprefix("torch.")
     return ArrayRef(x, "torch", device, dtype, tuple(x.shape), x.stride(), ptr, x.element_size(), True)
 
 
 _TORCH_DTYPE_NAMES: dict[Any, str] = {}  # torch.dtype -> canonical name, filled by _torch_type()
+
+
+def _is_fake(x: Any) -> bool:
+    """Whether x is a fake tensor (shapes and dtypes only), as the registered operators' fake functions get when
+    ``torch.compile`` traces a call: described with pointer 0, so that they run the direct path's operand checks
+    (pointers are compared only when the operator runs on real tensors)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(x)
 
 
 def _describe_cupy(x: Any, name: str) -> ArrayRef:

@@ -7,10 +7,12 @@ the output shapes and dtypes without running anything, and, for a differentiable
 ``torch.ops.pyfedkern.<name>`` from every declaration with ``torch.library`` (Python registration: the extension
 never links libtorch).
 
-The public op keeps its direct path in eager mode and takes the registered operator only when it must:
-inside ``torch.compile``/``torch.export`` (``traced``), and, for a differentiable op, when a torch input
-requires grad with grad mode on (:func:`use_operator`). A non-differentiable op refuses such inputs
-(:func:`refuse_grad`) instead of returning a result detached from the graph.
+The public op keeps its direct path in eager mode and takes the registered operator only when it must
+(:func:`operator_needed`): inside ``torch.compile``/``torch.export`` (``traced``), inside a ``torch.func``
+transform (``vmap``, ``grad``: its wrapped tensors have no memory the kernels could read), for a tensor of a
+subclass (fake tensors, wrapper subclasses, users' own: the dispatcher hands them to their own handlers), and, for a
+differentiable op, when a torch input requires grad with grad mode on (:func:`use_operator`). A non-differentiable
+op refuses such inputs (:func:`refuse_grad`) instead of returning a result detached from the graph.
 
 An op may also declare an inductor lowering: the same math built from inductor's own lowerings, so that the
 inductor backend of ``torch.compile`` fuses it with the torch code around it (the FedSpeed step's update into
@@ -71,7 +73,9 @@ def declare(
 
 traced = torch.compiler.is_compiling  # whether the caller is traced by torch.compile (Dynamo) or torch.export
 grad_enabled = torch.is_grad_enabled  # (in a backward formula: whether it runs with create_graph)
+_transform_level = torch._C._functorch.maybe_current_level  # None outside torch.func transforms (vmap, grad, ...)
 _Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
 
 
 def accumulation_dtype(t: torch.Tensor) -> torch.dtype:
@@ -112,10 +116,37 @@ def _any_requires_grad(xs: tuple[Any, ...]) -> bool:
     return False
 
 
+def _operand_wants_operator(xs: tuple[Any, ...] | list[Any], grad: bool) -> bool:
+    """Whether a torch tensor among ``xs`` (or in a list or tuple among them) is of a subclass (Tensor and Parameter
+    are not), or, with ``grad``, requires grad. Told apart by type as :func:`_any_requires_grad` does."""
+    for x in xs:
+        kind = type(x)
+        if kind is float or x is None:
+            continue
+        if kind is _Tensor or kind is _Parameter:
+            if grad and x.requires_grad:
+                return True
+        elif kind is list or kind is tuple:
+            if x and (type(x[0]) is not float or len(set(map(type, x))) > 1) and _operand_wants_operator(x, grad):
+                return True
+        elif isinstance(x, _Tensor):
+            return True
+    return False
+
+
+def operator_needed(*xs: Any) -> bool:
+    """Whether an op called with ``xs`` (its torch operands, or lists of them) must take its registered operator:
+    when traced, inside a ``torch.func`` transform, or for a tensor of a subclass (a fake tensor, a wrapper
+    subclass, a user's subclass: the dispatcher runs the op through the subclass's own handlers). Plain tensors in
+    eager mode keep the direct path."""
+    return traced() or _transform_level() is not None or _operand_wants_operator(xs, False)
+
+
 def use_operator(*xs: Any) -> bool:
-    """Whether a differentiable op takes its registered operator: when traced, or when one of ``xs`` (or a tensor
-    in a list among them) requires grad while grad mode is on. Eager calls without grad keep the direct path."""
-    return traced() or (grad_enabled() and _any_requires_grad(xs))
+    """Whether a differentiable op takes its registered operator: when :func:`operator_needed`, or when one of ``xs``
+    (or a tensor in a list among them) requires grad while grad mode is on. Eager calls of plain tensors without
+    grad keep the direct path."""
+    return traced() or _transform_level() is not None or _operand_wants_operator(xs, grad_enabled())
 
 
 def refuse_grad(op: str, names: tuple[str, ...], *xs: Any) -> None:
@@ -130,6 +161,17 @@ def refuse_grad(op: str, names: tuple[str, ...], *xs: Any) -> None:
                 f"{op}: {name} requires grad, but {op} is not differentiable in {name} (no gradient would reach "
                 "it); call it under torch.no_grad() or pass .detach()"
             )
+
+
+def checks_only(check: Callable[..., Any]) -> Callable[..., None]:
+    """The fake function of an op that returns nothing (an in-place op): ``check``, the direct path's operand checks
+    (fake tensors are described with pointer 0, see ``pyfedkern._arrays``), so that a traced call raises the errors
+    of an eager one."""
+
+    def fake(*args: Any) -> None:
+        check(*args)
+
+    return fake
 
 
 def torch_op(name: str) -> Any:

@@ -169,10 +169,11 @@ def _weighted_sum_torch(updates: Any, weights: Any, out: Any) -> Any:
 
 
 def _weighted_sum_fake(updates: Any, weights: Any) -> Any:
-    if updates.dim() != 2:
-        raise ValueError(f"updates must be a 2-D [K, d] tensor, got shape {tuple(updates.shape)}")
-    if weights.shape != (updates.shape[0],):
-        raise ValueError(f"weights must have shape ({updates.shape[0]},), got {tuple(weights.shape)}")
+    rows = _update_rows(updates)  # the direct path's checks, and those of its weights (not read here)
+    if weights.dim() != 1:
+        raise ValueError(f"weights must be 1-D, got shape {tuple(weights.shape)}")
+    if weights.shape[0] != rows.count:
+        raise ValueError(f"weights has length {weights.shape[0]}, expected {rows.count}")
     return updates.new_empty(updates.shape[1:])
 
 
@@ -218,7 +219,7 @@ def accumulate_(acc: A, update: Any, weight: Any) -> A:
         ``acc``.
     """
     _declare.refuse_grad("accumulate_", ("update", "weight"), update, weight)
-    if _declare.traced():
+    if _declare.operator_needed(acc, update, weight):
         device_weight = _declare.is_tensor(weight)
         op = _declare.torch_op("accumulate_")
         op(acc, update, 0.0 if device_weight else float(weight), weight if device_weight else None)
@@ -226,23 +227,18 @@ def accumulate_(acc: A, update: Any, weight: Any) -> A:
     return _accumulate(acc, update, weight)
 
 
-def _accumulate_fake(acc: Any, update: Any, weight: float, weight_tensor: Any) -> None:
-    if acc.dim() != 1 or update.shape != acc.shape:
-        raise ValueError(f"acc and update must be [d] vectors of one length, got {acc.shape} and {update.shape}")
-
-
 @_declare.declare(
     "accumulate_",
     "(Tensor(a!) acc, Tensor update, float weight, Tensor? weight_tensor) -> ()",
-    fake=_accumulate_fake,
+    fake=_declare.checks_only(lambda acc, update, *_: _accumulate_operands(acc, update)),
     mutates=("acc",),
 )
 def _accumulate_native(acc: Any, update: Any, weight: float, weight_tensor: Any) -> None:
     _accumulate(acc, update, weight if weight_tensor is None else weight_tensor)
 
 
-def _accumulate(acc: Any, update: Any, weight: Any) -> Any:
-    """The direct path of :func:`accumulate_` (any library)."""
+def _accumulate_operands(acc: Any, update: Any) -> tuple[ArrayRef, ArrayRef]:
+    """The checked acc and update of :func:`accumulate_` (direct path and fake function)."""
     acc_ref = _arrays.describe(acc, "acc")
     if len(acc_ref.shape) != 1:
         raise ValueError(f"acc must be a 1-D vector, got shape {acc_ref.shape}")
@@ -258,6 +254,12 @@ def _accumulate(acc: Any, update: Any, weight: Any) -> Any:
     _arrays.check_output(acc_ref, "acc")
     if acc_ref.overlaps(upd) and not _same_view(acc_ref, upd):
         raise ValueError("update partially overlaps acc; pass acc itself or a separate array")
+    return acc_ref, upd
+
+
+def _accumulate(acc: Any, update: Any, weight: Any) -> Any:
+    """The direct path of :func:`accumulate_` (any library)."""
+    acc_ref, upd = _accumulate_operands(acc, update)
     if acc_ref.device >= 0 and _arrays.is_array(weight) and _arrays.describe(weight, "weight").device >= 0:
         if math.prod(weight.shape) != 1:
             raise ValueError(f"weight must be a single number, got shape {tuple(weight.shape)}")

@@ -164,15 +164,14 @@ def sam_perturb(
         ``out``, or a new [d] array of x's library, device and dtype.
     """
     _declare.refuse_grad("sam_perturb", ("x", "grad", "rho", "eps"), x, grad, rho, eps)
-    if _declare.traced():
+    if _declare.operator_needed(x, grad, out, norm_out):
         return _sam_perturb_torch(x, grad, rho, eps, normalize, out, norm_out)
     return _sam_perturb(x, grad, rho, eps=eps, normalize=normalize, out=out, norm_out=norm_out)
 
 
 def _sam_perturb(x: Any, grad: Any, rho: Any, *, eps: Any, normalize: bool, out: Any, norm_out: Any) -> Any:
     """The direct path of :func:`sam_perturb` (any library, [d] or [k, d])."""
-    xr, gr, r, e, out, outr = _perturb_operands(*_forms(x, "x"), x, grad, rho, eps, normalize, out, norm_out)
-    norm = _norm_target(norm_out, xr, {"x": xr, "grad": gr, "out": outr})
+    xr, gr, r, e, out, outr, norm = _perturb_checked(x, grad, rho, eps, normalize, out, norm_out)
     keep, ws_ptr, ws_len, norm_ptr, norm_stride = _workspace(xr, norm, normalize)
     native().fedspeed_perturb(
         xr.device,
@@ -195,6 +194,13 @@ def _sam_perturb(x: Any, grad: Any, rho: Any, *, eps: Any, normalize: bool, out:
     return out
 
 
+def _perturb_checked(x: Any, grad: Any, rho: Any, eps: Any, normalize: Any, out: Any, norm_out: Any) -> tuple:
+    """The checked operands of :func:`sam_perturb` (direct path and fake function): those of
+    :func:`_perturb_operands` and norm_out's ref (or None)."""
+    xr, gr, r, e, out, outr = _perturb_operands(*_forms(x, "x"), x, grad, rho, eps, normalize, out, norm_out)
+    return xr, gr, r, e, out, outr, _norm_target(norm_out, xr, {"x": xr, "grad": gr, "out": outr})
+
+
 def _perturb_operands(take, like, x, grad, rho, eps, normalize, out, norm_out):
     """The checked operands and scalars of :func:`sam_perturb` (``take``/``like`` describe vectors or [k, d]
     matrices): (x, grad, rho, eps, out (allocated when None), out's ref)."""
@@ -215,6 +221,16 @@ def _perturb_operands(take, like, x, grad, rho, eps, normalize, out, norm_out):
     if outr.overlaps(xr) and not _same_view(outr, xr):
         raise ValueError("out partially overlaps x; pass x itself or a separate array")
     return xr, gr, r, e, out, outr
+
+
+def _update_checked(x, g2, lr, g1, alpha, anchor, prox_coef, weight_decay, clip_norm, norm_out) -> tuple:
+    """The checked operands of :func:`fedspeed_update_` (direct path and fake function): those of
+    :func:`_update_operands` and norm_out's ref (or None)."""
+    checked = _update_operands(
+        *_forms(x, "x"), x, g2, lr, g1, alpha, anchor, prox_coef, weight_decay, clip_norm, norm_out
+    )
+    xr, g1r, g2r, anchor_r = checked[:4]
+    return *checked, _norm_target(norm_out, xr, {"x": xr, "g1": g1r, "g2": g2r, "anchor": anchor_r})
 
 
 def _update_operands(take, like, x, g2, lr, g1, alpha, anchor, prox_coef, weight_decay, clip_norm, norm_out):
@@ -283,7 +299,7 @@ def fedspeed_update_(
         ("g2", "g1", "anchor", "lr", "alpha", "prox_coef", "weight_decay", "clip_norm"),
         g2, g1, anchor, lr, alpha, prox_coef, weight_decay, clip_norm,
     )  # fmt: skip
-    if _declare.traced():
+    if _declare.operator_needed(x, g2, g1, anchor, norm_out):
         _declare.torch_op("fedspeed_update_")(
             x, g2, float(lr), g1, float(alpha), anchor, float(prox_coef), float(weight_decay), clip_norm, norm_out
         )
@@ -304,10 +320,9 @@ def _fedspeed_update(
     norm_out: Any,
 ) -> Any:
     """The direct path of :func:`fedspeed_update_` (any library, [d] or [k, d])."""
-    xr, g1r, g2r, anchor_r, eta, a, c, wd, clip = _update_operands(
-        *_forms(x, "x"), x, g2, lr, g1, alpha, anchor, prox_coef, weight_decay, clip_norm, norm_out
+    xr, g1r, g2r, anchor_r, eta, a, c, wd, clip, norm = _update_checked(
+        x, g2, lr, g1, alpha, anchor, prox_coef, weight_decay, clip_norm, norm_out
     )
-    norm = _norm_target(norm_out, xr, {"x": xr, "g1": g1r, "g2": g2r, "anchor": anchor_r})
     keep, ws_ptr, ws_len, norm_ptr, norm_stride = _workspace(xr, norm, clip > 0.0)
     native().fedspeed_update(
         xr.device,
@@ -376,14 +391,15 @@ def fedspeed_round_end_(
     Outputs must not overlap each other or the inputs. Returns ``h``.
     """
     _declare.refuse_grad("fedspeed_round_end_", ("x_local", "x_global", "acc_weight"), x_local, x_global, acc_weight)
-    if _declare.traced():
+    if _declare.operator_needed(h, x_local, x_global, acc, h_sum):
         _declare.torch_op("fedspeed_round_end_")(h, x_local, x_global, acc, float(acc_weight), include_h, h_sum)
         return h
     return _round_end(h, x_local, x_global, acc, acc_weight, include_h, h_sum)
 
 
-def _round_end(h: Any, x_local: Any, x_global: Any, acc: Any, acc_weight: Any, include_h: Any, h_sum: Any) -> Any:
-    """The direct path of :func:`fedspeed_round_end_` (any library, [d] or [k, d])."""
+def _round_end_checked(h: Any, x_local: Any, x_global: Any, acc: Any, acc_weight: Any, include_h: Any, h_sum: Any):
+    """The checked operands of :func:`fedspeed_round_end_` (direct path and fake function): (h, x_local, x_global,
+    acc_weight, the outputs {"h", "acc"?, "h_sum"?})."""
     take, like = _forms(h, "h")
     hr = take(h, "h")
     _arrays.check_output(hr, "h")
@@ -395,6 +411,12 @@ def _round_end(h: Any, x_local: Any, x_global: Any, acc: Any, acc_weight: Any, i
     else:
         xg = like(x_global, "x_global", hr, "h")
     w, outs = _round_end_outputs(hr, row, row_name, xl, xg, acc, acc_weight, include_h, h_sum)
+    return hr, xl, xg, w, outs
+
+
+def _round_end(h: Any, x_local: Any, x_global: Any, acc: Any, acc_weight: Any, include_h: Any, h_sum: Any) -> Any:
+    """The direct path of :func:`fedspeed_round_end_` (any library, [d] or [k, d])."""
+    hr, xl, xg, w, outs = _round_end_checked(h, x_local, x_global, acc, acc_weight, include_h, h_sum)
     accr, hsr = outs.get("acc"), outs.get("h_sum")
     native().fedspeed_round_end(
         hr.device,
@@ -424,17 +446,6 @@ def _sam_perturb_torch(x: Any, grad: Any, rho: Any, eps: Any, normalize: bool, o
     if out is x:
         return x.copy_(target)
     return target
-
-
-def _check_fake_shapes(**tensors: Any) -> None:
-    """ValueError unless the given tensors (None: absent) all have the shape of the first, [d] or [k, d]."""
-    shapes = {name: tuple(t.shape) for name, t in tensors.items() if t is not None}
-    first_name, first = next(iter(shapes.items()))
-    if len(first) not in (1, 2):
-        raise ValueError(f"{first_name} must be a [d] vector or a [k, d] matrix, got shape {first}")
-    for name, shape in shapes.items():
-        if shape != first:
-            raise ValueError(f"{name} has shape {shape}, expected {first} (the shape of {first_name})")
 
 
 # Inductor lowerings (CPU, float32/float64, the common forms): the kernels' formulas in the kernels' order and
@@ -507,7 +518,7 @@ def _lower_fedspeed_update(x, g2, lr, g1, alpha, anchor, prox_coef, weight_decay
 @_declare.declare(
     "sam_perturb",
     "(Tensor x, Tensor grad, float rho, float eps, bool normalize, Tensor(a!) out, Tensor(b!)? norm_out) -> ()",
-    fake=lambda x, grad, rho, eps, normalize, out, norm_out: _check_fake_shapes(x=x, grad=grad, out=out),
+    fake=_declare.checks_only(_perturb_checked),
     mutates=("out", "norm_out"),
     lowering=_lower_sam_perturb,
 )
@@ -519,7 +530,7 @@ def _sam_perturb_native(x: Any, grad: Any, rho: float, eps: float, normalize: bo
     "fedspeed_update_",
     "(Tensor(a!) x, Tensor g2, float lr, Tensor? g1, float alpha, Tensor? anchor, float prox_coef, "
     "float weight_decay, float? clip_norm, Tensor(b!)? norm_out) -> ()",
-    fake=lambda x, g2, lr, g1, alpha, anchor, *_: _check_fake_shapes(x=x, g2=g2, g1=g1, anchor=anchor),
+    fake=_declare.checks_only(_update_checked),
     mutates=("x", "norm_out"),
     lowering=_lower_fedspeed_update,
 )
@@ -542,7 +553,7 @@ def _fedspeed_update_native(
     "fedspeed_round_end_",
     "(Tensor(a!) h, Tensor x_local, Tensor x_global, Tensor(b!)? acc, float acc_weight, bool include_h, "
     "Tensor(c!)? h_sum) -> ()",
-    fake=lambda h, x_local, *_: _check_fake_shapes(h=h, x_local=x_local),
+    fake=_declare.checks_only(_round_end_checked),
     mutates=("h", "acc", "h_sum"),
 )
 def _round_end_native(

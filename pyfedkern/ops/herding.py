@@ -93,21 +93,34 @@ def _matrix_ref(ref: ArrayRef, n: int) -> ArrayRef:
     )
 
 
+def _grads_array(grads: Any, name: str) -> ArrayRef:
+    """The checked [τ, d] matrix or [N, τ, d] stack of gradients (not their values)."""
+    ref = _arrays.describe(grads, name)
+    _arrays.check_float_dtype(ref, name)
+    if len(ref.shape) not in (2, 3):
+        raise ValueError(
+            f"{name} must be a [τ, d] matrix, a [N, τ, d] stack or a list of [τ_i, d] matrices, got shape {ref.shape}"
+        )
+    if len(ref.shape) == 3 and ref.shape[0] == 0:
+        raise ValueError(f"{name} has no clients (shape {ref.shape})")
+    _check_sizes(ref.shape[-2], ref.shape[-1], name)
+    return ref
+
+
+def _check_sizes(min_tau: int, d: int, name: str) -> None:
+    if min_tau < 1:
+        raise ValueError(f"{name} has a client with no gradients (τ = 0)")
+    if d < 1:
+        raise ValueError(f"{name} has empty gradients (d = 0)")
+
+
 def _clients(grads: Any, name: str = "grads") -> _Clients:
     if _arrays.is_array(grads):
-        ref = _arrays.describe(grads, name)
-        _arrays.check_float_dtype(ref, name)
+        ref = _grads_array(grads, name)
         if len(ref.shape) == 2:
             kind, refs, objs = "single", [ref], [ref.obj]
-        elif len(ref.shape) == 3:
-            if ref.shape[0] == 0:
-                raise ValueError(f"{name} has no clients (shape {ref.shape})")
-            kind, refs, objs = "stack", [_matrix_ref(ref, n) for n in range(ref.shape[0])], [ref.obj]
         else:
-            raise ValueError(
-                f"{name} must be a [τ, d] matrix, a [N, τ, d] stack or a list of [τ_i, d] matrices, got shape "
-                f"{ref.shape}"
-            )
+            kind, refs, objs = "stack", [_matrix_ref(ref, n) for n in range(ref.shape[0])], [ref.obj]
     elif isinstance(grads, Sequence) and not isinstance(grads, (str, bytes)):
         if len(grads) == 0:
             raise ValueError(f"{name} is an empty list: need at least one client")
@@ -127,10 +140,7 @@ def _clients(grads: Any, name: str = "grads") -> _Clients:
         raise TypeError(f"{name} must be an array or a list of arrays, got {type(grads).__qualname__}")
     taus = [r.shape[0] for r in refs]
     d = refs[0].shape[1]
-    if min(taus) < 1:
-        raise ValueError(f"{name} has a client with no gradients (τ = 0)")
-    if d < 1:
-        raise ValueError(f"{name} has empty gradients (d = 0)")
+    _check_sizes(min(taus), d, name)
     return _Clients(kind, objs, refs, taus, d)
 
 
@@ -266,7 +276,7 @@ def centred_gram(grads: Any) -> Any:
     Computed with the caller's library matmul as described in the module docstring. Not differentiable.
     """
     _declare.refuse_grad("centred_gram", ("grads",), grads)
-    if _declare.traced():
+    if _declare.operator_needed(grads):
         return _per_client(grads, lambda g: _declare.torch_op("centred_gram")(g))
     return _centred_gram_direct(grads)
 
@@ -414,7 +424,7 @@ def herding_order(grads: Any, k: Any) -> Any:
         of N 1-D arrays for a list input or per-client k. A selection: not differentiable.
     """
     _declare.refuse_grad("herding_order", ("grads",), grads)
-    if _declare.traced():
+    if _declare.operator_needed(grads):
         if isinstance(k, Sequence) or _declare.is_tensor(k):
             return [_declare.torch_op("herding_order")(g, int(kn)) for g, kn in zip(grads, k, strict=True)]
         return _per_client(grads, lambda g: _declare.torch_op("herding_order")(g, int(k)))
@@ -447,7 +457,7 @@ def herding_select(grads: Any, alpha: Any, *, return_gap: bool = False) -> tuple
         A selection: not differentiable. In compiled code (``torch.compile``) the gap is a float64 CPU tensor.
     """
     _declare.refuse_grad("herding_select", ("grads",), grads)
-    if _declare.traced():
+    if _declare.operator_needed(grads):
         if not _declare.is_tensor(grads):  # a list of clients of different τ: one operator call each
             results = [_declare.torch_op("herding_select")(g, float(alpha)) for g in grads]
             indices, sums, gaps = ([r[i] for r in results] for i in range(3))
@@ -474,6 +484,10 @@ def _herding_select(grads: Any, alpha: Any, return_gap: bool) -> tuple[Any, ...]
     return (*result, _gaps(cl, herd, ks)) if return_gap else result
 
 
+#: largest τ of a :class:`GrabBalancer` (far beyond any round's steps; it allocates τ bytes of flags)
+MAX_TAU = 2**31 - 1
+
+
 class GrabBalancer:
     """GraB-FedAvg's online balancing (BHerd Algorithm 4) for one client and one round, with O(d) state.
 
@@ -492,6 +506,8 @@ class GrabBalancer:
     def __init__(self, tau: int, *, running_mean: bool = False) -> None:
         if isinstance(tau, bool) or not isinstance(tau, numbers.Integral) or tau < 1:
             raise ValueError(f"tau must be an integer >= 1, got {tau!r}")
+        if tau > MAX_TAU:  # one flag byte per gradient is allocated at the first step
+            raise ValueError(f"tau must be at most 2**31 - 1 = {MAX_TAU} gradients, got {tau}")
         self.tau = int(tau)
         self.running_mean = bool(running_mean)
         self.steps = 0
@@ -602,16 +618,22 @@ def grab_select(grads: Any, *, running_mean: bool = False) -> tuple[Any, Any]:
         differentiable.
     """
     _declare.refuse_grad("grab_select", ("grads",), grads)
-    if _declare.traced():
+    if _declare.operator_needed(grads):
         return _declare.torch_op("grab_select")(grads, running_mean)
     return _grab_select(grads, running_mean)
 
 
-def _grab_select(grads: Any, running_mean: bool) -> tuple[Any, Any]:
+def _grab_grads(grads: Any) -> ArrayRef:
+    """GraB's checked [τ, d] gradients (not their values)."""
     ref = _arrays.describe(grads, "grads")
     _arrays.check_float_dtype(ref, "grads")
     if len(ref.shape) != 2 or ref.shape[0] < 1 or ref.shape[1] < 1:
         raise ValueError(f"grads must be a non-empty [τ, d] matrix, got shape {ref.shape}")
+    return ref
+
+
+def _grab_select(grads: Any, running_mean: bool) -> tuple[Any, Any]:
+    ref = _grab_grads(grads)
     balancer = GrabBalancer(ref.shape[0], running_mean=running_mean)
     balancer.step(grads)
     sums = balancer.g
@@ -629,10 +651,9 @@ def _per_client(grads: Any, op: Any) -> Any:
 
 
 def _fake_grads(grads: Any) -> tuple[int, ...]:
-    """The leading dimensions ([] or [N]) and τ of a [τ, d] or [N, τ, d] tensor."""
-    if grads.dim() not in (2, 3):
-        raise ValueError(f"grads must be a [τ, d] matrix or a [N, τ, d] stack, got shape {tuple(grads.shape)}")
-    return tuple(grads.shape[:-2]), grads.shape[-2]
+    """The leading dimensions ([] or [N]) and τ of a [τ, d] or [N, τ, d] tensor, checked as the direct path does."""
+    ref = _grads_array(grads, "grads")
+    return tuple(ref.shape[:-2]), ref.shape[-2]
 
 
 def _gram_fake(grads: Any) -> Any:
@@ -661,8 +682,7 @@ def _select_fake(grads: Any, alpha: float) -> tuple[Any, Any, Any]:
 def _grab_fake(grads: Any, running_mean: bool) -> tuple[Any, Any]:
     import torch
 
-    if grads.dim() != 2:
-        raise ValueError(f"grads must be a [τ, d] matrix, got shape {tuple(grads.shape)}")
+    _grab_grads(grads)
     count = torch.library.get_ctx().new_dynamic_size()
     return grads.new_empty((count,), dtype=torch.int64), grads.new_empty(grads.shape[1:])
 

@@ -56,9 +56,16 @@ def _check_features(features: Any, name: str = "features") -> ArrayRef:
     return ref
 
 
+#: largest num_classes: labels of int32 reach it, and its [C] outputs already take 48 GiB (beyond it numpy and torch
+#: fail to allocate them with errors that do not name num_classes)
+MAX_CLASSES = 2**31 - 1
+
+
 def _check_num_classes(num_classes: Any) -> int:
     if isinstance(num_classes, bool) or not isinstance(num_classes, (int, np.integer)) or num_classes < 1:
         raise ValueError(f"num_classes must be an integer >= 1, got {num_classes!r}")
+    if num_classes > MAX_CLASSES:
+        raise ValueError(f"num_classes must be at most 2**31 - 1 = {MAX_CLASSES}, got {num_classes}")
     return int(num_classes)
 
 
@@ -163,9 +170,8 @@ def _backward(feats: ArrayRef, labels: ArrayRef, num_classes: int, grad_norms: A
 
 
 def _class_norms_fake(features: Any, labels: Any, num_classes: int, logits: Any) -> tuple:
-    if features.dim() != 2:
-        raise ValueError(f"features must be a 2-D [B, D] tensor, got shape {tuple(features.shape)}")
-    C = _check_num_classes(num_classes)
+    _class_norms_operands(features, labels, num_classes, logits)
+    C = num_classes
     per_class = features.new_empty((C,))
     counts = labels.new_empty((C,)).long()
     return features.new_empty(features.shape[:1]), per_class, per_class.clone(), counts, counts.new_empty(())
@@ -241,7 +247,7 @@ def class_feature_norms(features: Any, labels: Any, num_classes: int, logits: An
             value in [0, num_classes); float or bool labels raise TypeError. An out-of-range value raises
             ValueError on the CPU; on a GPU, where raising would need a host round trip, it makes every class_sum
             and class_mean NaN and every count (and ``correct``) -1, and its row's gradient NaN.
-        num_classes: C ≥ 1.
+        num_classes: 1 ≤ C ≤ 2**31 − 1.
         logits: optional [B, C] array of the features' library, device and dtype; when given, ``correct`` counts
             the rows whose argmax equals the label (FNR-FL's public-set accuracy).
 
@@ -251,7 +257,7 @@ def class_feature_norms(features: Any, labels: Any, num_classes: int, logits: An
         norms, sums and means are differentiable (∂‖f‖/∂f = f/‖f‖, taken as 0 for an all-zero row).
     """
     _declare.refuse_grad("class_feature_norms", ("logits",), logits)
-    if _declare.use_operator(features):
+    if _declare.use_operator(features, labels, logits):
         if _declare.is_tensor(labels) and str(labels.dtype).removeprefix("torch.") in _INT_DTYPES:
             labels = labels.long()  # small integer labels are widened (the backward kernel reads int32/int64)
         result = _declare.torch_op("class_feature_norms")(features, labels, num_classes, logits)
@@ -261,11 +267,16 @@ def class_feature_norms(features: Any, labels: Any, num_classes: int, logits: An
 
 def _class_feature_norms(features: Any, labels: Any, num_classes: int, logits: Any) -> FeatureNorms:
     """The direct path of :func:`class_feature_norms` (any library)."""
+    return _forward(*_class_norms_operands(features, labels, num_classes, logits))
+
+
+def _class_norms_operands(features: Any, labels: Any, num_classes: Any, logits: Any) -> tuple:
+    """The checked (features, labels, num_classes, logits or None) of :func:`class_feature_norms` (direct path and
+    fake function)."""
     feats = _check_features(features)
     C = _check_num_classes(num_classes)
-    labels, lab = _prepare_labels(labels, feats, C)
-    lg = None if logits is None else _check_logits(logits, feats, C)
-    return _forward(feats, lab, C, lg)
+    lab = _prepare_labels(labels, feats, C)[1]
+    return feats, lab, C, None if logits is None else _check_logits(logits, feats, C)
 
 
 def row_norms(x: Any) -> Any:
@@ -290,10 +301,15 @@ def _row_norms_backward(ctx: Any, grad: Any) -> Any:
     return (x.to(acc) * scale[:, None]).to(x.dtype)
 
 
+def _row_norms_fake(x: Any) -> Any:
+    _check_features(x, "x")
+    return x.new_empty(x.shape[:1])
+
+
 @_declare.declare(
     "row_norms",
     "(Tensor x) -> Tensor",
-    fake=lambda x: x.new_empty(x.shape[:1]) if x.dim() == 2 else _check_features(x, "x"),
+    fake=_row_norms_fake,
     setup_context=_row_norms_setup,
     backward=_row_norms_backward,
 )

@@ -140,20 +140,26 @@ def pbc_agg_bcast_(store: Any, server: A, active: Any) -> A:
     Returns:
         ``server``.
     """
-    if _declare.traced():
+    if _declare.operator_needed(store, server, active):
         _declare.torch_op("pbc_agg_bcast_")(store, server, _index_tensor(active))
         return server
     return _pbc_agg_bcast(store, server, active)
 
 
+def _agg_bcast_operands(store: Any, server: Any, *_: Any) -> tuple[ArrayRef, ArrayRef]:
+    """The checked store and server of :func:`pbc_agg_bcast_` (direct path and fake function)."""
+    s = _store(store, "store", writeable=True)
+    srv = _vector(server, "server", like=s, writeable=True)
+    if srv.shape[0] != s.shape[1]:
+        raise ValueError(f"server has length {srv.shape[0]}, expected {s.shape[1]} (the columns of store)")
+    _check_disjoint(srv, s, "server", "store")
+    return s, srv
+
+
 def _pbc_agg_bcast(store: Any, server: Any, active: Any) -> Any:
     """The direct path of :func:`pbc_agg_bcast_` (any library)."""
-    s = _store(store, "store", writeable=True)
+    s, srv = _agg_bcast_operands(store, server)
     m, d = s.shape
-    srv = _vector(server, "server", like=s, writeable=True)
-    if srv.shape[0] != d:
-        raise ValueError(f"server has length {srv.shape[0]}, expected {d} (the columns of store)")
-    _check_disjoint(srv, s, "server", "store")
     rows = _indices(active, m, "active", sort=True)
     if rows.size == 0:
         return server
@@ -164,13 +170,19 @@ def _pbc_agg_bcast(store: Any, server: Any, active: Any) -> Any:
     return server
 
 
+def _stack(models: Any, name: str, x: ArrayRef) -> ArrayRef:
+    """A read-only [K, d] stack of rows like x."""
+    stack = _store(models, name, like=x, writeable=False)
+    if stack.shape[1] != x.shape[0]:
+        raise ValueError(f"{name} has {stack.shape[1]} columns, expected {x.shape[0]} (the length of x)")
+    return stack
+
+
 def _update_rows(models: Any, name: str, x: ArrayRef, rows: Any) -> tuple[list[int], list[int], list[ArrayRef]]:
     """Pointers/strides of the rows to read: a [K, d] stack (optionally selected by ``rows``) or a list."""
     d = x.shape[0]
     if _arrays.is_array(models):
-        stack = _store(models, name, like=x, writeable=False)
-        if stack.shape[1] != d:
-            raise ValueError(f"{name} has {stack.shape[1]} columns, expected {d} (the length of x)")
+        stack = _stack(models, name, x)
         idx = np.arange(stack.shape[0]) if rows is None else _indices(rows, stack.shape[0], "rows")
         ptrs, strides = _row_ptrs(stack, idx)
         return ptrs, strides, [stack]
@@ -199,7 +211,7 @@ def weighted_delta_(x: A, models: Any, weights: Any, scale: float = 1.0, rows: A
         ``x``.
     """
     _declare.refuse_grad("weighted_delta_", ("models", "weights", "scale"), models, weights, scale)
-    if _declare.traced():
+    if _declare.operator_needed(x, models, weights, rows):
         selected = None if rows is None else _index_tensor(rows)
         _declare.torch_op("weighted_delta_")(x, _stacked(models), _float_tensor(weights), float(scale), selected)
         return x
@@ -255,32 +267,39 @@ def mifa_update_(
         ``x``.
     """
     _declare.refuse_grad("mifa_update_", ("updates", "server_lr"), updates, server_lr)
-    if _declare.traced():
+    if _declare.operator_needed(x, memory, total, updates, rows):
         op = _declare.torch_op("mifa_update_")
         op(x, memory, total, _stacked(updates), _index_tensor(rows), float(server_lr), updates_are, resum)
         return x
     return _mifa_update(x, memory, total, updates, rows, server_lr, updates_are, resum)
 
 
-def _mifa_update(
-    x: Any, memory: Any, total: Any, updates: Any, rows: Any, server_lr: Any, updates_are: str, resum: bool
-) -> Any:
-    """The direct path of :func:`mifa_update_` (any library)."""
+def _mifa_operands(
+    x: Any, memory: Any, total: Any, updates: Any, rows: Any, server_lr: Any, updates_are: Any, resum: Any
+) -> tuple:
+    """The checked x, memory, total and [k, d] updates (None for a list) of :func:`mifa_update_` (direct path and
+    fake function)."""
     if updates_are not in ("models", "deltas"):
         raise ValueError(f"updates_are must be 'models' or 'deltas', got {updates_are!r}")
     if not isinstance(resum, (bool, np.bool_)):
         raise TypeError(f"resum must be a bool, got {type(resum).__qualname__}")
     xr = _vector(x, "x", writeable=True)
     mem = _store(memory, "memory", like=xr, writeable=True)
+    if mem.shape[1] != xr.shape[0]:
+        raise ValueError(f"memory has {mem.shape[1]} columns, expected {xr.shape[0]} (the length of x)")
+    tot = _vector(total, "total", like=xr, d=mem.shape[1], writeable=True)
+    stacked = _arrays.is_array(updates) and len(_arrays.describe(updates, "updates").shape) == 2
+    return xr, mem, tot, _stack(updates, "updates", xr) if stacked else None
+
+
+def _mifa_update(
+    x: Any, memory: Any, total: Any, updates: Any, rows: Any, server_lr: Any, updates_are: str, resum: bool
+) -> Any:
+    """The direct path of :func:`mifa_update_` (any library)."""
+    xr, mem, tot, upd = _mifa_operands(x, memory, total, updates, rows, server_lr, updates_are, resum)
     m, d = mem.shape
-    if d != xr.shape[0]:
-        raise ValueError(f"memory has {d} columns, expected {xr.shape[0]} (the length of x)")
-    tot = _vector(total, "total", like=xr, d=d, writeable=True)
     idx = _indices(rows, m, "rows")
-    if _arrays.is_array(updates) and len(_arrays.describe(updates, "updates").shape) == 2:
-        upd = _store(updates, "updates", like=xr, writeable=False)
-        if upd.shape[1] != d:
-            raise ValueError(f"updates has {upd.shape[1]} columns, expected {d} (the length of x)")
+    if upd is not None:
         uptrs, ustrides = _row_ptrs(upd, np.arange(upd.shape[0]))
         urefs = [upd]
     else:
@@ -349,17 +368,10 @@ def _stacked(rows: Any) -> Any:
     return torch.stack(list(rows))
 
 
-def _fake_store(store: Any, vector: Any, store_name: str, vector_name: str) -> None:
-    if store.dim() != 2 or vector.dim() != 1 or store.shape[1] != vector.shape[0]:
-        raise ValueError(
-            f"{store_name} must be [m, d] and {vector_name} [d], got {tuple(store.shape)} and {tuple(vector.shape)}"
-        )
-
-
 @_declare.declare(
     "pbc_agg_bcast_",
     "(Tensor(a!) store, Tensor(b!) server, Tensor active) -> ()",
-    fake=lambda store, server, active: _fake_store(store, server, "store", "server"),
+    fake=_declare.checks_only(_agg_bcast_operands),
     mutates=("store", "server"),
 )
 def _pbc_agg_bcast_native(store: Any, server: Any, active: Any) -> None:
@@ -369,7 +381,7 @@ def _pbc_agg_bcast_native(store: Any, server: Any, active: Any) -> None:
 @_declare.declare(
     "weighted_delta_",
     "(Tensor(a!) x, Tensor models, Tensor weights, float scale, Tensor? rows) -> ()",
-    fake=lambda x, models, *_: _fake_store(models, x, "models", "x"),
+    fake=_declare.checks_only(lambda x, models, *_: _stack(models, "models", _vector(x, "x", writeable=True))),
     mutates=("x",),
 )
 def _weighted_delta_native(x: Any, models: Any, weights: Any, scale: float, rows: Any) -> None:
@@ -380,7 +392,7 @@ def _weighted_delta_native(x: Any, models: Any, weights: Any, scale: float, rows
     "mifa_update_",
     "(Tensor(a!) x, Tensor(b!) memory, Tensor(c!) total, Tensor updates, Tensor rows, float server_lr, "
     "str updates_are, bool resum) -> ()",
-    fake=lambda x, memory, total, updates, *_: _fake_store(memory, x, "memory", "x"),
+    fake=_declare.checks_only(_mifa_operands),
     mutates=("x", "memory", "total"),
 )
 def _mifa_update_native(

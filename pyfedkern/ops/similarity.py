@@ -38,13 +38,19 @@ from pyfedkern.ops import _declare
 METRICS = {"l2": 0, "layer_l2": 1, "layer_cos": 2}
 
 
+def _stack(x: Any, name: str) -> ArrayRef:
+    """A [K, n] float array."""
+    stack = _arrays.describe(x, name)
+    if len(stack.shape) != 2:
+        raise ValueError(f"{name} must be a 2-D [K, n] array or a list of K 1-D vectors, got shape {stack.shape}")
+    _arrays.check_float_dtype(stack, name)
+    return stack
+
+
 def _rows(x: Any, name: str) -> list[ArrayRef]:
     """One 1-D ref per row of a [K, n] array or a list of K 1-D arrays, checked for common library/device/dtype."""
     if _arrays.is_array(x):
-        stack = _arrays.describe(x, name)
-        if len(stack.shape) != 2:
-            raise ValueError(f"{name} must be a 2-D [K, n] array or a list of K 1-D vectors, got shape {stack.shape}")
-        _arrays.check_float_dtype(stack, name)
+        stack = _stack(x, name)
         rows = [stack.row(k) for k in range(stack.shape[0])]
     elif isinstance(x, Sequence) and not isinstance(x, (str, bytes)):
         rows = [_arrays.describe(r, f"{name}[{k}]") for k, r in enumerate(x)]
@@ -104,24 +110,45 @@ def _segments(segments: Any, include: Any, d: int) -> tuple[list[int], list[bool
     return offsets.tolist(), mask.tolist()
 
 
-def _prepare(query: Any, bank: Any, scale: Any, metric: str, segments: Any, include: Any, eps: float):
+def _query(query: Any) -> ArrayRef:
     q = _arrays.describe(query, "query")
     if len(q.shape) != 1:
         raise ValueError(f"query must be a 1-D vector, got shape {q.shape}")
     _arrays.check_float_dtype(q, "query")
-    d = q.shape[0]
-    if d == 0:
+    if q.shape[0] == 0:
         raise ValueError("query is empty (d = 0)")
-    rows = _rows(bank, "bank")
-    _arrays.check_same(rows[0], q, "bank", "query")
-    if rows[0].shape[0] != d:
-        raise ValueError(f"bank rows have length {rows[0].shape[0]}, expected {d} (the length of query)")
+    return q
+
+
+def _check_bank(first: ArrayRef, q: ArrayRef, scale: Any, metric: str, eps: Any) -> tuple[float, float]:
+    """Checks the bank's first row against the query, and the options: (scale, eps)."""
+    _arrays.check_same(first, q, "bank", "query")
+    if first.shape[0] != q.shape[0]:
+        raise ValueError(f"bank rows have length {first.shape[0]}, expected {q.shape[0]} (the length of query)")
     s = _arrays.host_scalar(scale, "scale")
     if metric not in METRICS:
         raise ValueError(f"metric must be one of {', '.join(METRICS)}, got {metric!r}")
     e = _arrays.host_scalar(eps, "eps")
     if e < 0:
         raise ValueError(f"eps must be >= 0, got {e}")
+    return s, e
+
+
+def _check_models(first: ArrayRef, count: int, q: ArrayRef, bank_count: int) -> None:
+    """Checks the models' first row and their count against the query and the bank's count."""
+    if first.lib != q.lib or first.device != q.device:
+        raise ValueError(f"models is a {first.where} array but query is a {q.where} array; mixing is not allowed")
+    if count != bank_count:
+        raise ValueError(f"models has {count} rows, expected {bank_count} (one per bank row)")
+    if first.shape[0] == 0:
+        raise ValueError("models are empty vectors (d = 0)")
+
+
+def _prepare(query: Any, bank: Any, scale: Any, metric: str, segments: Any, include: Any, eps: float):
+    q = _query(query)
+    d = q.shape[0]
+    rows = _rows(bank, "bank")
+    s, e = _check_bank(rows[0], q, scale, metric, eps)
     offsets, mask = _segments(segments, include, d)
     out_dtype = "float64" if q.dtype == "float64" else "float32"
     weights = _arrays.empty_like_lib(q, (len(rows),), out_dtype)
@@ -243,13 +270,8 @@ def _similarity_combine(
     """The direct path of :func:`similarity_combine` (any library): (blend, weights, scores)."""
     q, rows, args, weights, scores = _prepare(query, bank, scale, metric, segments, include, eps)
     mrows = _rows(models, "models")
-    if mrows[0].lib != q.lib or mrows[0].device != q.device:
-        raise ValueError(f"models is a {mrows[0].where} array but query is a {q.where} array; mixing is not allowed")
-    if len(mrows) != len(rows):
-        raise ValueError(f"models has {len(mrows)} rows, expected {len(rows)} (one per bank row)")
+    _check_models(mrows[0], len(mrows), q, len(rows))
     dim = mrows[0].shape[0]
-    if dim == 0:
-        raise ValueError("models are empty vectors (d = 0)")
     if out is None:
         out = _arrays.empty_like_lib(mrows[0], (dim,))
         out_ref = _arrays.describe(out, "out")
@@ -303,9 +325,16 @@ def _torch_segments(query: Any, segments: Any, include: Any) -> tuple[list[int],
     return offsets, mask
 
 
+def _fake_stack(x: Any, name: str) -> ArrayRef:
+    """The direct path's checks of a [K, n] tensor (its rows are not described one by one: K may be symbolic)."""
+    stack = _stack(x, name)
+    if stack.shape[0] == 0:
+        raise ValueError(f"{name} is empty: need at least one stored vector (K >= 1)")
+    return stack
+
+
 def _weights_fake(query: Any, bank: Any, scale: float, metric: str, segments: Any, include: Any, eps: float):
-    if query.dim() != 1 or bank.dim() != 2 or bank.shape[1] != query.shape[0]:
-        raise ValueError(f"query must be [d] and bank [K, d], got {tuple(query.shape)} and {tuple(bank.shape)}")
+    _check_bank(_fake_stack(bank, "bank").row(0), _query(query), scale, metric, eps)
     import torch
 
     acc = torch.float64 if query.dtype == torch.float64 else torch.float32
@@ -314,8 +343,8 @@ def _weights_fake(query: Any, bank: Any, scale: float, metric: str, segments: An
 
 def _combine_fake(query: Any, bank: Any, models: Any, *rest: Any):
     weights, scores = _weights_fake(query, bank, *rest)
-    if models.dim() != 2 or models.shape[0] != bank.shape[0]:
-        raise ValueError(f"models must be [K, d] with K = {bank.shape[0]} rows, got {tuple(models.shape)}")
+    stack = _fake_stack(models, "models")
+    _check_models(stack.row(0), stack.shape[0], _query(query), bank.shape[0])
     return models.new_empty(models.shape[1:]), weights, scores
 
 

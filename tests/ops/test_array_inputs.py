@@ -1,6 +1,7 @@
 """What the ops take as arrays: torch.Tensor subclasses (recognised the same whether or not they are the first
 tensor a process shows an op), memoryviews (read as the numpy array over their buffer, in every op), numpy masked
-arrays (refused, naming the argument: their mask would be ignored) and tensors without memory of their own."""
+arrays (refused, naming the argument: their mask would be ignored) and tensors without memory of their own (taken by
+the registered operator, through their own dispatch)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ import textwrap
 import numpy as np
 import pytest
 import torch
+from torch.utils._pytree import tree_map
 
-from pyfedkern import ops
+from pyfedkern import _arrays, ops
 
 K, D, TAU, N = 4, 10, 5, 12
 
@@ -155,14 +157,17 @@ class _Wrapper(torch.Tensor):
         def unwrap(t):
             return t.elem if isinstance(t, _Wrapper) else t
 
-        return func(*map(unwrap, args), **{k: unwrap(v) for k, v in (kwargs or {}).items()})
+        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
 
 
-def test_tensors_without_memory_of_their_own_are_refused():
-    wrapped = _Wrapper(torch.ones(8, dtype=torch.float64))
+def test_tensors_without_memory_of_their_own_take_the_registered_operator():
+    wrapped = _Wrapper(torch.arange(8, dtype=torch.float64))
     assert wrapped.data_ptr() == 0
+    got = ops.weighted_sum([wrapped, wrapped], [0.5, 0.25])  # the subclass's own dispatch unwraps them
+    assert torch.equal(got, 0.75 * torch.arange(8, dtype=torch.float64))  # exact: small integers times 2^-2
+    assert torch.equal(ops.row_norms(_Wrapper(torch.full((2, 4), 3.0))), torch.full((2,), 6.0))
     with pytest.raises(TypeError, match=r"updates\[0\] is a _Wrapper tensor without memory of its own"):
-        ops.weighted_sum([wrapped], [1.0])
+        _arrays.describe(wrapped, "updates[0]")  # what the direct path would say
 
 
 _SUBCLASS_SCRIPT = textwrap.dedent(

@@ -121,3 +121,16 @@ def test_flower_aggregate_refuses_bad_counts_and_layers():
         flower.aggregate([([None], 1), (layer, 1)])
     with pytest.raises(TypeError, match="real numbers"):
         flower.aggregate([([np.ones(3, np.complex128)], 1), (layer, 1)])
+
+
+@pytest.mark.parametrize("features", [np.ones((3, 2), np.float32), torch.ones(3, 2)], ids=["numpy", "torch"])
+def test_num_classes_beyond_the_limit_is_refused_by_name(features):
+    labels = np.zeros(3, np.int64) if isinstance(features, np.ndarray) else torch.zeros(3, dtype=torch.int64)
+    for num_classes in (2**31, 2**62, np.int64(2**62)):  # 2**62 gave numpy's "array is too big"
+        with pytest.raises(ValueError, match=r"num_classes must be at most 2\*\*31 - 1 = 2147483647, got"):
+            ops.class_feature_norms(features, labels, num_classes)
+
+
+def test_a_grab_balancer_s_tau_beyond_the_limit_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"tau must be at most 2\*\*31 - 1 = 2147483647 gradients, got 2147483648"):
+        ops.GrabBalancer(2**31)

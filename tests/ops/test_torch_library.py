@@ -180,6 +180,85 @@ def test_compiled_equals_eager_with_dynamic_shapes(name, device):
     assert (explained.graph_count, explained.graph_break_count) == (1, 0)
 
 
+# Bad operands under torch.compile, and torch.func.vmap -----------------------------------------------------------
+
+
+def _v(*shape: int) -> torch.Tensor:
+    return torch.ones(*shape, dtype=torch.float64)
+
+
+BAD_OPERANDS: dict[str, tuple[Callable[..., object], Callable[[], tuple]]] = {  # one wrong operand per op
+    "weighted_sum": (lambda u, w: ops.weighted_sum(u, w), lambda: (_v(7), _v(7))),
+    "accumulate_": (lambda acc, u: ops.accumulate_(acc, u, 0.5), lambda: (_v(2, 3), _v(2, 3))),
+    "sam_perturb": (lambda x, g: ops.sam_perturb(x, g, 0.05), lambda: (_v(3), _v(4))),
+    "fedspeed_update_": (lambda x, g2: ops.fedspeed_update_(x, g2, 0.1), lambda: (_v(3), _v(4))),
+    "fedspeed_round_end_": (lambda h, xl, xg: ops.fedspeed_round_end_(h, xl, xg), lambda: (_v(3), _v(4), _v(3))),
+    "pbc_agg_bcast_": (lambda s, v, a: ops.pbc_agg_bcast_(s, v, a), lambda: (_v(2, 3), _v(4), torch.tensor([0]))),
+    "weighted_delta_": (lambda x, m, w: ops.weighted_delta_(x, m, w, 0.5), lambda: (_v(3), _v(2, 4), _v(2))),
+    "mifa_update_": (
+        lambda x, m, t, u, r: ops.mifa_update_(x, m, t, u, r),
+        lambda: (_v(3), _v(2, 4), _v(3), _v(1, 3), torch.tensor([0])),
+    ),
+    "row_norms": (lambda x: ops.row_norms(x), lambda: (_v(7),)),
+    "class_feature_norms": (
+        lambda f, y: ops.class_feature_norms(f, y, 0),
+        lambda: (_v(2, 3), torch.zeros(2, dtype=torch.int64)),
+    ),
+    "similarity_weights": (lambda q, bank: ops.similarity_weights(q, bank, 2.0), lambda: (_v(3), _v(2, 4))),
+    "similarity_combine": (
+        lambda q, bank, models: ops.similarity_combine(q, bank, models, 2.0),
+        lambda: (_v(3), _v(2, 3), _v(3, 5)),
+    ),
+    "centred_gram": (lambda g: ops.centred_gram(g), lambda: (_v(7),)),
+    "herding_order": (lambda g: ops.herding_order(g, 5), lambda: (_v(3, 4),)),
+    "herding_select": (lambda g: ops.herding_select(g, 2.0), lambda: (_v(2, 3, 4),)),
+    "grab_select": (lambda g: ops.grab_select(g), lambda: (_v(3, 0),)),
+}
+
+
+def test_every_operator_case_has_a_bad_operand_case():
+    assert set(BAD_OPERANDS) == set(CASES)
+
+
+@pytest.mark.parametrize("name", list(BAD_OPERANDS))
+def test_compiled_calls_refuse_bad_operands_with_the_eager_message(name):
+    """The fake function runs the direct path's operand checks (on fake tensors, which have no data pointer)."""
+    fn, make = BAD_OPERANDS[name]
+    with pytest.raises((ValueError, TypeError)) as eager:
+        fn(*make())
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as compiled:  # Dynamo wraps what the fake function raised
+        torch.compile(fn, backend="eager", fullgraph=True)(*make())
+    assert str(eager.value) in str(compiled.value)
+
+
+VMAPPED = [  # the out-of-place operators of fixed-size results (torch's fallback batches none of the in-place ones)
+    "weighted_sum", "row_norms", "class_feature_norms", "similarity_weights", "similarity_combine", "centred_gram",
+    "herding_order", "herding_select",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", VMAPPED)
+def test_public_ops_under_vmap_equal_the_loop_of_single_calls(name):
+    """Functorch's wrapped tensors have no memory for the kernels: the public op takes the registered operator."""
+    case = CASES[name]
+    gen = torch.Generator().manual_seed(2)
+    calls = [case.make(*SHAPES[0], gen, "cpu") for _ in range(3)]
+    got = _flat(torch.func.vmap(case.fn)(*(torch.stack(a) for a in zip(*calls, strict=True))))
+    loop = [_flat(case.fn(*args)) for args in calls]
+    assert len(got) == len(loop[0])
+    for i, g in enumerate(got):
+        # the same kernel on each slice; a slice's alignment may change its vector loops' split: rounding only
+        torch.testing.assert_close(g, torch.stack([one[i] for one in loop]), rtol=1e-12, atol=1e-15)
+
+
+def test_public_ops_under_vmap_of_a_row():
+    x = torch.randn(3, 5, dtype=torch.float64)
+    torch.testing.assert_close(
+        torch.func.vmap(lambda r: ops.row_norms(r[None]))(x)[:, 0], x.norm(dim=1), rtol=1e-14, atol=0
+    )
+
+
 # Autograd ----------------------------------------------------------------------------------------------------
 
 
