@@ -197,3 +197,26 @@ def test_the_command_line_runs_and_refuses_in_one_line(tmp_path, capsys):
     assert err.count("\n") == 1 and "aggregator 'krum:x': argument 'x' is not a number" in err
     assert main(["run", *fast, "--algorithm", "bherd", "--attack", "alie:0.2"]) == 2
     assert "algorithm 'bherd' refuses attack 'alie:0.2'" in capsys.readouterr().err
+
+
+def test_the_docs_examples_run(tmp_path, monkeypatch):
+    """The Python and command-line examples of docs/robust.md's sections on the simulator, attacks and Flower."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "robust.md").read_text()
+    text = text[text.index("## Robust aggregation in the simulator") :]
+    blocks = re.findall(r"```(python|console)\n(.*?)```", text, flags=re.S)
+    assert {kind for kind, _ in blocks} == {"python", "console"}
+    monkeypatch.chdir(tmp_path)
+    for kind, code in blocks:
+        if kind == "python":
+            if "flwr" in code or "flower" in code:
+                pytest.importorskip("flwr")
+            exec(compile(code, "docs/robust.md", "exec"), {})
+        else:
+            for line in code.strip().splitlines():
+                argv = shlex.split(line)
+                assert argv[0] == "pyfedkern"
+                assert main([*argv[1:], "--no-progress"]) == 0
