@@ -198,16 +198,8 @@ def arrays(part: Any, what: str) -> tuple[np.ndarray, np.ndarray]:
     refused."""
     if isinstance(part, (tuple, list)) and len(part) == 2:
         x, y = (_numeric(v, f"{what}: {axis}") for v, axis in zip(part, ("x", "y"), strict=True))
-    elif hasattr(part, "__len__") and hasattr(part, "__getitem__"):
-        n = len(part)
-        if n == 0:
-            raise ValueError(f"{what}: the dataset is empty")
-        try:
-            pairs = [part[i] for i in range(n)]
-            x = np.stack([_numeric(p[0], f"{what}: x") for p in pairs])
-            y = np.stack([_numeric(p[1], f"{what}: y") for p in pairs])
-        except (IndexError, KeyError, TypeError) as err:
-            raise TypeError(f"{what} must be an (x, y) pair or a map-style dataset of (x, y) pairs ({err})") from err
+    elif hasattr(part, "__len__") and hasattr(part, "__getitem__") and not isinstance(part, (str, bytes)):
+        x, y = _read_samples(part, what)
     else:
         raise TypeError(
             f"{what} must be an (x, y) pair of arrays or tensors, or a map-style dataset, got {type(part).__name__}"
@@ -217,6 +209,30 @@ def arrays(part: Any, what: str) -> tuple[np.ndarray, np.ndarray]:
     if x.shape[0] == 0:
         raise ValueError(f"{what}: no samples")
     return x, y
+
+
+def _read_samples(dataset: Any, what: str) -> tuple[np.ndarray, np.ndarray]:
+    """(x [n, ...], y [n, ...]) of the ``len(dataset)`` samples ``dataset[i]``, each an (x, y) pair shaped as the
+    first; the error names the split (``what``), the sample and what the dataset raised."""
+    n = len(dataset)
+    if n == 0:
+        raise ValueError(f"{what}: the dataset is empty")
+    xs, ys = [], []
+    for i in range(n):
+        try:
+            pair = dataset[i]
+        except Exception as err:  # whatever the user's dataset raises
+            raise ValueError(
+                f"{what}: sample {i} of the dataset's {n} (its len()) cannot be read: {type(err).__name__}: {err}"
+            ) from err
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+            raise TypeError(f"{what}: sample {i} must be an (x, y) pair, got {pair!r:.60}")
+        for axis, value, out in (("x", pair[0], xs), ("y", pair[1], ys)):
+            array = _numeric(value, f"{what}: sample {i}'s {axis}")
+            if out and array.shape != out[0].shape:
+                raise ValueError(f"{what}: sample {i}'s {axis} has shape {array.shape}, but sample 0's {out[0].shape}")
+            out.append(array)
+    return np.stack(xs), np.stack(ys)
 
 
 def _numeric(value: Any, what: str) -> np.ndarray:

@@ -436,6 +436,83 @@ def test_the_cli_refuses_token_ids_outside_the_vocabulary_in_one_line(tmp_path, 
     assert err.count("\n") == 1
 
 
+class _Samples(torch.utils.data.Dataset):
+    """A map-style dataset of 6 samples (x float32 [6], y int64) whose ``len()`` may claim more, with sample
+    ``odd`` replaced by ``(x, y)``; indexed as a dict, so an index past the data raises KeyError."""
+
+    def __init__(self, claimed=6, odd=None, x=None, y=None):
+        rng = np.random.default_rng(0)
+        self.samples = {i: (rng.normal(size=6).astype(np.float32), np.int64(i % 3)) for i in range(6)}
+        if odd is not None:
+            self.samples[odd] = (x, y)
+        self.claimed = claimed
+
+    def __len__(self):
+        return self.claimed
+
+    def __getitem__(self, i):
+        return self.samples[i]
+
+
+@pytest.mark.parametrize("split", ["train", "test"])
+@pytest.mark.parametrize(
+    ("dataset", "error", "match"),
+    [
+        (_Samples(claimed=9), ValueError, r"sample 6 of the dataset's 9 \(its len\(\)\) cannot be read: KeyError: 6"),
+        (
+            _Samples(odd=4, x=np.zeros(5, np.float32), y=1),
+            ValueError,
+            r"sample 4's x has shape \(5,\), but sample 0's \(6,\)",
+        ),
+        (
+            _Samples(odd=2, x=np.zeros(6, np.float32), y=[1, 2]),
+            ValueError,
+            r"sample 2's y has shape \(2,\), but sample 0's \(\)",
+        ),
+        (_Samples(odd=1, x=np.zeros(6, np.float32), y="a"), TypeError, "sample 1's y must hold numbers"),
+        (_Samples(odd=5, x=None, y=None), TypeError, "sample 5's x must hold numbers"),
+        (_Samples(odd=3, x=np.zeros(6, np.float32), y=None), TypeError, "sample 3's y must hold numbers"),
+    ],
+)
+def test_a_map_style_dataset_s_bad_sample_is_named_by_split_and_index(split, dataset, error, match):
+    """A KeyError or IndexError of the user's dataset (a len() longer than its data) was reported as "must be an (x, y)
+    pair or a map-style dataset", and a sample of another shape as NumPy's bare "all input arrays must have the same
+    shape"."""
+    good = _Samples()
+    parts = {"train": good, "test": good, split: dataset}
+    err = _refused(error, f"^{split}: {match}", **parts)
+    if "KeyError" in match:
+        assert isinstance(err.__cause__, KeyError)  # the dataset's own exception, with its traceback
+
+
+def test_the_cli_names_a_map_style_dataset_s_unreadable_sample_in_one_line(tmp_path, capsys, monkeypatch):
+    module = textwrap.dedent(
+        """
+        import numpy as np
+
+
+        class Short:  # claims 50 samples, holds 40
+            def __len__(self):
+                return 50
+
+            def __getitem__(self, i):
+                return np.ones((40, 4), np.float32)[i], i % 2
+
+
+        def load():
+            return Short(), Short()
+        """
+    )
+    (tmp_path / "short_parts.py").write_text(module)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    args = ["run", "--rounds", "1", "--clients", "2", "--partition", "iid", "--no-progress", "--model", "logreg"]
+    assert main([*args, "--dataset", "short_parts:load", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "train: sample 40 of the dataset's 50 (its len()) cannot be read: IndexError: index 40 is out" in err, err
+    assert err.count("\n") == 1
+
+
 def test_a_factory_that_raises_is_reported_with_its_traceback_as_the_cause():
     def make(num_classes):
         raise KeyError("width")
@@ -450,7 +527,8 @@ def test_a_factory_that_raises_is_reported_with_its_traceback_as_the_cause():
         ({"model": 3}, TypeError, "model must be an nn.Module, a factory"),
         ({"model": lambda: "not a module"}, TypeError, "the factory returned a str, not an nn.Module"),
         ({"model": nn.ReLU()}, ValueError, "has no trainable parameters"),
-        ({"train": [1, 2, 3]}, TypeError, "train must be an"),
+        ({"train": [1, 2, 3]}, TypeError, r"train: sample 0 must be an \(x, y\) pair, got 1"),
+        ({"train": "xy"}, TypeError, "train must be an"),
         ({"train": (np.zeros((4, 6)), np.zeros(3, np.int64))}, ValueError, "train: x .* one row per sample"),
         ({"train": (np.zeros((4, 6)), np.array(["a"] * 4))}, TypeError, "train: y must hold numbers"),
         ({"test": (np.zeros((4, 5), np.float32), np.zeros(4, np.int64))}, ValueError, r"test: samples of shape \(5,\)"),
