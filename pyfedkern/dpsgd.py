@@ -225,8 +225,8 @@ class _Layer:
         wanted = dict(self.unit.params)
         if isinstance(module, nn.Linear):
             g3, a3 = gc.reshape(k, -1, gc.shape[-1]), a.reshape(k, -1, a.shape[-1])
-            if "weight" in wanted:
-                out["weight"] = torch.bmm(g3.mT, a3)
+            if "weight" in wanted:  # one model: a plain product (torch's bmm is slower on a batch of one)
+                out["weight"] = torch.bmm(g3.mT, a3) if k > 1 else torch.mm(g3[0].T, a3[0])[None]
             if "bias" in wanted:
                 out["bias"] = g3.sum(1)
         elif isinstance(module, (nn.Conv1d, nn.Conv2d)):
@@ -612,10 +612,10 @@ class DPSGD:
         return grad.add_(noise, alpha=scale * self.noise_multiplier * self.clip)
 
     def clipped_sum(
-        self, model: nn.Module, loss_fn: Any, x: torch.Tensor, y: torch.Tensor
+        self, model: nn.Module, loss_fn: Any, x: torch.Tensor, y: torch.Tensor, scale: float = 1.0
     ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
-        """(Σ_n min(1, C/‖∇ℓ_n‖)·∇ℓ_n for each trainable parameter of ``model`` in ``parameters()`` order, the
-        per-sample gradient norms [B], Σ_n ℓ_n), in one forward and one backward pass.
+        """(scale·Σ_n min(1, C/‖∇ℓ_n‖)·∇ℓ_n for each trainable parameter of ``model`` in ``parameters()`` order,
+        the per-sample gradient norms [B], Σ_n ℓ_n), in one forward and one backward pass.
 
         ``loss_fn(output[n:n+1], y[n:n+1])`` is sample n's loss ℓ_n (e.g. ``F.cross_entropy``).
         """
@@ -632,7 +632,7 @@ class DPSGD:
         for layer in layers:
             sq = sq + layer.sq_norms().to(dtype)
         norms = sq.sqrt()
-        factors = torch.where(norms > self.clip, self.clip / norms, torch.ones_like(norms))
+        factors = torch.where(norms > self.clip, self.clip / norms, torch.ones_like(norms)) * scale
         for layer in layers:
             named = layer.clipped_sums(factors)
             for n, p in layer.unit.params:
@@ -740,14 +740,14 @@ class DPSGD:
         they are views of) ← (clipped sum + σC·ξ)/b, plus ∇penalty(model) (data-independent, not clipped); returns
         the mean (b = 0: NaN) loss of the batch plus the penalty. ``key``: the step's noise stream.
         """
-        sums, _, total = self.clipped_sum(model, loss_fn, x, y)
         b = self.expected_batch if self.expected_batch is not None else x.shape[0]
+        sums, _, total = self.clipped_sum(model, loss_fn, x, y, 1.0 / b if b else 1.0)
         params = [p for p in model.parameters() if p.requires_grad]
         with torch.no_grad():
             for p, s in zip(params, sums, strict=True):
                 if p.grad is None:
                     p.grad = torch.empty_like(p)
-                p.grad.copy_(s).div_(b if b else 1)
+                p.grad.copy_(s)
             if grad is not None:
                 self.add_noise_(grad, key, 1.0 / b if b else 1.0)
             else:
