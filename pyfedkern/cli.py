@@ -361,7 +361,6 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
         distributed.check_workers(args.workers, config.device)
     if workers > 1:
         distributed.check_algorithm(config.algorithm, config.algorithm_params)
-        distributed.check_one_process_options(config)
         try:
             return distributed.launch_workers(workers, args.argv)
         except distributed.ChildFailedWorkers as err:

@@ -481,16 +481,12 @@ class Algorithm:
 
         With a robust ``ctx.aggregator`` or an ``ctx.attack`` (:meth:`robust_settings`), the round keeps its
         participants' uploads (K rows of each of :attr:`robust_vectors`), replaces the attackers' rows, folds them into
-        the sums and replaces the weighted means of :attr:`robust_vectors` by the aggregator's rule."""
+        the sums and replaces the weighted means of :attr:`robust_vectors` by the aggregator's rule; with several
+        processes, each gathers every process's uploads (``team.everyone``) and takes the same step."""
         clients = self.participants(t, ctx)
         team = getattr(ctx, "team", None)
         aggregator, attack = self.robust_settings(ctx)
         keep = aggregator is not None or attack is not None
-        if keep and getattr(team, "size", 1) > 1:
-            raise ValueError(
-                "aggregator and attack need every upload of a round in one process; distributed runs refuse them "
-                "(run without --workers or torchrun)"
-            )
         sums = RoundSums()
         losses: list[torch.Tensor] = []
         kept: list[ClientUpdates] = []
@@ -508,8 +504,13 @@ class Algorithm:
             losses.append(updates.losses)
             upload += updates.upload_floats
         with ctx.timer("aggregation"):
-            if kept:
-                extras = self.robust_accumulate(t, sums, ClientUpdates.concat(kept), aggregator, attack, ctx)
+            if keep:  # the whole round's uploads, on every process; rank 0's sums count once in team.combine
+                parts = kept if team is None else team.everyone(t, kept)
+                whole = RoundSums()
+                if parts:
+                    extras = self.robust_accumulate(t, whole, ClientUpdates.concat(parts), aggregator, attack, ctx)
+                if getattr(team, "rank", 0) == 0:
+                    sums = whole
             if team is not None:
                 sums, losses, upload = team.combine(t, sums, losses, upload)
             if len(clients):

@@ -25,6 +25,7 @@ ranks is bit-identical. With N ranks the results equal the one-process run to ro
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import heapq
 import os
@@ -37,7 +38,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from pyfedkern.algorithms import RoundSums
+from pyfedkern.algorithms import ClientUpdates, RoundSums
 from pyfedkern.sim.config import LAUNCHED_BY_WORKERS
 
 #: Seconds a rank waits in a collective (and at start-up for the others) before it gives up.
@@ -123,6 +124,11 @@ class Team:
     def gather(self, item: Any) -> list[Any] | None:
         """Every rank's ``item`` in rank order on rank 0 (tensors in it on the CPU), None elsewhere."""
         return [item]
+
+    def everyone(self, t: int, parts: list[ClientUpdates]) -> list[ClientUpdates]:
+        """Every rank's ``parts`` (chunks of round t's uploads, kept for a robust aggregator or an attack) on every
+        rank, in rank order, on this rank's device."""
+        return parts
 
 
 class ProcessTeam(Team):
@@ -213,11 +219,21 @@ class ProcessTeam(Team):
         self._collective("start-up", lambda: dist.scatter_object_list(box, items, src=0))
         return box[0]
 
+    def everyone(self, t, parts):
+        gathered = self._objects(f"round {t}", [_updates_on(p, torch.device("cpu")) for p in parts])
+        return [_updates_on(p, self.device) for rank_parts in gathered for p in rank_parts]
+
     def gather(self, item):
         parts: list[Any] | None = [None] * self.size if self.rank == 0 else None
         item = _on_cpu(item)  # a CUDA tensor would arrive on the sender's GPU index
         self._collective("a checkpoint", lambda: dist.gather_object(item, parts, dst=0))
         return parts
+
+
+def _updates_on(updates: ClientUpdates, device: torch.device) -> ClientUpdates:
+    """``updates`` with its tensors on ``device``."""
+    vectors = {name: v.to(device) for name, v in updates.vectors.items()}
+    return dataclasses.replace(updates, vectors=vectors, losses=updates.losses.to(device))
 
 
 def _on_cpu(value: Any) -> Any:
@@ -362,22 +378,6 @@ def check_algorithm(name: str, params: dict[str, Any] | None = None) -> None:
             )
 
 
-def check_one_process_options(config: Any) -> None:
-    """ValueError when ``config`` asks for what needs all of a round's uploads in one process: a robust aggregator or
-    an attack (:meth:`Algorithm.round <pyfedkern.algorithms.Algorithm.round>` keeps the uploads' rows; a distributed
-    run only combines sums)."""
-    from pyfedkern.algorithms.attacks import parse_attack
-    from pyfedkern.algorithms.robust import parse_aggregator
-
-    asked = [] if parse_aggregator(config.aggregator).is_mean else [f"--aggregator {config.aggregator}"]
-    asked += [f"--attack {config.attack}"] if parse_attack(config.attack) is not None else []
-    if asked:
-        raise ValueError(
-            f"{' and '.join(asked)}: robust aggregation and attacks need every upload of a round in one process, "
-            "so distributed runs refuse them (run without --workers or torchrun)"
-        )
-
-
 def launch_workers(workers: int, argv: list[str]) -> int:
     """Run ``python -m pyfedkern ARGV`` in ``workers`` local processes through torch's elastic launcher (what
     torchrun runs: a c10d rendezvous on localhost, no restarts); 0, or :class:`ChildFailedWorkers` naming the rank that
@@ -454,7 +454,6 @@ def run_distributed(
     from pyfedkern.sim.engine import Simulation
 
     check_algorithm(config.algorithm, config.algorithm_params)
-    check_one_process_options(config)
     device = rank_device(config.device)
     init_process_group(device)
     try:

@@ -11,7 +11,6 @@ import torch
 
 from pyfedkern.algorithms import Algorithm, ClientUpdates
 from pyfedkern.cli import main
-from pyfedkern.sim import distributed
 from pyfedkern.sim.config import ExperimentConfig
 from pyfedkern.sim.engine import Simulation, _cpu_threads, load_config
 from pyfedkern.sim.results import read_metrics
@@ -158,10 +157,47 @@ def test_too_few_uploads_for_the_rule_are_named():
         Simulation(cfg).run()
 
 
-def test_distributed_runs_refuse_rules_and_attacks():
-    distributed.check_one_process_options(BASE)
-    with pytest.raises(ValueError, match=r"--aggregator median and --attack alie:0\.1: robust aggregation"):
-        distributed.check_one_process_options(dataclasses.replace(BASE, aggregator="median", attack="alie:0.1"))
+def test_distributed_runs_gather_the_uploads_and_equal_one_process(tmp_path):
+    """Two gloo ranks (torchrun, tests/sim/distributed_cases.py): each gathers every rank's uploads, so the rule and
+    the attack see the whole round; the metrics equal one process's (float64, to rounding), also when resumed."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pyfedkern
+
+    root = Path(pyfedkern.__file__).resolve().parents[1]
+    cases = {
+        "fedavg-multikrum-alie": dataclasses.replace(BASE, rounds=3, aggregator="multikrum:1,3", attack="alie:0.25"),
+        "scaffold-median-signflip": dataclasses.replace(
+            BASE, algorithm="scaffold", rounds=3, fraction=0.75, aggregator="median", attack="signflip:0.34"
+        ),
+    }
+    spec = {
+        "cases": {name: dataclasses.replace(c, threads=1).to_dict() for name, c in cases.items()},
+        "resumed": ["scaffold-median-signflip"],
+        "runs": str(tmp_path / "runs"),
+    }
+    (tmp_path / "cases.json").write_text(json.dumps(spec))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK")}
+    env.update(PYTHONPATH=str(root) + os.pathsep + env.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    command += [str(Path(__file__).with_name("distributed_cases.py")), str(tmp_path / "cases.json")]
+    command += [str(tmp_path / "out.json")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads((tmp_path / "out.json").read_text())
+    for name, cfg in cases.items():
+        want = _numbers(Simulation(dataclasses.replace(cfg, threads=1)).run())
+        runs = results[name]["runs"] + ([results[name]["resumed"]] if name in spec["resumed"] else [])
+        for got in map(_numbers, runs):
+            assert [m.get("attacked_clients") for m in got] == [m.get("attacked_clients") for m in want]
+            for g, w in zip(got, want, strict=True):
+                assert g.keys() == w.keys()
+                for key, value in w.items():
+                    assert g[key] == (pytest.approx(value, rel=1e-10, abs=1e-12) if isinstance(value, float) else value)
 
 
 def test_experiment_takes_the_aggregator_and_the_attack():
