@@ -234,7 +234,7 @@ def coordinate_median(updates: Any, weights: Any = None, out: A | None = None) -
         float64 and rounded once to float32/float64 (float16/bfloat16: through float32).
     """
     _declare.refuse_grad("coordinate_median", ("updates", "weights"), updates, weights)
-    if _declare.traced():
+    if _declare.operator_needed(updates, weights, out):
         return _traced("coordinate_median", updates, out, weights)
     return _coordinate_median(updates, weights, out)
 
@@ -258,7 +258,7 @@ def trimmed_mean(updates: Any, beta: float, out: A | None = None) -> A:
     order and the mean rounded once (float16/bfloat16: through float32).
     """
     _declare.refuse_grad("trimmed_mean", ("updates",), updates)
-    if _declare.traced():
+    if _declare.operator_needed(updates, out):
         return _traced("trimmed_mean", updates, out, float(beta))
     rows = _update_rows(updates)
     return _coordinate("trimmed_mean", updates, _TRIMMED, _beta(beta, rows.count), _NO_WEIGHTS, out)
@@ -318,7 +318,7 @@ def krum_scores(updates: Any, f: int) -> Any:
     direct ‖x_i − x_j‖².
     """
     _declare.refuse_grad("krum_scores", ("updates",), updates)
-    if _declare.traced():
+    if _declare.operator_needed(updates):
         return _traced("krum_scores", updates, None, int(f))
     return _krum_scores(updates, f)
 
@@ -335,7 +335,7 @@ def krum_select(updates: Any, f: int, m: int = 1) -> Any:
     within their rounding bound of each other are tied and go to the lowest index. m = 1 is Krum's choice, m > 1
     Multi-Krum's set (average those rows with :func:`pyfedkern.ops.weighted_sum`). 1 ≤ m ≤ K."""
     _declare.refuse_grad("krum_select", ("updates",), updates)
-    if _declare.traced():
+    if _declare.operator_needed(updates):
         return _traced("krum_select", updates, None, int(f), int(m))
     return _krum_select(updates, f, m)
 
@@ -363,7 +363,7 @@ def bulyan(updates: Any, f: int) -> Any:
     ``updates`` as in :func:`coordinate_median`; returns a new [d] array.
     """
     _declare.refuse_grad("bulyan", ("updates",), updates)
-    if _declare.traced():
+    if _declare.operator_needed(updates):
         return _traced("bulyan", updates, None, int(f))
     return _bulyan(updates, f)
 
@@ -434,7 +434,7 @@ def geometric_median(updates: Any, weights: Any = None, eps: float = 1e-6, iters
         a new [d] array of the updates' library, device and dtype (computed in float32 for 16-bit storage).
     """
     _declare.refuse_grad("geometric_median", ("updates", "weights"), updates, weights)
-    if _declare.traced():
+    if _declare.operator_needed(updates, weights):
         return _traced("geometric_median", updates, None, weights, float(eps), int(iters), float(tol))
     return _geometric_median(updates, weights, eps, iters, tol)
 
@@ -477,7 +477,7 @@ def centred_clip(updates: Any, center: Any, tau: float, iters: int = 1) -> Any:
         a new [d] array (computed in float32 for 16-bit storage).
     """
     _declare.refuse_grad("centred_clip", ("updates", "center"), updates, center)
-    if _declare.traced():
+    if _declare.operator_needed(updates, center):
         return _traced("centred_clip", updates, None, center, float(tau), int(iters))
     return _centred_clip(updates, center, tau, iters)
 

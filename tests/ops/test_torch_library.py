@@ -252,6 +252,26 @@ def test_public_ops_under_vmap_equal_the_loop_of_single_calls(name):
         torch.testing.assert_close(g, torch.stack([one[i] for one in loop]), rtol=1e-12, atol=1e-15)
 
 
+ROBUST_VMAPPED = {  # [K, d] updates per call (and a [d] centre)
+    "coordinate_median": lambda u, c: ops.coordinate_median(u),
+    "trimmed_mean": lambda u, c: ops.trimmed_mean(u, 0.2),
+    "krum_scores": lambda u, c: ops.krum_scores(u, 1),
+    "krum_select": lambda u, c: ops.krum_select(u, 1, 2),
+    "bulyan": lambda u, c: ops.bulyan(u, 1),
+    "geometric_median": lambda u, c: ops.geometric_median(u),
+    "centred_clip": lambda u, c: ops.centred_clip(u, c, 1.0),
+}
+
+
+@pytest.mark.parametrize("name", list(ROBUST_VMAPPED))
+def test_robust_ops_under_vmap_equal_the_loop_of_single_calls(name):
+    gen = torch.Generator().manual_seed(4)
+    u, c = _r(gen, "cpu", 3, 7, 5), _r(gen, "cpu", 3, 5)
+    fn = ROBUST_VMAPPED[name]
+    loop = torch.stack([fn(u[i], c[i]) for i in range(3)])
+    torch.testing.assert_close(torch.func.vmap(fn)(u, c), loop, rtol=1e-12, atol=1e-15)  # (rounding only, as above)
+
+
 def test_public_ops_under_vmap_of_a_row():
     x = torch.randn(3, 5, dtype=torch.float64)
     torch.testing.assert_close(
