@@ -15,5 +15,6 @@ PYBIND11_MODULE(_C, m) {
   pfk::bind_fedspeed(m);
   pfk::bind_herding(m);
   pfk::bind_similarity(m);
+  pfk::bind_dp(m);
   pfk::bind_robust(m);
 }

@@ -15,6 +15,7 @@ void bind_sampling(py::module_& m);
 void bind_fedspeed(py::module_& m);
 void bind_herding(py::module_& m);
 void bind_similarity(py::module_& m);
+void bind_dp(py::module_& m);
 void bind_robust(py::module_& m);
 
 }  // namespace pfk

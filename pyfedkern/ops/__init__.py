@@ -6,6 +6,7 @@ operator, ``torch.ops.pyfedkern.<name>`` (registered on import), which compiled 
 
 from pyfedkern.ops import _declare
 from pyfedkern.ops.aggregate import accumulate_, weighted_sum
+from pyfedkern.ops.dp import clip_accumulate, gaussian_noise_
 from pyfedkern.ops.fedspeed import fedspeed_round_end_, fedspeed_update_, sam_perturb
 from pyfedkern.ops.herding import GrabBalancer, centred_gram, grab_select, herding_order, herding_select
 from pyfedkern.ops.norms import FeatureNorms, class_feature_norms, per_sample_grad_norms, row_norms
@@ -33,10 +34,12 @@ __all__ = [
     "centred_clip",
     "centred_gram",
     "class_feature_norms",
+    "clip_accumulate",
     "coordinate_median",
     # fedspeed
     "fedspeed_round_end_",
     "fedspeed_update_",
+    "gaussian_noise_",
     "geometric_median",
     "grab_select",
     "herding_order",

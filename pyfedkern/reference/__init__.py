@@ -2,6 +2,7 @@
 used by the tests and benchmarks. They favour clarity (and float64 arithmetic) over speed."""
 
 from pyfedkern.reference.aggregate import accumulate_, weighted_sum
+from pyfedkern.reference.dp import clip_accumulate, gaussian_noise_
 from pyfedkern.reference.fedspeed import fedspeed_round_end_, fedspeed_update_, sam_perturb
 from pyfedkern.reference.herding import centred_gram, grab_select, herding_order, herding_select
 from pyfedkern.reference.norms import class_feature_norms, grad_norms, per_sample_grad_norms, row_norms
@@ -24,9 +25,11 @@ __all__ = [
     "centred_clip",
     "centred_gram",
     "class_feature_norms",
+    "clip_accumulate",
     "coordinate_median",
     "fedspeed_round_end_",
     "fedspeed_update_",
+    "gaussian_noise_",
     "geometric_median",
     "grab_select",
     "grad_norms",
