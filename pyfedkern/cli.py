@@ -122,6 +122,15 @@ _COMMON = [
         "Byzantine clients: signflip:p | gaussian:p[,σ] | scale:p[,s] | alie:p[,z] | ipm:p[,ε], p the fraction of "
         "each round's clients",
     ),
+    ("dp", "--dp", str, "differential privacy: central (user-level, clipped and noised aggregate; docs/privacy.md)"),
+    ("dp_epsilon", "--dp-epsilon", float, "DP budget ε over the run (σ solved from it); or give --dp-noise-multiplier"),
+    ("dp_delta", "--dp-delta", float, "DP δ, in (0, 1/population)"),
+    ("dp_clip", "--dp-clip", float, "DP clip C of each client's model update (ℓ2 norm; the initial clip if adaptive)"),
+    ("dp_noise_multiplier", "--dp-noise-multiplier", float, "DP noise multiplier σ (ε is reported); or --dp-epsilon"),
+    ("dp_adaptive_clip", "--dp-adaptive-clip", float, "adapt the clip to this quantile of the update norms"),
+    ("dp_population", "--dp-population", int, "clients the cohorts are drawn from, for accounting (none: --clients)"),
+    ("dp_noise_cohort", "--dp-noise-cohort", int, "add the noise of a cohort of N (pfl's noise_cohort_size)"),
+    ("dp_accountant", "--dp-accountant", str, "rdp | pld (dp-accounting's)"),
 ]
 
 

@@ -18,6 +18,7 @@ LAYERS = {
     "flat": 3,
     "persample": 4,
     "dpsgd": 4,
+    "privacy": 4,
     "testing": 4,
     "data": 5,
     "models": 5,

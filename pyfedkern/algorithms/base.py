@@ -412,6 +412,10 @@ class Algorithm:
     #: robust aggregator (``ctx.aggregator``) replaces that mean by its rule, and an attack (``ctx.attack``) replaces
     #: the attackers' rows of them (:meth:`round`). Empty: the algorithm refuses both.
     robust_vectors: ClassVar[tuple[str, ...]] = ()
+    #: The uploaded model vector that central DP (``ctx.central_dp``, :class:`pyfedkern.privacy.CentralDP`) clips
+    #: and noises, when it is the algorithm's only uploaded vector and :meth:`round` is not overridden; None: the
+    #: algorithm refuses central DP (:meth:`central_dp`).
+    dp_upload: ClassVar[str | None] = None
 
     x: torch.Tensor
 
@@ -487,6 +491,9 @@ class Algorithm:
         team = getattr(ctx, "team", None)
         aggregator, attack = self.robust_settings(ctx)
         keep = aggregator is not None or attack is not None
+        dp = self.central_dp(ctx)
+        if dp is not None and keep:
+            raise ValueError("central DP cannot be combined with a robust aggregator or an attack")
         sums = RoundSums()
         losses: list[torch.Tensor] = []
         kept: list[ClientUpdates] = []
@@ -500,7 +507,10 @@ class Algorithm:
                 kept.append(updates)
             else:
                 with ctx.timer("aggregation"):
-                    self.accumulate(t, sums, updates, ctx)
+                    if dp is None:
+                        self.accumulate(t, sums, updates, ctx)
+                    else:  # weights 1, the upload's clipped updates
+                        dp.accumulate(self, t, sums, updates, ctx)
             losses.append(updates.losses)
             upload += updates.upload_floats
         with ctx.timer("aggregation"):
@@ -513,6 +523,8 @@ class Algorithm:
                     sums = whole
             if team is not None:
                 sums, losses, upload = team.combine(t, sums, losses, upload)
+            if dp is not None and len(clients):  # the noise, once per round on the combined sum
+                extras.update(dp.finish(t, sums, self.x, self.dp_upload, ctx.rng))
             if len(clients):
                 self.server_step(t, sums, ctx)
         return RoundStats(
@@ -522,6 +534,24 @@ class Algorithm:
             download_floats=len(clients) * self.broadcast_floats(),
             extras=extras,
         )
+
+    def central_dp(self, ctx: FLContext) -> Any:
+        """``ctx.central_dp`` (a :class:`pyfedkern.privacy.CentralDP`, or None), checked by
+        :meth:`check_central_dp` when set."""
+        dp = getattr(ctx, "central_dp", None)
+        if dp is not None:
+            self.check_central_dp()
+        return dp
+
+    @classmethod
+    def check_central_dp(cls) -> None:
+        """ValueError naming the algorithm unless central DP can privatise it: its only upload is its model
+        (:attr:`dp_upload`) and it runs the default :meth:`round`."""
+        if cls.dp_upload is None or cls.round is not Algorithm.round:
+            raise ValueError(
+                f"central DP supports algorithms whose only upload is their model (fedavg, fedprox, fedsam, fedcm, "
+                f"fedadam); {cls.name} uploads more (control variates, gradients) or runs a round of its own"
+            )
 
     def robust_settings(self, ctx: FLContext) -> tuple[Aggregator | None, Attack | None]:
         """(the robust aggregator, the attack) of ``ctx`` (None for the weighted mean and for no attack); ValueError

@@ -101,6 +101,7 @@ class FedAvg(Algorithm):
 
     name = "fedavg"
     robust_vectors = ("model",)
+    dp_upload = "model"
     server_lr: float = 1.0
     ref_compat: bool = False
     clip_norm: float = 10.0
@@ -204,6 +205,7 @@ class Scaffold(FedAvg):
     """
 
     name = "scaffold"
+    dp_upload = None  # its control deltas are uploads too
 
     def setup(self, ctx: FLContext, x0: torch.Tensor) -> None:
         super().setup(ctx, x0)

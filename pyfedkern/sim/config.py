@@ -54,7 +54,10 @@ class ExperimentConfig:
     order each epoch, unless the algorithm asks for a fixed one) or "fixed" (each client keeps one batch order
     across rounds, pfl's default). aggregator: the server's rule for the algorithm's uploaded models ("mean", or a
     robust rule such as "median" or "trimmed:0.1", :mod:`pyfedkern.algorithms.robust`); attack: Byzantine clients,
-    ``NAME:fraction[,parameter]`` (:mod:`pyfedkern.algorithms.attacks`), None for none.
+    ``NAME:fraction[,parameter]`` (:mod:`pyfedkern.algorithms.attacks`), None for none. dp: "central" for
+    user-level DP of the server's aggregate (:class:`pyfedkern.privacy.CentralDP`, docs/privacy.md) with dp_clip,
+    dp_delta, one of dp_epsilon and dp_noise_multiplier, dp_adaptive_clip (a target quantile), dp_population (the
+    sampling rate's denominator; default the clients), dp_noise_cohort and dp_accountant ("rdp" or "pld").
     """
 
     algorithm: str = "fedavg"
@@ -92,6 +95,15 @@ class ExperimentConfig:
     batch_order: str = "reshuffle"
     aggregator: str = "mean"
     attack: str | None = None
+    dp: str | None = None
+    dp_epsilon: float | None = None
+    dp_delta: float | None = None
+    dp_clip: float | None = None
+    dp_noise_multiplier: float | None = None
+    dp_adaptive_clip: float | None = None
+    dp_population: int | None = None
+    dp_noise_cohort: int | None = None
+    dp_accountant: str = "rdp"
 
     def validate(self) -> None:
         """Raise ValueError for invalid settings, before any work starts (no data is loaded).
@@ -185,6 +197,7 @@ class ExperimentConfig:
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N' (N a GPU index), got {self.device!r}")
         algorithm = make_algorithm(self.algorithm, **self.algorithm_params)
         check_robust(type(algorithm), parse_aggregator(self.aggregator), parse_attack(self.attack))
+        check_dp(self, type(algorithm))
 
     def to_dict(self) -> dict[str, Any]:
         """The config as a plain dict of JSON values (what ``config.json`` holds)."""
@@ -197,6 +210,59 @@ class ExperimentConfig:
         if unknown:
             raise ValueError(f"unknown config field(s): {', '.join(unknown)}")
         return cls(**data)
+
+
+DP_MODES = ("central", "local")
+_DP_OPTIONS = ("epsilon", "delta", "clip", "noise_multiplier", "adaptive_clip", "population", "noise_cohort")
+
+
+def check_dp(config: ExperimentConfig, algorithm: type) -> None:
+    """ValueError naming the option for differential-privacy settings that are wrong or missing (docs/privacy.md):
+    dp must be None, "central" or "local"; central DP needs dp_clip (finite, > 0), dp_delta in (0, 1) below
+    1/population, exactly one of dp_epsilon (> 0) and dp_noise_multiplier (>= 0), and an algorithm that uploads only
+    its model."""
+    from pyfedkern import privacy
+
+    if config.dp is None:
+        given = [f"dp_{name}" for name in _DP_OPTIONS if getattr(config, f"dp_{name}") is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} need dp='central' (--dp central)")
+        return
+    if config.dp not in DP_MODES:
+        raise ValueError(f"dp must be one of {', '.join(DP_MODES)} or None, got {config.dp!r}")
+    if config.dp == "local":
+        raise ValueError("dp='local' (DP-SGD) is not available from the run options yet; use pyfedkern.dpsgd")
+    if config.dp_accountant not in privacy.ACCOUNTANTS:
+        raise ValueError(f"dp_accountant must be one of {', '.join(privacy.ACCOUNTANTS)}, got {config.dp_accountant!r}")
+    if (config.dp_epsilon is None) == (config.dp_noise_multiplier is None):
+        raise ValueError(
+            "central DP needs exactly one of dp_epsilon (--dp-epsilon) and dp_noise_multiplier (--dp-noise-multiplier)"
+        )
+    if config.dp_epsilon is not None and not _real(config.dp_epsilon, lambda v: 0 < v < math.inf):
+        raise ValueError(f"dp_epsilon must be a finite number > 0, got {config.dp_epsilon!r}")
+    if config.dp_noise_multiplier is not None and not _real(config.dp_noise_multiplier, lambda v: 0 <= v < math.inf):
+        raise ValueError(f"dp_noise_multiplier must be a finite number >= 0, got {config.dp_noise_multiplier!r}")
+    if config.dp_clip is None or not _real(config.dp_clip, lambda v: 0 < v < math.inf):
+        raise ValueError(f"dp_clip (--dp-clip) must be a finite number > 0, got {config.dp_clip!r}")
+    if config.dp_adaptive_clip is not None and not _real(config.dp_adaptive_clip, lambda v: 0 < v < 1):
+        raise ValueError(f"dp_adaptive_clip must be a quantile in (0, 1), got {config.dp_adaptive_clip!r}")
+    for name in ("dp_population", "dp_noise_cohort"):
+        value = getattr(config, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    population = config.dp_population or config.clients
+    if config.dp_delta is None or not _real(config.dp_delta, lambda v: 0 < v < 1):
+        raise ValueError(f"dp_delta (--dp-delta) must be in (0, 1), got {config.dp_delta!r}")
+    if config.dp_delta >= 1 / population:
+        raise ValueError(
+            f"dp_delta must be below 1/population = 1/{population} (--dp-population, default the clients), got "
+            f"{config.dp_delta!r}"
+        )
+    algorithm.check_central_dp()
+
+
+def _real(value: Any, ok: Callable[[float], bool]) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and ok(float(value))
 
 
 def is_reference(name: str) -> bool:

@@ -41,6 +41,7 @@ from pyfedkern.algorithms.batched import (
 )
 from pyfedkern.algorithms.robust import parse_aggregator
 from pyfedkern.ops import seeded_permutations
+from pyfedkern.privacy import CentralDP
 from pyfedkern.sim.config import (
     ExperimentConfig,
     check_data_memory,
@@ -108,6 +109,8 @@ class Simulation:
         self.data = data = parts.data
         self.partition = parts.partition
         self.num_clients = self.partition.num_clients
+        #: Central DP of the server's aggregate (FLContext.central_dp, read by Algorithm.round), or None.
+        self.central_dp = central_dp(config, self.num_clients)
         self.client_indices = self.partition.client_indices
         self.client_sizes = np.array([len(ix) for ix in self.client_indices], dtype=np.int64)
         check_local_work(config, self.client_sizes, free_memory(torch.device("cpu")))  # plans are made on the host
@@ -622,6 +625,7 @@ class Simulation:
             "batched": self.batched,
             "channels_last": self.channels_last,
             "buffers": {name: b.detach().cpu().clone() for name, b in self.local.module.named_buffers()},
+            "central_dp": None if self.central_dp is None else self.central_dp.state_dict(),
         }
 
     def _restore(self, path: Path, state: dict[str, Any]) -> None:
@@ -658,6 +662,8 @@ class Simulation:
         with torch.no_grad():
             for name, value in saved.items():
                 buffers[name].copy_(value)
+        if self.central_dp is not None:
+            self.central_dp.load_state_dict(state.get("central_dp"), f"checkpoint {path}")
         self.active_clients = active.astype(np.int64)
         self.eval_labels = eval_labels
         if self.config.batched is None and isinstance(state.get("batched"), bool):
@@ -743,6 +749,26 @@ class RoundBatches:
 
 #: Multiply-adds of a training step that keep one more CPU thread busy (a few milliseconds of work per thread).
 WORK_PER_THREAD = 1 << 22
+
+
+def central_dp(config: ExperimentConfig, num_clients: int) -> CentralDP | None:
+    """The :class:`~pyfedkern.privacy.CentralDP` of a config with ``dp="central"`` (σ solved from dp_epsilon over
+    the config's rounds when given), or None. The cohort is the engine's round(fraction·clients)."""
+    if config.dp != "central":
+        return None
+    settings = {
+        "clip": config.dp_clip,
+        "delta": config.dp_delta,
+        "population": config.dp_population or num_clients,
+        "cohort": max(1, round(config.fraction * num_clients)),
+        "rounds": config.rounds,
+        "noise_cohort": config.dp_noise_cohort,
+        "target_quantile": config.dp_adaptive_clip,
+        "accountant": config.dp_accountant,
+    }
+    if config.dp_epsilon is not None:
+        return CentralDP.for_epsilon(config.dp_epsilon, **settings)
+    return CentralDP(noise_multiplier=config.dp_noise_multiplier, **settings)
 
 
 def threads_for_work(work: float, cores: int) -> int:

@@ -579,6 +579,9 @@ def summarize(metrics: list[dict[str, Any]], target: float | None = None) -> dic
         "bytes_down": int(sum(m.get("bytes_down", 0) for m in metrics)),
         "time_total": float(sum(m.get("time_round", 0.0) for m in metrics)),
     }
+    spent = [m["dp_epsilon"] for m in metrics if "dp_epsilon" in m]
+    if spent:  # central DP: the privacy budget spent by the whole run
+        out["dp_epsilon"] = spent[-1]
     if target is not None:
         out["target"] = target
         out["rounds_to_target"] = next((m["round"] for m in evals if m["test_acc"] >= target), None)
