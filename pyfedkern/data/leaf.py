@@ -219,10 +219,12 @@ def _characters(split: _Split, name: str) -> np.ndarray:
     for i, t in enumerate(texts):
         if not (isinstance(t, str) and len(t) == length and length):
             raise ValueError(f"LEAF shakespeare {split.where(i)}: {name} must be {wanted}, got {t!r:.60}")
-        odd = next((c for c in t if c not in lookup), None)
-        if odd is not None:
-            raise ValueError(f"LEAF shakespeare {split.where(i)}: character {odd!r} is not in LEAF's alphabet")
-    return np.array([[lookup[c] for c in t] for t in texts], dtype=np.int64).reshape(len(texts), length)
+    try:
+        return np.array([[lookup[c] for c in t] for t in texts], dtype=np.int64).reshape(len(texts), length)
+    except KeyError as err:
+        odd = err.args[0]
+        i = next(i for i, t in enumerate(texts) if odd in t)
+        raise ValueError(f"LEAF shakespeare {split.where(i)}: character {odd!r} is not in LEAF's alphabet") from None
 
 
 def _text(split: _Split, i: int) -> str:
