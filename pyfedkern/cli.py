@@ -373,8 +373,7 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
         try:
             return distributed.launch_workers(workers, args.argv)
         except distributed.ChildFailedWorkers as err:
-            if str(err):
-                print(f"pyfedkern run: error: {err}", file=sys.stderr)
+            print(f"pyfedkern run: error: {err}{f'; {_left(args)}' if err.lost_work else ''}", file=sys.stderr)
             return err.status
     if launched:
         metrics = distributed.run_distributed(config, args.out, resume=args.resume, progress=not args.no_progress)
@@ -593,10 +592,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             if extra and args.command in ("run", "compare"):  # their extra options are algorithm parameters
                 _refuse_typos(extra, _long_options(args.parser))
             return args.handler(args, extra)
-    except (CliError, ValueError, TypeError, OSError) as exc:
-        # the ranks that --workers starts all refuse the same input: rank 0 says it (and their parent, if not)
-        if not (os.environ.get(LAUNCHED_BY_WORKERS) and os.environ.get("RANK", "0") != "0"):
-            print(f"pyfedkern {args.command}: error: {exc}", file=sys.stderr)
+    except (CliError, ValueError, TypeError, OSError, MemoryError) as exc:
+        said = _out_of_memory() if isinstance(exc, MemoryError) else str(exc)
+        if not os.environ.get(LAUNCHED_BY_WORKERS):
+            print(f"pyfedkern {args.command}: error: {said}", file=sys.stderr)
+        else:  # a rank of --workers tells its parent, which says the lowest rank's error; a rank that lost the
+            # others keeps quiet (the one that stopped tells why)
+            from pyfedkern.sim.distributed import RanksLost, tell_launcher
+
+            if not isinstance(exc, RanksLost) and not tell_launcher(said) and os.environ.get("RANK") == "0":
+                print(f"pyfedkern {args.command}: error: {said}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         if not os.environ.get(LAUNCHED_BY_WORKERS) and os.environ.get("RANK", "0") == "0":  # its parent says it
@@ -610,8 +615,7 @@ def _interrupted(args: argparse.Namespace) -> str:
     if args.command == "run" and out and not (Path(out) / "config.json").exists():
         return f"interrupted before the run began (nothing was written to {out})"
     if args.command == "run" and out:
-        workers = f" --workers {args.workers}" if getattr(args, "workers", None) else ""
-        return f"interrupted; resume with `pyfedkern run --resume --out {shlex.quote(out)}{workers}`"
+        return f"interrupted; {_left(args)}"
     if args.command == "run":
         return "interrupted (without --out nothing was saved)"
     if args.command == "compare":
@@ -620,6 +624,33 @@ def _interrupted(args: argparse.Namespace) -> str:
             "interrupted one resumed"
         )
     return "interrupted"
+
+
+def _left(args: argparse.Namespace) -> str:
+    """What a `run` that stopped early left: how to resume it (under torchrun, through torchrun; with --workers, the
+    same number), or that nothing was saved."""
+    if not args.out:
+        return "without --out nothing was saved"
+    if not (Path(args.out) / "config.json").exists():
+        return f"nothing was written to {args.out}"
+    command = f"pyfedkern run --resume --out {shlex.quote(args.out)}"
+    if "RANK" in os.environ and not os.environ.get(LAUNCHED_BY_WORKERS):  # a rank that torchrun started
+        return f"resume with `torchrun ... -m {command}`, launched as this run was (the same number of ranks)"
+    return f"resume with `{command}{f' --workers {args.workers}' if args.workers else ''}`"
+
+
+def _out_of_memory() -> str:
+    """The error for a MemoryError: what this process may use, and what to make smaller."""
+    import torch
+
+    from pyfedkern.algorithms.batched import free_memory
+
+    free = free_memory(torch.device("cpu"))
+    return (
+        f"out of memory: the command needs more than the {free / 2**30:.1f} GiB this process may use now (free RAM, "
+        "its rlimits and cgroup limit); use fewer clients or less data, a smaller model, or train fewer participants "
+        "at once (--client-chunk)"
+    )
 
 
 if __name__ == "__main__":

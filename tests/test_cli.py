@@ -216,6 +216,28 @@ def test_usage_errors_exit_2_with_a_message(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_the_resume_hint_names_the_directory_and_how_the_run_was_launched(tmp_path, monkeypatch):
+    """Run alone, with --workers, or as a rank that torchrun started: the resume command for that launch."""
+    import argparse
+
+    from pyfedkern.cli import _interrupted
+
+    run = tmp_path / "a run"
+    run.mkdir()
+    (run / "config.json").write_text("{}")
+    monkeypatch.delenv("RANK", raising=False)
+    args = argparse.Namespace(command="run", out=str(run), workers=None)
+    assert _interrupted(args) == f"interrupted; resume with `pyfedkern run --resume --out '{run}'`"
+    args.workers = 3
+    assert _interrupted(args) == f"interrupted; resume with `pyfedkern run --resume --out '{run}' --workers 3`"
+    monkeypatch.setenv("RANK", "0")
+    args.workers = None
+    assert _interrupted(args) == (
+        f"interrupted; resume with `torchrun ... -m pyfedkern run --resume --out '{run}'`, launched as this run was "
+        "(the same number of ranks)"
+    )
+
+
 def test_an_interruption_before_the_run_began_does_not_offer_a_resume(tmp_path, monkeypatch, capsys):
     from pyfedkern.sim import engine
 

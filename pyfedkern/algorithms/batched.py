@@ -43,6 +43,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -866,7 +867,9 @@ LOOP_CHUNK_BYTES = 16 << 20
 
 
 def free_memory(device: torch.device) -> int:
-    """Bytes free on ``device``: ``torch.cuda.mem_get_info`` on a GPU, MemAvailable (else total RAM) on the CPU."""
+    """Bytes free on ``device``: ``torch.cuda.mem_get_info`` on a GPU; on the CPU the least of MemAvailable (else
+    total RAM), the room under this process's rlimits (:func:`rlimit_room`) and under its cgroup's memory limit
+    (:func:`cgroup_room`)."""
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
     free = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
@@ -875,7 +878,79 @@ def free_memory(device: torch.device) -> int:
             free = next((int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")), free)
     except OSError:
         pass
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    return min(room for room in (free, rlimit_room(), cgroup_room()) if room is not None)
+
+
+def rlimit_room(status: str = "/proc/self/status") -> int | None:
+    """Bytes this process may still allocate under its soft RLIMIT_AS (less its VmSize) and RLIMIT_DATA (less its
+    VmData), the usage read from ``status``; None when neither limit is set."""
+    try:
+        import resource
+    except ImportError:  # not a POSIX system
+        return None
+    used = {}
+    try:
+        with open(status) as f:
+            fields = (line.partition(":") for line in f)
+            used = {k: int(v.split()[0]) * 1024 for k, _, v in fields if k in ("VmSize", "VmData")}
+    except (OSError, ValueError):
+        pass
+    rooms = []
+    for limit, field in ((resource.RLIMIT_AS, "VmSize"), (resource.RLIMIT_DATA, "VmData")):
+        soft = resource.getrlimit(limit)[0]
+        if soft != resource.RLIM_INFINITY:
+            rooms.append(max(0, soft - used.get(field, 0)))
+    return min(rooms, default=None)
+
+
+def cgroup_room(mount: str = "/sys/fs/cgroup", membership: str = "/proc/self/cgroup") -> int | None:
+    """Bytes left under the memory limits of this process's cgroup and of its ancestors (the cgroups named in
+    ``membership``, under ``mount``): cgroup v2 ``memory.max`` less ``memory.current``, v1
+    ``memory/memory.limit_in_bytes`` less ``memory.usage_in_bytes``, the reclaimable page cache (``inactive_file``
+    of ``memory.stat``) counted as free; None when no limit is set or cgroups are not there."""
+    try:
+        with open(membership) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    rooms = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2: the unified hierarchy
+            base, files = Path(mount), _CGROUP_V2
+        elif "memory" in controllers.split(","):
+            base, files = Path(mount, "memory"), _CGROUP_V1
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        for depth in range(len(parts), -1, -1):  # the cgroup, then its ancestors up to the mount's root
+            room = _cgroup_room(base.joinpath(*parts[:depth]), *files)
+            if room is not None:
+                rooms.append(room)
+    return min(rooms, default=None)
+
+
+#: A cgroup's memory files: its limit, its usage and the memory.stat entry of its reclaimable page cache.
+_CGROUP_V2 = ("memory.max", "memory.current", "inactive_file")
+_CGROUP_V1 = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+
+
+def _cgroup_room(folder: Path, limit: str, usage: str, cache: str) -> int | None:
+    """``limit`` less (``usage`` less the ``cache`` entry of memory.stat) in the cgroup ``folder``; None without a
+    limit (``max``, v1's page-rounded 2^63, or no such files)."""
+    try:
+        text = (folder / limit).read_text().strip()
+        if text == "max" or int(text) >= 1 << 62:
+            return None
+        used = int((folder / usage).read_text())
+    except (OSError, ValueError):
+        return None
+    try:
+        stat = dict(line.split() for line in (folder / "memory.stat").read_text().splitlines() if line.count(" ") == 1)
+        used -= int(stat.get(cache, 0))
+    except (OSError, ValueError):
+        pass
+    return max(0, int(text) - max(0, used))
 
 
 def bytes_per_client(ctx: FLContext, state_rows: int) -> int:

@@ -28,9 +28,11 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import heapq
+import json
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -157,9 +159,13 @@ class ProcessTeam(Team):
             return fn()
         except RuntimeError as err:  # gloo/NCCL errors and timeouts (DistBackendError is a RuntimeError)
             said = " ".join(str(err).split())[:300]
-            raise ConnectionError(
-                f"rank {self.rank} of {self.size} lost the other ranks during {what} ({said}); another rank has "
-                "died or stalled: resume the run with --resume from its last checkpoint"
+            then = (
+                "stopped on an error or died before the rounds began (its own message says why)"
+                if what == "start-up"
+                else "died or stalled: resume the run with --resume from its last checkpoint"
+            )
+            raise RanksLost(
+                f"rank {self.rank} of {self.size} lost the other ranks during {what} ({said}); another rank has {then}"
             ) from None
 
     def _objects(self, what: str, item: Any) -> list[Any]:
@@ -230,6 +236,10 @@ class ProcessTeam(Team):
         return parts
 
 
+class RanksLost(ConnectionError):
+    """A collective failed: another rank died, stalled or stopped on an error of its own."""
+
+
 def _updates_on(updates: ClientUpdates, device: torch.device) -> ClientUpdates:
     """``updates`` with its tensors on ``device``."""
     vectors = {name: v.to(device) for name, v in updates.vectors.items()}
@@ -276,6 +286,13 @@ def init_process_group(device: str) -> None:
     the other ranks cannot be reached within the timeout."""
     if dist.is_initialized():
         return
+    # torch.func's first gradient imports torch._dynamo, which imports modules (torch.distributed.nn.functional,
+    # FSDP's grad scaler) whose functions take the default process group as a default argument. Imported mid-run,
+    # they would hold the group past destroy_process_group, so that it (and gloo's threads) ended only during the
+    # interpreter's shutdown, which aborts the process ("terminate called without an active exception"). Imported
+    # before the group exists, their default is None.
+    import torch._dynamo
+
     timeout = timeout_seconds()
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     address = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
@@ -328,6 +345,8 @@ def share_path_choice(sim: Any, team: Team) -> None:
 
 
 def close_process_group() -> None:
+    """Leave the process group: once no module holds it (see :func:`init_process_group`), this ends it and joins
+    gloo's threads while the interpreter still runs."""
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -380,8 +399,9 @@ def check_algorithm(name: str, params: dict[str, Any] | None = None) -> None:
 
 def launch_workers(workers: int, argv: list[str]) -> int:
     """Run ``python -m pyfedkern ARGV`` in ``workers`` local processes through torch's elastic launcher (what
-    torchrun runs: a c10d rendezvous on localhost, no restarts); 0, or :class:`ChildFailedWorkers` naming the rank that
-    failed first (the launcher then stops the others)."""
+    torchrun runs: a c10d rendezvous on localhost, no restarts); 0, or :class:`ChildFailedWorkers` with the error of
+    the lowest rank that told one (:func:`tell_launcher`), else naming the rank that failed first (the launcher then
+    stops the others)."""
     import logging
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -409,22 +429,21 @@ def launch_workers(workers: int, argv: list[str]) -> int:
     except SignalException:  # Ctrl-C or SIGTERM to this process: the workers are stopped
         raise KeyboardInterrupt from None
     except ChildFailedError as err:
-        # the rank that failed first; the launcher's SIGTERM to the others comes after it
         failures = err.failures
+        told = [r for r in sorted(failures) if failures[r].error_file_data.get("told")]  # (see tell_launcher)
+        if told:  # an error of the lowest rank that had one: the others stopped on it, or had the same one
+            said = failures[told[0]].message
+            raise ChildFailedWorkers(
+                said if told[0] == 0 else f"worker rank {told[0]} of {workers}: {said}", 2
+            ) from None
+        # else the rank that failed first; the launcher's SIGTERM to the others comes after it
         ranks = sorted(failures, key=lambda r: (failures[r].exitcode == -signal.SIGTERM, failures[r].timestamp, r))
         first, failure = ranks[0], failures[ranks[0]]
-        if failure.exitcode == 2:  # a refusal, which rank 0 printed (the other ranks keep quiet)
-            said = (
-                ""
-                if first == 0
-                else f"worker rank {first} of {workers} stopped on an error (run without --workers to see it)"
-            )
-            raise ChildFailedWorkers(said, 2) from None
         how = failure.signal_name() if failure.exitcode < 0 else f"exit status {failure.exitcode}"
         raise ChildFailedWorkers(
-            f"worker rank {first} of {workers} failed ({how}); the others were stopped. An interrupted run with --out "
-            "resumes with `pyfedkern run --resume --out DIR` and the same --workers",
+            f"worker rank {first} of {workers} failed ({how}); the others were stopped",
             failure.exitcode if failure.exitcode > 0 else 1,
+            lost_work=True,
         ) from None
     finally:
         del os.environ[LAUNCHED_BY_WORKERS]
@@ -437,12 +456,26 @@ _LAUNCHER = "torch.distributed.elastic"
 
 
 class ChildFailedWorkers(Exception):
-    """A ``--workers`` process failed; ``status`` is the exit status to give. An empty message: the worker printed
-    its error itself."""
+    """A ``--workers`` process failed; ``status`` is the exit status to give; ``lost_work``: it died in the middle
+    (a signal, a crash), so the run may be resumed from its last checkpoint, where an error it told
+    (:func:`tell_launcher`) stopped it."""
 
-    def __init__(self, message: str, status: int) -> None:
+    def __init__(self, message: str, status: int, *, lost_work: bool = False) -> None:
         super().__init__(message)
         self.status = status
+        self.lost_work = lost_work
+
+
+def tell_launcher(message: str) -> bool:
+    """Leave this rank's one-line error ``message`` to the ``--workers`` process that started it, which says the
+    lowest rank's (:func:`launch_workers`; through the launcher's error file); False, leaving nothing, in a process
+    that ``--workers`` did not start."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not (os.environ.get(LAUNCHED_BY_WORKERS) and path):
+        return False
+    with open(path, "w") as file:
+        json.dump({"message": message, "timestamp": int(time.time()), "told": True}, file)
+    return True
 
 
 def run_distributed(

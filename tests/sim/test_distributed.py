@@ -9,6 +9,7 @@ import dataclasses
 import json
 import math
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -335,7 +336,7 @@ def run_cases(tmp_path: Path, names: list[str], ranks: int) -> dict:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
     command += [str(Path(__file__).with_name("distributed_cases.py")), str(tmp_path / "cases.json"), str(out)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env(), cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0 and "terminate called" not in done.stderr, done.stderr[-3000:]
     return json.loads(out.read_text())
 
 
@@ -440,7 +441,8 @@ def test_killed_rank_stops_the_run_and_it_resumes(tmp_path):
         if launcher.poll() is None:
             launcher.kill()
     assert launcher.returncode != 0
-    assert "worker rank 1 of 2 failed (SIGKILL)" in stderr, stderr
+    hint = f"resume with `pyfedkern run --resume --out {shlex.quote(str(run_dir))} --workers 2`"
+    assert f"worker rank 1 of 2 failed (SIGKILL); the others were stopped; {hint}" in stderr, stderr
     done_rounds = len((run_dir / "metrics.jsonl").read_text().splitlines()) - 1
     assert done_rounds < rounds
 
@@ -492,6 +494,42 @@ def test_a_refusal_in_the_workers_is_said_once(tmp_path):
     assert done.stderr.count("\n") == 1 and "BatchNorm1d keeps running statistics" in done.stderr, done.stderr
 
 
+def test_an_error_of_one_worker_is_said_by_the_parent(tmp_path):
+    """Only rank 1 fails (its dataset factory raises): its own error is the one line said, without the other rank's
+    lost connection or resume advice (nothing was written)."""
+    (tmp_path / "rank_data.py").write_text(
+        "import os\n\nimport numpy as np\n\n\ndef make():\n"
+        "    if os.environ['RANK'] == '1':\n        raise RuntimeError('no data on this node')\n"
+        "    x, y = np.random.default_rng(0).normal(size=(60, 5)), np.arange(60) % 3\n    return (x, y), (x, y)\n"
+    )
+    args = ["run", "--dataset", "rank_data:make", "--model", "logreg", "--clients", "4", "--partition", "iid"]
+    done = cli(*args, "--rounds", "1", "--workers", "2", "--out", str(tmp_path / "run"), "--no-progress",
+               timeout=240, PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}")  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr == (
+        "pyfedkern run: error: worker rank 1 of 2: dataset: the factory make raised RuntimeError: no data on this "
+        "node\n"
+    )
+
+
+def test_a_rank_that_loses_the_others_at_start_up_gives_no_resume_advice(monkeypatch):
+    monkeypatch.setattr(distributed.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(distributed.dist, "get_world_size", lambda: 2)
+    team = distributed.ProcessTeam(np.array([1, 1]), torch.device("cpu"))
+
+    def closed():
+        raise RuntimeError("Connection closed by peer")
+
+    with pytest.raises(distributed.RanksLost) as err:
+        team._collective("start-up", closed)
+    assert str(err.value) == (
+        "rank 0 of 2 lost the other ranks during start-up (Connection closed by peer); another rank has stopped on an "
+        "error or died before the rounds began (its own message says why)"
+    )
+    with pytest.raises(ConnectionError, match=r"during round 3 .* resume the run with --resume"):
+        team._collective("round 3", closed)
+
+
 def test_interrupting_workers_is_one_line_saying_how_to_resume(tmp_path):
     """Ctrl-C (SIGINT to the process group) during a --workers run: exit status 130 and one line with the resume
     command, --workers included (no launcher traceback, no line from each worker)."""
@@ -513,6 +551,45 @@ def test_interrupting_workers_is_one_line_saying_how_to_resume(tmp_path):
             os.killpg(launcher.pid, signal.SIGKILL)
     assert launcher.returncode == 130, stderr
     assert stderr == f"pyfedkern run: interrupted; resume with `pyfedkern run --resume --out {run_dir} --workers 2`\n"
+
+
+GLOO_THREADS_AFTER_LEAVING = """
+import os, sys
+import torch
+from pyfedkern.sim import distributed
+
+def gloo_threads():
+    names = [open(f"/proc/self/task/{t}/comm").read() for t in os.listdir("/proc/self/task")]
+    return sum(name.startswith("pt_gloo") for name in names)
+
+distributed.init_process_group("cpu")
+torch.func.grad(lambda x: (x * x).sum())(torch.ones(3))  # its first call imports torch._dynamo
+during = gloo_threads()  # (named by themselves once they run)
+distributed.close_process_group()
+print(during, gloo_threads(), "torch._dynamo" in sys.modules)
+"""
+
+
+def test_leaving_the_group_ends_gloo_s_threads_before_the_interpreter_shuts_down(tmp_path):
+    """Modules that torch._dynamo imports take the default process group as a default argument: imported mid-run
+    (torch.func's first gradient), they held the group past destroy_process_group, and gloo's threads ended in the
+    interpreter's shutdown, which aborted ranks at exit ("terminate called without an active exception"). A rank
+    that leaves the group has no gloo thread left."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    rendezvous = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    done = subprocess.run(
+        [sys.executable, "-c", GLOO_THREADS_AFTER_LEAVING],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env(**rendezvous),
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0 and "terminate called" not in done.stderr, done.stderr
+    during, after, imported = done.stdout.split()
+    assert int(during) > 0 and int(after) == 0 and imported == "True"
 
 
 def test_unreachable_rendezvous_names_the_address(tmp_path):

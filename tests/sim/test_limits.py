@@ -3,10 +3,15 @@ the model and a round's minibatch plan that refuse what does not fit and say wha
 
 import dataclasses
 import functools
+import os
 import re
+import resource
+import subprocess
+import sys
 
 import numpy as np
 import pytest
+import torch
 
 from pyfedkern import models
 from pyfedkern.data import datasets
@@ -91,3 +96,103 @@ def test_a_run_that_does_not_fit_is_refused_before_its_data_is_made(monkeypatch)
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("the data was loaded"))
     with pytest.raises(ValueError, match=r"dataset digits .* needs about"):
         engine.Simulation(CONFIG)
+
+
+def _cgroup_files(root, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+
+
+def test_the_cgroup_limit_counts_the_process_s_cgroup_and_its_ancestors(tmp_path):
+    from pyfedkern.algorithms.batched import cgroup_room
+
+    mount, membership = tmp_path / "cgroup", tmp_path / "self-cgroup"
+    membership.write_text("0::/jobs/run7\n")
+    _cgroup_files(mount, {"jobs/run7/memory.max": "max\n", "jobs/run7/memory.current": "100\n"})
+    assert cgroup_room(str(mount), str(membership)) is None  # no limit anywhere
+    # v2: the parent's limit less its usage, page cache that can be reclaimed counted as free
+    _cgroup_files(mount, {"jobs/memory.max": "5000\n", "jobs/memory.current": "3000\n"})
+    assert cgroup_room(str(mount), str(membership)) == 2000
+    _cgroup_files(mount, {"jobs/memory.stat": "anon 2000\ninactive_file 500\nactive_file 500\n"})
+    assert cgroup_room(str(mount), str(membership)) == 2500
+    _cgroup_files(mount, {"jobs/run7/memory.max": "2600\n"})  # the tighter of the two
+    assert cgroup_room(str(mount), str(membership)) == 2500
+    _cgroup_files(mount, {"jobs/run7/memory.current": "2500\n"})
+    assert cgroup_room(str(mount), str(membership)) == 100
+    # v1: the memory controller's hierarchy; its 'unlimited' is a page-rounded 2^63
+    membership.write_text("4:memory:/box\n3:cpu:/box\n0::/\n")
+    _cgroup_files(mount, {"memory/box/memory.limit_in_bytes": "9223372036854771712\n"})
+    _cgroup_files(mount, {"memory/box/memory.usage_in_bytes": "10\n"})
+    assert cgroup_room(str(mount), str(membership)) is None
+    _cgroup_files(mount, {"memory/box/memory.limit_in_bytes": "8000\n", "memory/box/memory.usage_in_bytes": "9000"})
+    assert cgroup_room(str(mount), str(membership)) == 0  # over its limit: nothing left
+    _cgroup_files(mount, {"memory/box/memory.stat": "cache 4000\ntotal_inactive_file 3000\n"})
+    assert cgroup_room(str(mount), str(membership)) == 2000
+    assert cgroup_room(str(mount), str(tmp_path / "absent")) is None
+
+
+def test_free_memory_is_the_least_of_ram_and_the_process_s_limits(monkeypatch):
+    from pyfedkern.algorithms import batched
+
+    monkeypatch.setattr(batched, "cgroup_room", lambda: 12345)
+    assert batched.free_memory(torch.device("cpu")) == 12345
+    monkeypatch.setattr(batched, "rlimit_room", lambda: 999)
+    assert batched.free_memory(torch.device("cpu")) == 999
+
+
+def _limited(limit: int):
+    """A preexec_fn giving the child process an address-space limit of ``limit`` bytes."""
+
+    def apply() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    return apply
+
+
+def test_an_address_space_rlimit_bounds_free_memory():
+    """A child under RLIMIT_AS (as ``prlimit --as`` or ``ulimit -v`` set it) sees at most the limit less what it
+    has mapped, however much RAM the machine has free."""
+    limit = 6 << 30
+    code = (
+        "import torch; from pyfedkern.algorithms import batched; "
+        "print(batched.free_memory(torch.device('cpu')), batched.rlimit_room())"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, preexec_fn=_limited(limit)
+    )
+    assert done.returncode == 0, done.stderr
+    free, room = map(int, done.stdout.split())
+    assert 0 < free <= room < limit
+
+
+def test_a_run_under_an_rlimit_is_refused_saying_what_fits(tmp_path):
+    """The run of the report (200,000 clients' data under an 8 GiB address space): a one-line error that measures
+    against the limit, not a MemoryError traceback."""
+    args = ["--dataset", "synthetic:1,1,200000", "--partition", "natural", "--clients", "200000", "--model", "logreg"]
+    done = subprocess.run(
+        [sys.executable, "-m", "pyfedkern", "run", *args, "--rounds", "1", "--out", str(tmp_path / "X")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=_limited(8 << 30),
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    available = re.search(r"but ([\d.,]+) GiB are available; about [\d,]+ of its 200,000 clients fit", done.stderr)
+    assert available and float(available.group(1).replace(",", "")) <= 8.0, done.stderr
+
+
+def test_a_memory_error_during_a_run_is_a_one_line_error(monkeypatch, capsys):
+    from pyfedkern.cli import main
+
+    def exhausted(*args, **kwargs):
+        raise MemoryError
+
+    monkeypatch.setattr(engine.Simulation, "run", exhausted)
+    assert main(["run", "--rounds", "1", "--clients", "4", "--model", "logreg", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.startswith("pyfedkern run: error: out of memory: the command needs more than the ") and err.count("\n") == 1
+    ), err
+    assert "--client-chunk" in err
