@@ -409,6 +409,8 @@ def _fallback_grads(
         chosen = [t for t, g in zip(leaves, grads, strict=True) if g is not None]
         return sum((t * g.unsqueeze(d)).sum() for t, g, (_, d) in zip(chosen, gs, used, strict=True))
 
+    if isinstance(unit.module, nn.RNNBase):  # torch's fused RNN kernels under vmap are ~50x slower than a loop
+        return _per_sample_loop(inner, params, args, arg_dims, [cap.kwargs[k] for k in keys], kw_dims, used, B)
     per_sample = torch.func.vmap(
         torch.func.grad(inner),
         in_dims=(None, arg_dims, kw_dims, [d for _, d in used]),
@@ -422,6 +424,34 @@ def _fallback_grads(
             f"per-sample norms and torch.func failed on it ({str(err).splitlines()[0]})"
         ) from err
     return result
+
+
+def _per_sample_loop(
+    inner: Callable, params: dict, args: list, arg_dims: list, kwargs: list, kw_dims: list, used: list, B: int
+) -> dict[str, torch.Tensor]:
+    """What the vmap of :func:`_fallback_grads` computes, one sample at a time with autograd (for torch's fused RNN
+    kernels, which vmap runs slowly)."""
+
+    def pick(v: Any, dim: Any, n: int) -> Any:
+        if isinstance(dim, tuple):
+            return tuple(pick(u, d, n) for u, d in zip(v, dim, strict=True))
+        return v if dim is None else v.select(dim, n)
+
+    leaves = {name: p.detach().requires_grad_() for name, p in params.items()}
+    rows: list[tuple[torch.Tensor, ...]] = []
+    with torch.enable_grad():
+        for n in range(B):
+            value = inner(
+                leaves,
+                [pick(v, d, n) for v, d in zip(args, arg_dims, strict=True)],
+                [pick(v, d, n) for v, d in zip(kwargs, kw_dims, strict=True)],
+                [g.select(d, n) for g, d in used],
+            )
+            rows.append(torch.autograd.grad(value, list(leaves.values()), allow_unused=True))
+    return {
+        name: torch.stack([torch.zeros_like(p) if r[i] is None else r[i] for r in rows])
+        for i, (name, p) in enumerate(leaves.items())
+    }
 
 
 def _rnn_zero_state(module: nn.RNNBase, x: torch.Tensor) -> Any:
