@@ -140,6 +140,25 @@ def test_engine_round_peers_compute_the_same_round():
     assert engine.client_steps(engine.flower_config(engine.QUICK_FLOWER_CLIENTS)) > engine.QUICK_FLOWER_CLIENTS
 
 
+def test_trainable_round_cases_compute_the_same_round_and_row_sizes():
+    """Each trainable_round group's batched round and per-client loop give the same global model (the trainable
+    parameters only); the whole-model case's rows hold every parameter."""
+    from pyfedkern.benchmarks import trainable
+
+    cases = trainable.cases(quick=True)
+    groups = dict.fromkeys(c.group for c in cases)
+    assert len(groups) >= 1
+    for group in groups:
+        members = {c.name: c for c in cases if c.group == group}
+        results = {name: _flat(members[name].make()()) for name in ("pyfedkern", "per-client loop (batched=False)")}
+        info = members["pyfedkern"].info
+        assert results["pyfedkern"].shape == (info["d"],) and info["d"] < info["model"]
+        np.testing.assert_allclose(
+            results["per-client loop (batched=False)"], results["pyfedkern"], rtol=1e-4, atol=1e-5
+        )
+        assert members["whole model as the vector (unfrozen, batched)"].info["row"] == info["model"]
+
+
 def test_engine_models_cases_compute_the_same_rounds():
     """The engine_models groups hold the three pyfedkern paths (and pfl when installed) at 1 and 2 threads, two
     worker processes at 2 threads, and the GEMM, convolution and bare-loop limits for the CNN (the bare loop trains:

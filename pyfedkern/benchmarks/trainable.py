@@ -56,7 +56,8 @@ class _Logits(nn.Module):
 
 
 def lora_bert(num_classes: int) -> nn.Module:
-    """LoRA adapters (r = 4, query and value) and the head of a 2-layer BERT of hidden size 32, random weights."""
+    """LoRA adapters (r = 4, query and value) and the head of a 2-layer BERT of hidden size 32, random weights, no
+    dropout."""
     import peft
     import transformers
 
@@ -68,6 +69,8 @@ def lora_bert(num_classes: int) -> nn.Module:
         intermediate_size=64,
         max_position_embeddings=LENGTH,
         num_labels=num_classes,
+        hidden_dropout_prob=0.0,  # no dropout: the loop and the batched path draw their masks differently
+        attention_probs_dropout_prob=0.0,
         attn_implementation="eager",
     )
     base = transformers.BertForSequenceClassification(config)
@@ -106,8 +109,8 @@ def fedavg_round(factory: Callable[[int], nn.Module], data: tuple, clients: int,
     return run
 
 
-def _sizes(factory: Callable[[int], nn.Module]) -> dict[str, int]:
-    module = factory(4)
+def _sizes(factory: Callable[[int], nn.Module], classes: int) -> dict[str, int]:
+    module = factory(classes)
     return {
         "d": sum(p.numel() for p in module.parameters() if p.requires_grad),
         "model": sum(p.numel() for p in module.parameters()),
@@ -116,11 +119,12 @@ def _sizes(factory: Callable[[int], nn.Module]) -> dict[str, int]:
 
 def _group(name: str, factory: Callable[[int], nn.Module], data: tuple, clients: int, batch: int) -> list[Case]:
     group = f"trainable_round {name} m={clients} cpu"
-    info = _sizes(factory)
+    classes = int(data[1].max()) + 1
+    info = _sizes(factory, classes)
 
     def case(label: str, model: Callable[[int], nn.Module], batched: bool) -> Case:
         make = lambda: fedavg_round(model, data, clients, batch, batched)  # noqa: E731
-        return Case(group, label, make, info={**info, "row": _sizes(model)["d"]}, rounds=3)
+        return Case(group, label, make, info={**info, "row": _sizes(model, classes)["d"]}, rounds=3)
 
     return [
         case("pyfedkern", factory, True),
