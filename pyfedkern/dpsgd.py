@@ -9,8 +9,9 @@ gradient sum is one product of the clip-weighted output gradients with the input
 computes).
 
 Supported layers: Linear, Conv1d, Conv2d (groups 1, zero padding), Embedding, LayerNorm, GroupNorm. A module of any
-other kind that holds trainable parameters (LSTM, GRU, attention, a bare ``nn.Parameter``) is handled with
-``torch.func`` (per-sample gradients of that module alone, vmap over grad), named once in a log line. BatchNorm in
+other kind that holds trainable parameters (attention, a bare ``nn.Parameter``) is handled with ``torch.func``
+(per-sample gradients of that module alone, vmap over grad; LSTM and GRU one sample at a time, as torch's fused RNN
+kernels run slowly under vmap), named once in a log line. BatchNorm in
 training mode mixes samples and is refused.
 """
 
@@ -94,7 +95,9 @@ def units(model: nn.Module) -> list[_Unit]:
     key = f"{type(model).__qualname__}: {kinds}"
     if kinds and key not in _LOGGED:
         _LOGGED.add(key)
-        logger.info("dpsgd: per-sample gradients through torch.func for %s", kinds)
+        logger.info(
+            "dpsgd: no book-keeping for %s: per-sample gradients from torch.func (RNNs: sample by sample)", kinds
+        )
     return found
 
 
