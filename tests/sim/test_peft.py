@@ -100,3 +100,26 @@ def test_an_upload_holds_the_adapters_only():
     assert {name: v.shape for name, v in message.vectors.items()} == {"model": (sim.local.dim,)}
     module = sim.local.module
     assert torch.equal(parameters_to_vector(module, torch.float64), message.vectors["model"])  # loaded, as trained
+
+
+def test_a_model_vmap_cannot_run_takes_the_loop_and_says_why(caplog):
+    """GPT-2's sequence-classification head looks for the last non-padding token with data-dependent indexing, which
+    vmap cannot batch: the engine's own choice takes the loop and logs the reason once."""
+
+    def lora_gpt2():
+        config = transformers.GPT2Config(
+            vocab_size=VOCAB, n_positions=LENGTH, n_embd=16, n_layer=1, n_head=2, num_labels=CLASSES,
+            pad_token_id=0, bos_token_id=1, eos_token_id=1,
+        )  # fmt: skip
+        base = transformers.GPT2ForSequenceClassification(config)
+        lora = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["c_attn"], lora_dropout=0.0, task_type="SEQ_CLS")
+        return Classifier(peft.get_peft_model(base, lora))
+
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(1, VOCAB, size=(60, LENGTH)), rng.integers(0, CLASSES, 60)
+    experiment = Experiment(lora_gpt2, (x[:48], y[:48]), (x[48:], y[48:]), num_clients=4, rounds=1, batch_size=8)
+    with caplog.at_level("INFO", logger="pyfedkern"):
+        metrics = experiment.run()
+    assert np.isfinite(metrics[-1]["test_loss"]) and experiment.simulation.batched is False
+    notes = [r.getMessage() for r in caplog.records if "clients train as" in r.getMessage()]
+    assert len(notes) == 1 and "a loop over clients: the model cannot be batched" in notes[0]
