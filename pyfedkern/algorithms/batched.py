@@ -450,7 +450,7 @@ def choose_path(ctx: FLContext, rows: int) -> PathChoice:
     """
     local = ctx.local
     if not can_batch(local):
-        return PathChoice(False, "the model has buffers (e.g. BatchNorm statistics)")
+        return PathChoice(False, "the model has persistent buffers (e.g. BatchNorm statistics)")
     if trainer_for(local).chain is not None:
         return PathChoice(True, "a Flatten/Linear/ReLU chain (hand-written batched backward)")
     xb, yb, wb = _probe_batch(ctx, rows)
