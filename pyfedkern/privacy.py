@@ -76,20 +76,32 @@ def epsilon(noise_multiplier: float, delta: float, steps: int, sampling_rate: fl
     check_accounting(delta, steps, sampling_rate, accountant)
     if not (math.isfinite(noise_multiplier) and noise_multiplier >= 0):
         raise ValueError(f"noise_multiplier must be finite and >= 0, got {noise_multiplier!r}")
-    if noise_multiplier == 0:
+    return _spent(noise_multiplier, delta, int(steps), sampling_rate, accountant)
+
+
+def _spent(sigma: float, delta: float, steps: int, sampling_rate: float, accountant: str) -> float:
+    """:func:`epsilon` of checked arguments."""
+    if sigma == 0:
         return math.inf
     acc = _accountant(accountant)
-    acc.compose(_event(noise_multiplier, sampling_rate, int(steps)))
+    acc.compose(_event(sigma, sampling_rate, steps))
     return float(acc.get_epsilon(delta))
 
 
+#: The smallest noise multiplier :func:`noise_multiplier` searches: below it the PLD accountant's discretised loss
+#: distribution outgrows memory (σ = 1e-3 asks for tens of GiB); a budget that allows less noise gets this σ.
+LOWEST_SIGMA = 0.3
+
+
 def noise_multiplier(epsilon: float, delta: float, steps: int, sampling_rate: float, accountant: str = "rdp") -> float:
-    """The smallest σ (to 1e-6) whose ``steps`` Poisson-subsampled Gaussian steps at rate q spend at most (ε, δ),
-    by ``dp-accounting``'s calibration over its ``accountant``'s ε."""
+    """The smallest σ ≥ :data:`LOWEST_SIGMA` (to 1e-6) whose ``steps`` Poisson-subsampled Gaussian steps at rate q
+    spend at most (ε, δ), by ``dp-accounting``'s calibration over its ``accountant``'s ε."""
     check_accounting(delta, steps, sampling_rate, accountant)
     if not (isinstance(epsilon, (int, float)) and math.isfinite(epsilon) and epsilon > 0):
         raise ValueError(f"epsilon must be finite and > 0, got {epsilon!r}")
     dp = _dp_accounting()
+    if _spent(LOWEST_SIGMA, delta, int(steps), sampling_rate, accountant) <= epsilon:
+        return LOWEST_SIGMA  # the budget allows less noise: the search's floor, conservatively
     try:
         return float(
             dp.calibrate_dp_mechanism(
@@ -97,7 +109,7 @@ def noise_multiplier(epsilon: float, delta: float, steps: int, sampling_rate: fl
                 lambda sigma: _event(sigma, sampling_rate, int(steps)),
                 epsilon,
                 delta,
-                dp.LowerEndpointAndGuess(1e-3, 1.0),
+                dp.LowerEndpointAndGuess(LOWEST_SIGMA, 2 * LOWEST_SIGMA),
             )
         )
     except dp.mechanism_calibration.NoBracketIntervalFoundError:
