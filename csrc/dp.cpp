@@ -12,6 +12,7 @@
 #include <pybind11/numpy.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -168,6 +169,23 @@ constexpr double factorial(int n) {
   return n <= 1 ? 1.0 : n * factorial(n - 1);
 }
 
+// The polynomials' coefficients, rounded once from double: ln's 1/(2j+1), sin's (-1)^j/(2j+1)!, cos's (-1)^j/(2j)!.
+template <typename A, int N, int Kind>
+constexpr std::array<A, N> coefficients() {
+  std::array<A, N> c{};
+  for (int j = 0; j < N; ++j) {
+    const double sign = j % 2 ? -1.0 : 1.0;
+    c[j] = Kind == 0 ? A(1.0 / (2 * j + 1)) : Kind == 1 ? A(sign / factorial(2 * j + 1)) : A(sign / factorial(2 * j));
+  }
+  return c;
+}
+template <typename A>
+constexpr std::array<A, Normal<A>::kLogTerms> kLogCoef = coefficients<A, Normal<A>::kLogTerms, 0>();
+template <typename A>
+constexpr std::array<A, Normal<A>::kSinTerms> kSinCoef = coefficients<A, Normal<A>::kSinTerms, 1>();
+template <typename A>
+constexpr std::array<A, Normal<A>::kCosTerms> kCosCoef = coefficients<A, Normal<A>::kCosTerms, 2>();
+
 // ln(v) for a positive normal v: v = m * 2^e with m in [sqrt(1/2), sqrt(2)), ln m = 2 atanh(s), s = (m-1)/(m+1).
 template <typename A, typename U>
 PFK_ALWAYS_INLINE A log_positive(A n) {
@@ -175,7 +193,7 @@ PFK_ALWAYS_INLINE A log_positive(A n) {
   constexpr int kExpBias = std::numeric_limits<A>::max_exponent - 2;  // frexp's: m in [0.5, 1)
   U bits;
   std::memcpy(&bits, &n, sizeof(A));
-  A e = A(static_cast<int>(bits >> kMant) - kExpBias);
+  A e = A(static_cast<int32_t>(bits >> kMant) - kExpBias);
   const U mbits = (bits & ((U(1) << kMant) - 1)) | (U(kExpBias) << kMant);
   A m;
   std::memcpy(&m, &mbits, sizeof(A));
@@ -184,9 +202,15 @@ PFK_ALWAYS_INLINE A log_positive(A n) {
   e = low ? e - A(1) : e;
   const A s = (m - A(1)) / (m + A(1));
   const A s2 = s * s;
-  A t = A(1.0 / (2 * Normal<A>::kLogTerms - 1));
-  for (int j = Normal<A>::kLogTerms - 2; j >= 0; --j) t = t * s2 + A(1.0 / (2 * j + 1));
+  A t = kLogCoef<A>[Normal<A>::kLogTerms - 1];
+  for (int j = Normal<A>::kLogTerms - 2; j >= 0; --j) t = t * s2 + kLogCoef<A>[j];
   return e * A(kLn2) + (s + s) * t;
+}
+
+// A uint32 as A, exactly, through int32 conversions (vectorisable, unlike uint64 -> floating point without AVX-512).
+template <typename A>
+PFK_ALWAYS_INLINE A from_u32(uint32_t v) {
+  return A(static_cast<int32_t>(v ^ 0x80000000u)) + A(2147483648.0);
 }
 
 // Two normals from two 32-bit words (Box-Muller): sqrt(-2 ln u1) * (cos, sin)(2 pi u2).
@@ -194,8 +218,9 @@ template <typename A>
 PFK_ALWAYS_INLINE void box_muller(uint32_t a, uint32_t b, A& z_cos, A& z_sin) {
   using U = std::conditional_t<sizeof(A) == 4, uint32_t, uint64_t>;
   constexpr int kBits = Normal<A>::kBits;
-  const uint64_t n1 = (uint64_t(a) >> (32 - kBits)) + 1;                              // u1 = n1 / 2^bits in (0, 1]
-  const A ln_u1 = log_positive<A, U>(A(n1) * A(1.0 / double(uint64_t(1) << kBits)));  // u1 exact
+  // u1 = n1 / 2^bits in (0, 1], n1 = (a >> (32 - bits)) + 1, converted exactly through int32 (vectorisable)
+  const A n1 = kBits < 32 ? A(static_cast<int32_t>(a >> (32 - kBits))) + A(1) : from_u32<A>(a) + A(1);
+  const A ln_u1 = log_positive<A, U>(n1 * A(1.0 / double(uint64_t(1) << kBits)));
   const A r = std::sqrt(A(-2) * ln_u1);
   const uint32_t n2 = b >> (32 - kBits);  // u2 = n2 / 2^bits in [0, 1): quadrant, then the angle within it
   const uint32_t quadrant = n2 >> (kBits - 2);
@@ -203,17 +228,18 @@ PFK_ALWAYS_INLINE void box_muller(uint32_t a, uint32_t b, A& z_cos, A& z_sin) {
   const uint32_t half = 1u << (kBits - 3);
   const bool swap = f > half;
   const uint32_t g = swap ? (1u << (kBits - 2)) - f : f;  // angle g / 2^(bits-2) * pi/2 in [0, pi/4]
-  const A x = A(g) * A(kHalfPi / double(1u << (kBits - 2)));
+  const A x = A(static_cast<int32_t>(g)) * A(kHalfPi / double(1u << (kBits - 2)));
   const A x2 = x * x;
   // sin x = x * sum_j (-1)^j x^2j / (2j+1)!, cos x = sum_j (-1)^j x^2j / (2j)!, by Horner's rule in x^2
   A ps = A(0), pc = A(0);
-  for (int j = Normal<A>::kSinTerms - 1; j >= 0; --j) ps = ps * x2 + A((j % 2 ? -1.0 : 1.0) / factorial(2 * j + 1));
-  for (int j = Normal<A>::kCosTerms - 1; j >= 0; --j) pc = pc * x2 + A((j % 2 ? -1.0 : 1.0) / factorial(2 * j));
+  for (int j = Normal<A>::kSinTerms - 1; j >= 0; --j) ps = ps * x2 + kSinCoef<A>[j];
+  for (int j = Normal<A>::kCosTerms - 1; j >= 0; --j) pc = pc * x2 + kCosCoef<A>[j];
   const A sx = x * ps;
   const A s = swap ? pc : sx;  // sin and cos of the angle within the quadrant
   const A c = swap ? sx : pc;
-  const A sin_t = quadrant == 0 ? s : quadrant == 1 ? c : quadrant == 2 ? -s : -c;
-  const A cos_t = quadrant == 0 ? c : quadrant == 1 ? -s : quadrant == 2 ? -c : s;
+  const bool odd = quadrant & 1u;  // quadrants 0-3: (sin, cos) = (s, c), (c, -s), (-s, -c), (-c, s)
+  const A sin_t = (odd ? c : s) * A(quadrant & 2u ? -1.0 : 1.0);
+  const A cos_t = (odd ? s : c) * A((quadrant + 1u) & 2u ? -1.0 : 1.0);
   z_cos = r * cos_t;
   z_sin = r * sin_t;
 }
@@ -221,24 +247,26 @@ PFK_ALWAYS_INLINE void box_muller(uint32_t a, uint32_t b, A& z_cos, A& z_sin) {
 // Normals of one chunk of 64 blocks (256 elements), lane-major: z[lane * 64 + b].
 template <typename A>
 PFK_ALWAYS_INLINE void normal_chunk_body(uint64_t first_block, uint32_t k0, uint32_t k1, uint64_t stream, A* z) {
-  uint32_t w[4][kBlocks];
-  const uint32_t s0 = static_cast<uint32_t>(stream), s1 = static_cast<uint32_t>(stream >> 32);
+  // The 64 blocks' counters side by side, one Philox round at a time (a loop over lanes the compiler vectorises).
+  uint32_t c0[kBlocks], c1[kBlocks], c2[kBlocks], c3[kBlocks];
   for (int b = 0; b < kBlocks; ++b) {
     const uint64_t block = first_block + static_cast<uint64_t>(b);
-    uint32_t c0 = static_cast<uint32_t>(block), c1 = static_cast<uint32_t>(block >> 32), c2 = s0, c3 = s1;
-    uint32_t key0 = k0, key1 = k1;
-    for (int r = 0; r < 10; ++r) {
-      const uint64_t p0 = uint64_t(kPhiloxM0) * c0, p1 = uint64_t(kPhiloxM1) * c2;
-      const uint32_t n0 = static_cast<uint32_t>(p1 >> 32) ^ c1 ^ key0, n1 = static_cast<uint32_t>(p1);
-      const uint32_t n2 = static_cast<uint32_t>(p0 >> 32) ^ c3 ^ key1, n3 = static_cast<uint32_t>(p0);
-      c0 = n0, c1 = n1, c2 = n2, c3 = n3;
-      key0 += kPhiloxW0;
-      key1 += kPhiloxW1;
-    }
-    w[0][b] = c0, w[1][b] = c1, w[2][b] = c2, w[3][b] = c3;
+    c0[b] = static_cast<uint32_t>(block), c1[b] = static_cast<uint32_t>(block >> 32);
+    c2[b] = static_cast<uint32_t>(stream), c3[b] = static_cast<uint32_t>(stream >> 32);
   }
-  for (int b = 0; b < kBlocks; ++b) box_muller<A>(w[0][b], w[1][b], z[b], z[kBlocks + b]);
-  for (int b = 0; b < kBlocks; ++b) box_muller<A>(w[2][b], w[3][b], z[2 * kBlocks + b], z[3 * kBlocks + b]);
+  uint32_t key0 = k0, key1 = k1;
+  for (int r = 0; r < 10; ++r) {
+    for (int b = 0; b < kBlocks; ++b) {
+      const uint64_t p0 = uint64_t(kPhiloxM0) * c0[b], p1 = uint64_t(kPhiloxM1) * c2[b];
+      const uint32_t n0 = static_cast<uint32_t>(p1 >> 32) ^ c1[b] ^ key0, n1 = static_cast<uint32_t>(p1);
+      const uint32_t n2 = static_cast<uint32_t>(p0 >> 32) ^ c3[b] ^ key1, n3 = static_cast<uint32_t>(p0);
+      c0[b] = n0, c1[b] = n1, c2[b] = n2, c3[b] = n3;
+    }
+    key0 += kPhiloxW0;
+    key1 += kPhiloxW1;
+  }
+  for (int b = 0; b < kBlocks; ++b) box_muller<A>(c0[b], c1[b], z[b], z[kBlocks + b]);
+  for (int b = 0; b < kBlocks; ++b) box_muller<A>(c2[b], c3[b], z[2 * kBlocks + b], z[3 * kBlocks + b]);
 }
 
 template <typename A>
