@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -116,7 +117,7 @@ def _opacus_grad_norms(model: torch.nn.Module) -> Any:
         from opacus import GradSampleModule
     except ImportError:
         return None
-    gsm = GradSampleModule(model)
+    gsm = GradSampleModule(model, loss_reduction="sum")  # the loss below is summed: its grad_sample is per sample
 
     def run(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         gsm.zero_grad(set_to_none=True)
@@ -177,7 +178,7 @@ def _grad_cases(quick: bool, device: str) -> list[Case]:
 
             def opacus(inputs=inputs, name=name):
                 a = inputs()
-                run = _opacus_grad_norms(_model(name).to(device))
+                run = _opacus_grad_norms(copy.deepcopy(a["model"]))  # the same weights; its hooks stay on the copy
                 return lambda: run(a["x"], a["y"])
 
             out.append(Case(group, "opacus GradSampleModule", opacus, 0, 0, device, dict(info)))
