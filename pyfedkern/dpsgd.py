@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pyfedkern.ops.dp import gaussian_noise_
 from pyfedkern.ops.norms import gram_is_cheaper, per_sample_grad_norms
 from pyfedkern.persample import _cross_entropy_options, _loss_sum
 
@@ -36,7 +37,7 @@ logger = logging.getLogger("pyfedkern")
 
 #: Layers whose per-sample norms and clipped sums are computed from (input, output gradient).
 NATIVE = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Embedding, nn.LayerNorm, nn.GroupNorm)
-#: Mixed into every noise stream's seed, so that DP noise never repeats another stream keyed by the same numbers.
+#: The first key of every DP-SGD noise stream, so that it never repeats another stream keyed by the same numbers.
 _NOISE_TAG = 0x44505347
 _LOGGED: set[str] = set()
 
@@ -629,20 +630,13 @@ class DPSGD:
         if b is not None and (isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 < b < math.inf):
             raise ValueError(f"dpsgd: expected_batch must be None or a finite number > 0, got {b!r}")
 
-    def generator(self, key: Sequence[int], device: torch.device | str = "cpu") -> torch.Generator:
-        """The noise generator of one step: a torch.Generator seeded from (seed, *key)."""
-        words = np.random.SeedSequence([_NOISE_TAG, int(self.seed), *(int(k) for k in key)]).generate_state(2)
-        gen = torch.Generator(device=device)
-        gen.manual_seed(int(words[0]) << 32 | int(words[1]))
-        return gen
-
     def add_noise_(self, grad: torch.Tensor, key: Sequence[int], scale: float) -> torch.Tensor:
-        """grad += scale·σC·ξ, ξ ~ N(0, I) from the step's stream (``grad`` a flat [d] vector, in place)."""
+        """grad += scale·σC·ξ in one pass, ξ ~ N(0, I) from the step's stream (seed, *key) of
+        :func:`pyfedkern.ops.gaussian_noise_` (counter-based: the same numbers for every thread count and path;
+        ``grad`` a [d] vector, in place)."""
         if self.noise_multiplier == 0:
             return grad
-        noise = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
-        noise.normal_(generator=self.generator(key, grad.device))
-        return grad.add_(noise, alpha=scale * self.noise_multiplier * self.clip)
+        return gaussian_noise_(grad, scale * self.noise_multiplier * self.clip, int(self.seed), _NOISE_TAG, *key)
 
     def clipped_sum(
         self, model: nn.Module, loss_fn: Any, x: torch.Tensor, y: torch.Tensor, scale: float = 1.0
