@@ -370,9 +370,7 @@ def bulyan(updates: Any, f: int) -> Any:
 
 def _bulyan(updates: Any, f: Any) -> Any:
     rows = _update_rows(updates)
-    fv = _integer(f, "f", 0)
-    if rows.count < 4 * fv + 3:
-        raise ValueError(f"bulyan needs K >= 4f + 3 = {4 * fv + 3} updates for f = {fv}, got K = {rows.count}")
+    fv = _bulyan_f(f, rows.count)
     dist, bound = _squared_distances("bulyan", updates, rows)
     remaining, picked = list(range(rows.count)), []
     for _ in range(rows.count - 2 * fv):
@@ -381,6 +379,13 @@ def _bulyan(updates: Any, f: Any) -> Any:
         picked.append(remaining.pop(_lowest(scores, sbound, np.arange(len(remaining)))))
     which = np.sort(np.asarray(picked, dtype=np.int64))
     return _coordinate("bulyan", updates, _CLOSEST, len(picked) - 2 * fv, _NO_WEIGHTS, None, which)
+
+
+def _bulyan_f(f: Any, count: int) -> int:
+    fv = _integer(f, "f", 0)
+    if count < 4 * fv + 3:
+        raise ValueError(f"bulyan needs K >= 4f + 3 = {4 * fv + 3} updates for f = {fv}, got K = {count}")
+    return fv
 
 
 def _like(values: np.ndarray, like: ArrayRef) -> Any:
@@ -442,11 +447,7 @@ def geometric_median(updates: Any, weights: Any = None, eps: float = 1e-6, iters
 def _geometric_median(updates: Any, weights: Any, eps: Any, iters: Any, tol: Any) -> Any:
     rows = _update_rows(updates)
     w = np.ones(rows.count) if weights is None else _positive_weights(weights, rows.count)
-    e, t, n = _real(eps, "eps"), _real(tol, "tol"), _integer(iters, "iters", 0)
-    if not (e > 0 and math.isfinite(e)):
-        raise ValueError(f"eps must be a finite number > 0, got {eps}")
-    if not (t >= 0 and math.isfinite(t)):
-        raise ValueError(f"tol must be a finite number >= 0, got {tol}")
+    e, n, t = _weiszfeld_args(eps, iters, tol)
     x, _ = _compute_rows(updates, rows)
     keep = np.flatnonzero(w > 0)
     x, w = [x[k] for k in keep], w[keep] / w[keep].sum()
@@ -461,6 +462,15 @@ def _geometric_median(updates: Any, weights: Any, eps: Any, iters: Any, tol: Any
         if abs(prev - obj) <= t * obj:
             break
     return _from_torch(v.to(_torch_view(updates[0]).dtype), rows.first.lib)
+
+
+def _weiszfeld_args(eps: Any, iters: Any, tol: Any) -> tuple[float, int, float]:
+    e, n, t = _real(eps, "eps"), _integer(iters, "iters", 0), _real(tol, "tol")
+    if not (e > 0 and math.isfinite(e)):
+        raise ValueError(f"eps must be a finite number > 0, got {eps}")
+    if not (t >= 0 and math.isfinite(t)):
+        raise ValueError(f"tol must be a finite number >= 0, got {tol}")
+    return e, n, t
 
 
 def centred_clip(updates: Any, center: Any, tau: float, iters: int = 1) -> Any:
@@ -482,7 +492,7 @@ def centred_clip(updates: Any, center: Any, tau: float, iters: int = 1) -> Any:
     return _centred_clip(updates, center, tau, iters)
 
 
-def _centred_clip(updates: Any, center: Any, tau: Any, iters: Any) -> Any:
+def _centred_clip_operands(updates: Any, center: Any, tau: Any, iters: Any) -> tuple[RowSet, float, int]:
     rows = _update_rows(updates)
     c = _arrays.describe(center, "center")
     _arrays.check_same(c, rows.first, "center", "updates")
@@ -491,6 +501,11 @@ def _centred_clip(updates: Any, center: Any, tau: Any, iters: Any) -> Any:
     radius, n = _real(tau, "tau"), _integer(iters, "iters", 0)
     if not radius > 0:
         raise ValueError(f"tau must be > 0, got {tau}")
+    return rows, radius, n
+
+
+def _centred_clip(updates: Any, center: Any, tau: Any, iters: Any) -> Any:
+    rows, radius, n = _centred_clip_operands(updates, center, tau, iters)
     x, dtype = _compute_rows(updates, rows)
     v = _torch_view(center).to(dtype).clone()
     if not bool(torch.isfinite(v).all()):
@@ -506,36 +521,80 @@ def _centred_clip(updates: Any, center: Any, tau: Any, iters: Any) -> Any:
 # torch.library declarations --------------------------------------------------------------------------------------
 
 
-def _vector_fake(updates: Any, *args: Any) -> Any:
-    if updates.dim() != 2:
-        raise ValueError(f"updates must be a 2-D [K, d] tensor, got shape {tuple(updates.shape)}")
+# The fake functions run the direct path's operand checks (fake tensors have no data: weights are checked for their
+# length only, their values when the operator runs).
+
+
+def _fake_rows(updates: Any, weights: Any = None) -> RowSet:
+    rows = _update_rows(updates)
+    if weights is not None and tuple(weights.shape) != (rows.count,):
+        raise ValueError(f"weights must have shape ({rows.count},), got {tuple(weights.shape)}")
+    return rows
+
+
+def _vector_fake(updates: Any) -> Any:
     return updates.new_empty(updates.shape[1:])
 
 
-for _name, _schema, _run in (
+def _median_fake(u: Any, w: Any) -> Any:
+    _fake_rows(u, w)
+    return _vector_fake(u)
+
+
+def _trimmed_fake(u: Any, beta: float) -> Any:
+    _beta(beta, _fake_rows(u).count)
+    return _vector_fake(u)
+
+
+def _bulyan_fake(u: Any, f: int) -> Any:
+    _bulyan_f(f, _fake_rows(u).count)
+    return _vector_fake(u)
+
+
+def _geometric_median_fake(u: Any, w: Any, eps: float, iters: int, tol: float) -> Any:
+    _fake_rows(u, w)
+    _weiszfeld_args(eps, iters, tol)
+    return _vector_fake(u)
+
+
+def _centred_clip_fake(u: Any, c: Any, tau: float, iters: int) -> Any:
+    _centred_clip_operands(u, c, tau, iters)
+    return _vector_fake(u)
+
+
+def _krum_scores_fake(u: Any, f: int) -> Any:
+    _f(f, _fake_rows(u).count)
+    return u.new_empty(u.shape[:1], dtype=torch.float64)
+
+
+def _krum_select_fake(u: Any, f: int, m: int) -> Any:
+    count = _fake_rows(u).count
+    _f(f, count)
+    return u.new_empty((_integer(m, "m", 1, count),), dtype=torch.int64)
+
+
+for _name, _schema, _fake, _run in (
     (
         "coordinate_median",
         "(Tensor updates, Tensor? weights) -> Tensor",
+        _median_fake,
         lambda u, w: _coordinate_median(u, None if w is None else w, None),
     ),
-    ("trimmed_mean", "(Tensor updates, float beta) -> Tensor", lambda u, b: trimmed_mean(u, b)),
-    ("bulyan", "(Tensor updates, int f) -> Tensor", _bulyan),
+    ("trimmed_mean", "(Tensor updates, float beta) -> Tensor", _trimmed_fake, lambda u, b: trimmed_mean(u, b)),
+    ("bulyan", "(Tensor updates, int f) -> Tensor", _bulyan_fake, _bulyan),
     (
         "geometric_median",
         "(Tensor updates, Tensor? weights, float eps, int iters, float tol) -> Tensor",
+        _geometric_median_fake,
         _geometric_median,
     ),
-    ("centred_clip", "(Tensor updates, Tensor center, float tau, int iters) -> Tensor", _centred_clip),
+    (
+        "centred_clip",
+        "(Tensor updates, Tensor center, float tau, int iters) -> Tensor",
+        _centred_clip_fake,
+        _centred_clip,
+    ),
+    ("krum_scores", "(Tensor updates, int f) -> Tensor", _krum_scores_fake, _krum_scores),
+    ("krum_select", "(Tensor updates, int f, int m) -> Tensor", _krum_select_fake, _krum_select),
 ):
-    _declare.declare(_name, _schema, fake=_vector_fake)(_run)
-
-_declare.declare(
-    "krum_scores",
-    "(Tensor updates, int f) -> Tensor",
-    fake=lambda u, f: u.new_empty(u.shape[:1], dtype=torch.float64),
-)(_krum_scores)
-_declare.declare(
-    "krum_select",
-    "(Tensor updates, int f, int m) -> Tensor",
-    fake=lambda u, f, m: u.new_empty((m,), dtype=torch.int64),
-)(_krum_select)
+    _declare.declare(_name, _schema, fake=_fake)(_run)

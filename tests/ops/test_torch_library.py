@@ -216,14 +216,26 @@ BAD_OPERANDS: dict[str, tuple[Callable[..., object], Callable[[], tuple]]] = {  
 }
 
 
+ROBUST_BAD_OPERANDS: dict[str, tuple[Callable[..., object], Callable[[], tuple]]] = {
+    "coordinate_median": (lambda u: ops.coordinate_median(u), lambda: (_v(7),)),
+    "trimmed_mean": (lambda u: ops.trimmed_mean(u, 0.5), lambda: (_v(4, 3),)),
+    "krum_scores": (lambda u: ops.krum_scores(u, 4), lambda: (_v(4, 3),)),
+    "krum_select": (lambda u: ops.krum_select(u, 1, 5), lambda: (_v(4, 3),)),
+    "bulyan": (lambda u: ops.bulyan(u, 1), lambda: (_v(6, 3),)),
+    "geometric_median": (lambda u: ops.geometric_median(u, eps=0.0), lambda: (_v(4, 3),)),
+    "centred_clip": (lambda u, c: ops.centred_clip(u, c, 1.0), lambda: (_v(4, 3), _v(5))),
+}
+
+
 def test_every_operator_case_has_a_bad_operand_case():
     assert set(BAD_OPERANDS) == set(CASES)
+    assert set(ROBUST_BAD_OPERANDS) == set(ROBUST_VMAPPED)
 
 
-@pytest.mark.parametrize("name", list(BAD_OPERANDS))
+@pytest.mark.parametrize("name", [*BAD_OPERANDS, *ROBUST_BAD_OPERANDS])
 def test_compiled_calls_refuse_bad_operands_with_the_eager_message(name):
     """The fake function runs the direct path's operand checks (on fake tensors, which have no data pointer)."""
-    fn, make = BAD_OPERANDS[name]
+    fn, make = {**BAD_OPERANDS, **ROBUST_BAD_OPERANDS}[name]
     with pytest.raises((ValueError, TypeError)) as eager:
         fn(*make())
     torch._dynamo.reset()
