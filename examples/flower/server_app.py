@@ -85,7 +85,7 @@ def main(grid: Grid, context: Context) -> None:
     )
     if run_config.get("out-file"):
         out = run_config["out-file"]
-        model = result.arrays[pf.MODEL_KEY].numpy() if result.arrays is not None else np.zeros(0)
+        model = pf.arrays_vector(result.arrays, pf.model_layout(config)) if result.arrays is not None else np.zeros(0)
         Path(out + ".history.json").write_text(json.dumps([vars(r) for r in strategy.history]))
         metrics = {
             "train": {rnd: dict(m) for rnd, m in result.train_metrics_clientapp.items()},

@@ -16,8 +16,10 @@ Server side (Flower's Message API, ``flwr.serverapp``):
 
 Client side: :func:`make_client_app` returns a ``ClientApp`` that runs a pyfedkern algorithm's local update on
 the node's partition of an :class:`~pyfedkern.sim.config.ExperimentConfig` (the data, model and random streams
-of :mod:`pyfedkern.sim`, so a Flower run reproduces the simulation). Messages carry flat parameter vectors
-(one array per named vector, e.g. ``"model"``); :func:`initial_arrays` builds the first global model.
+of :mod:`pyfedkern.sim`, so a Flower run reproduces the simulation). Messages carry the trainable parameters only,
+one array per trainable tensor keyed by its name (:func:`vector_arrays`; frozen parameters and buffers are never
+sent); the strategies' arithmetic is per array or on the concatenation in message order, i.e. on the flat vector
+(:func:`arrays_vector`). :func:`initial_arrays` builds the first global model.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ import numpy as np
 import torch
 
 from pyfedkern import ops
+from pyfedkern.flat import FlatLayout, pack, unpack
 from pyfedkern.ops import robust as robust_ops
 
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
@@ -404,7 +407,7 @@ def server_evaluation(config: Any) -> Callable[[int, ArrayRecord], MetricRecord]
     sim = _simulation(config)
 
     def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord:
-        scores = sim.evaluate(torch.from_numpy(_flat(arrays)).to(sim.initial_vector))
+        scores = sim.evaluate(torch.from_numpy(arrays_vector(arrays, sim.local.flat.layout)).to(sim.initial_vector))
         return MetricRecord({key.replace("_", "-"): float(value) for key, value in scores.items()})
 
     return evaluate
@@ -608,6 +611,47 @@ def _flat(record: ArrayRecord, key: str = MODEL_KEY) -> np.ndarray:
     return np.array(array_view(record[key]), copy=True).reshape(-1)
 
 
+def model_layout(config: Any) -> FlatLayout:
+    """The layout of ``config``'s federated vector: its model's trainable parameters (names, shapes, offsets)."""
+    return _simulation(config).local.flat.layout
+
+
+def _prefix(key: str) -> str:
+    return "" if key == MODEL_KEY else f"{key}/"
+
+
+def vector_arrays(vectors: dict[str, Any], layout: FlatLayout) -> ArrayRecord:
+    """The ArrayRecord of a message: each flat vector [d] (NumPy or CPU torch) over ``layout`` split into one array
+    per trainable tensor, keyed by the parameter's name for the model vector ``"model"`` and by
+    ``"<vector>/<name>"`` for any other (e.g. BHerd's ``"g/fc.weight"``)."""
+    arrays: dict[str, np.ndarray] = {}
+    for key, vector in vectors.items():
+        vector = vector.detach().cpu().numpy() if isinstance(vector, torch.Tensor) else np.asarray(vector)
+        arrays.update((_prefix(key) + name, value) for name, value in unpack(vector, layout).items())
+    return _record(arrays)
+
+
+def arrays_vector(record: ArrayRecord | dict[str, Any], layout: FlatLayout, key: str = MODEL_KEY) -> np.ndarray:
+    """The flat vector ``key`` [d] of a message written by :func:`vector_arrays` (an ArrayRecord, or a dict of
+    arrays such as a strategy's mean), in the dtype of its arrays. The record must hold exactly that vector's arrays:
+    ValueError naming a missing, extra or misshaped array."""
+    prefix = _prefix(key)
+    expected = [prefix + e.name for e in layout.entries]
+    if missing := [name for name in expected if name not in record]:
+        raise ValueError(f"the arrays lack {missing} (the {key!r} vector has {len(expected)} arrays: {expected})")
+    if extra := [name for name in record if name not in set(expected)]:
+        raise ValueError(f"the arrays have {extra}, which the {key!r} vector has not (it has {expected})")
+    views = [
+        (name, record[name] if isinstance(record[name], np.ndarray) else array_view(record[name])) for name in expected
+    ]
+    for (name, value), e in zip(views, layout.entries, strict=True):
+        if tuple(value.shape) != e.shape:
+            raise ValueError(f"array {name!r} has shape {tuple(value.shape)}, expected {e.shape}")
+    return pack(
+        [(e.name, value) for (_, value), e in zip(views, layout.entries, strict=True)], layout, views[0][1].dtype
+    )[0]
+
+
 class FedPBC(FedAvg):
     """FedPBC (postponed broadcast) on Flower: every connected node trains from its own model each round.
 
@@ -687,6 +731,7 @@ class BHerd(FedAvg):
         _check_config(config)
         super().__init__(*args, **kwargs)
         self.ctx = _ServerContext(config)
+        self.layout = model_layout(config)
         self.algorithm = make_algorithm(config.algorithm, **config.algorithm_params)
         if not isinstance(self.algorithm, BHerdAlgorithm):
             raise ValueError(f"config.algorithm must be 'bherd', got {config.algorithm!r}")
@@ -695,7 +740,7 @@ class BHerd(FedAvg):
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        self._current = _flat(arrays)
+        self._current = arrays_vector(arrays, self.layout)
         return super().configure_train(server_round, arrays, config, grid)
 
     def aggregate_train(
@@ -704,17 +749,17 @@ class BHerd(FedAvg):
         running, metrics = self.stream_train(server_round, replies)
         if running.count == 0 or running.total <= 0:
             return None, None
-        means = running.mean()
-        if "g" not in means:
+        try:
+            g = arrays_vector(running.mean(), self.layout, "g")
+        except ValueError as exc:
             raise ValueError(
-                f"BHerd: the replies carry the arrays {sorted(means)} but no 'g' (the sum of each client's "
-                "herding-selected gradients); pair this strategy with make_client_app for algorithm 'bherd'"
-            )
-        g = means["g"].reshape(-1)
+                f"BHerd: the replies must carry 'g' (the sum of each client's herding-selected gradients) as "
+                f"'g/<parameter>' arrays; pair this strategy with make_client_app for algorithm 'bherd': {exc}"
+            ) from None
         step = self.ctx.lr(server_round - 1) * self.algorithm.server_scale(self.ctx)
         x = self._current.astype(g.dtype, copy=False)
         new = ops.weighted_sum([x, g], [1.0, -step])
-        return _record({MODEL_KEY: new}), self._metrics(metrics)
+        return vector_arrays({MODEL_KEY: new}, self.layout), self._metrics(metrics)
 
 
 class FedSpeed(FedAvg):
@@ -997,15 +1042,16 @@ class DynamicInit(FedAvg):
             "proposed", host fedavg or fedprox): the method's hyper-parameters, the model layout (segments of the
             per-layer metrics, biases excluded) and the initial model.
 
-    Messages carry flat ``"model"`` vectors; the config of a training round has ``"session"`` and
-    ``"session-start"`` (the session's first server round), that of footprint round v has ``"session"`` and
-    ``"footprint-round"`` = v. Pair with :func:`make_client_app`, which reads them.
+    Messages carry the model as one array per trainable tensor (:func:`vector_arrays`); the config of a training
+    round has ``"session"`` and ``"session-start"`` (the session's first server round), that of footprint round v has
+    ``"session"`` and ``"footprint-round"`` = v. Pair with :func:`make_client_app`, which reads them.
     """
 
     def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.algorithm = dynamic_algorithm(config)
         self.config = config
+        self.layout = model_layout(config)
         self.footprint_history: list[RoundRecord] = []
         self.sessions: list[dict[str, Any]] = []
         self.builder = None  # the run's InitialModelBuilder (pilot, footprint gradient, history), set by start
@@ -1014,16 +1060,13 @@ class DynamicInit(FedAvg):
         self, server_round: int, x: torch.Tensor, config: dict[str, Any], timeout: float, history: list[RoundRecord]
     ) -> tuple[torch.Tensor, MetricRecord | None]:
         """One FedAvg round from x with every connected node; (new model or x if nothing arrived, metrics)."""
-        arrays = _record({MODEL_KEY: x.numpy()})
+        arrays = vector_arrays({MODEL_KEY: x}, self.layout)
         messages = self.configure_train(server_round, arrays, ConfigRecord(config), self._grid)
         replies = self._grid.send_and_receive(messages, timeout=timeout)
         running, metrics = self.stream_train(server_round, replies, history)
         if running.count == 0 or running.total <= 0:
             return x, None
-        mean = running.mean()
-        if MODEL_KEY not in mean:
-            raise ValueError(f"replies must carry a flat {MODEL_KEY!r} vector, got arrays {sorted(mean)}")
-        return torch.from_numpy(mean[MODEL_KEY].reshape(-1)), self._metrics(metrics)
+        return torch.from_numpy(arrays_vector(running.mean(), self.layout)), self._metrics(metrics)
 
     def start(
         self,
@@ -1043,8 +1086,8 @@ class DynamicInit(FedAvg):
         result = Result()
         if evaluate_fn is not None and (res := evaluate_fn(0, initial_arrays)) is not None:
             result.evaluate_metrics_serverapp[0] = res
-        x = torch.from_numpy(_flat(initial_arrays))
-        self.builder = builder = self.algorithm.make_builder(x, _simulation(self.config).local.flat.layout)
+        x = torch.from_numpy(arrays_vector(initial_arrays, self.layout))
+        self.builder = builder = self.algorithm.make_builder(x, self.layout)
         nodes: frozenset[int] | None = None
         session, first_round = -1, 1
         for rnd in range(1, num_rounds + 1):
@@ -1064,7 +1107,7 @@ class DynamicInit(FedAvg):
                 self.sessions.append({"session": session, "round": rnd, "nodes": sorted(current), "alpha": alpha})
             config = {**base, "session": session, "session-start": first_round}
             x, metrics = self._round(rnd, x, config, timeout, self.history)
-            arrays = result.arrays = _record({MODEL_KEY: x.numpy()})
+            arrays = result.arrays = vector_arrays({MODEL_KEY: x}, self.layout)
             if metrics is not None:
                 result.train_metrics_clientapp[rnd] = metrics
             replies = self._grid.send_and_receive(
@@ -1147,8 +1190,10 @@ def config_from_run_config(run_config: dict[str, Any]) -> Any:
 
 
 def initial_arrays(config: Any) -> ArrayRecord:
-    """The initial global model of ``config`` as ``ArrayRecord({"model": [d] float32})`` (as the simulation's)."""
-    return _record({MODEL_KEY: _simulation(config).initial_vector.cpu().numpy()})
+    """The initial global model of ``config`` (as the simulation's): one array per trainable tensor, keyed by its
+    parameter name (:func:`vector_arrays`); frozen parameters and buffers are not sent."""
+    sim = _simulation(config)
+    return vector_arrays({MODEL_KEY: sim.initial_vector}, sim.local.flat.layout)
 
 
 _SIMULATIONS: dict[str, Any] = {}
@@ -1178,7 +1223,8 @@ class _OneClient:
 
 def client_train(config: Any, cid: int, server_round: int, content: RecordDict, state: RecordDict) -> RecordDict:
     """One local update of client ``cid`` for Flower round ``server_round`` (round t = server_round − 1 of the
-    simulation); returns the reply content: ArrayRecord "arrays" of flat vectors, MetricRecord "metrics" with
+    simulation); returns the reply content: ArrayRecord "arrays" (one array per trainable tensor and vector:
+    :func:`vector_arrays`), MetricRecord "metrics" with
     "num-examples" (the partition's size) and "local-loss" (the mean loss of the local steps, NaN without steps).
 
     ``state`` is the node's persistent ``Context.state``: FedPBC keeps the client's model there, FedSpeed its h_i.
@@ -1237,18 +1283,23 @@ def client_train(config: Any, cid: int, server_round: int, content: RecordDict, 
             message = algo.client_update(t, cid, sim)
             vectors, loss = message.vectors, message.loss
     metrics = MetricRecord({"num-examples": int(sim.client_sizes[cid]), "local-loss": float(loss)})
-    arrays = _record({name: v.detach().cpu().numpy() for name, v in vectors.items()})
+    arrays = vector_arrays(vectors, sim.local.flat.layout)
     return RecordDict({"arrays": arrays, "metrics": metrics})
 
 
 def _model_vector(record: ArrayRecord, sim: Any) -> torch.Tensor:
     """The model vector of a message's ArrayRecord, checked against the config's model."""
-    x = torch.from_numpy(_flat(record))
-    expected = sim.local.flat.data
-    if x.numel() != expected.numel() or x.dtype != expected.dtype:
+    try:
+        x = torch.from_numpy(arrays_vector(record, sim.local.flat.layout))
+    except ValueError as exc:
         raise ValueError(
-            f"the received model has {x.numel()} values ({x.dtype}), but this config's model has {expected.numel()} "
-            f"({expected.dtype}): the server's initial_arrays must come from the same config as the nodes'"
+            f"the received model does not match this config's: {exc}; the server's initial_arrays must come from the "
+            "same config as the nodes'"
+        ) from None
+    if x.dtype != sim.local.flat.data.dtype:
+        raise ValueError(
+            f"the received model is {x.dtype}, but this config's model is {sim.local.flat.data.dtype}: the server's "
+            "initial_arrays must come from the same config as the nodes'"
         )
     return x
 
@@ -1317,6 +1368,7 @@ __all__ = [
     "aggregate",
     "aggregate_inplace",
     "array_view",
+    "arrays_vector",
     "client_evaluate",
     "client_train",
     "config_from_run_config",
@@ -1324,6 +1376,8 @@ __all__ = [
     "initial_arrays",
     "make_client_app",
     "mean_metrics",
+    "model_layout",
     "robust_strategy",
     "server_evaluation",
+    "vector_arrays",
 ]

@@ -491,24 +491,31 @@ def test_fedpbc_only_arrived_clients_receive_the_model():
 
 def test_bherd_server_step():
     config = ExperimentConfig(algorithm="bherd", algorithm_params={"alpha": 0.5}, clients=2, lr=0.2, local_steps=4)
-    g = {1: np.array([1.0, 2.0], np.float32), 2: np.array([3.0, -2.0], np.float32)}
-    grid = FakeGrid([1, 2], lambda node, msg: _reply({"g": g[node]}, node))
+    layout = pf.model_layout(config)
+    rng = np.random.default_rng(0)
+    g = {node: rng.normal(size=layout.size).astype(np.float32) for node in (1, 2)}
+    replies = {node: dict(pf.vector_arrays({"g": g[node]}, layout).items()) for node in (1, 2)}
+    assert sorted(replies[1]) == sorted(f"g/{name}" for name in layout.names())  # one array per parameter
+    grid = FakeGrid([1, 2], lambda node, msg: _reply({k: a.numpy() for k, a in replies[node].items()}, node))
     strategy = pf.BHerd(config, min_available_nodes=1, min_train_nodes=2)
     strategy._grid = pf.ArrivalGrid(grid)
-    x = np.array([0.5, -0.5], np.float32)
-    msgs = strategy.configure_train(1, ArrayRecord({"model": Array(x)}), ConfigRecord(), grid)
+    x = rng.normal(size=layout.size).astype(np.float32)
+    msgs = strategy.configure_train(1, pf.vector_arrays({"model": x}, layout), ConfigRecord(), grid)
     new, _ = strategy.aggregate_train(1, strategy._grid.send_and_receive(msgs, timeout=1))
+    assert list(new) == layout.names()
     mean = (1 * g[1] + 2 * g[2]) / 3
-    np.testing.assert_allclose(new["model"].numpy(), x - 0.2 * (1.0 / 0.5) * mean, rtol=1e-6)
+    np.testing.assert_allclose(_vector(config, new), x - 0.2 * (1.0 / 0.5) * mean, rtol=1e-5, atol=1e-6)
 
 
 def test_bherd_reply_without_g_is_a_clear_error():
     config = ExperimentConfig(algorithm="bherd", algorithm_params={"alpha": 0.5}, clients=2, lr=0.2, local_steps=4)
-    grid = FakeGrid([1, 2], lambda node, msg: _reply({"model": np.ones(2, np.float32)}, node))
+    layout = pf.model_layout(config)
+    model = {k: a.numpy() for k, a in pf.vector_arrays({"model": np.ones(layout.size, np.float32)}, layout).items()}
+    grid = FakeGrid([1, 2], lambda node, msg: _reply(model, node))
     strategy = pf.BHerd(config, min_available_nodes=1, min_train_nodes=2)
     strategy._grid = pf.ArrivalGrid(grid)
-    msgs = strategy.configure_train(1, ArrayRecord({"model": Array(np.zeros(2, np.float32))}), ConfigRecord(), grid)
-    with pytest.raises(ValueError, match="no 'g'"):
+    msgs = strategy.configure_train(1, pf.vector_arrays({"model": np.zeros(layout.size)}, layout), ConfigRecord(), grid)
+    with pytest.raises(ValueError, match=r"the replies must carry 'g'.*lack \['g/"):
         strategy.aggregate_train(1, strategy._grid.send_and_receive(msgs, timeout=1))
 
 
@@ -564,7 +571,7 @@ def test_dynamic_init_equals_the_simulation():
     for mine, ref in zip(ours.store.model_rows(), theirs.store.model_rows(), strict=True):
         torch.testing.assert_close(mine, ref, rtol=1e-4, atol=1e-5)  # last models of sessions 3, 4
     np.testing.assert_allclose(ours.last_alpha, theirs.last_alpha, rtol=1e-4, atol=1e-6)
-    final = result.arrays[pf.MODEL_KEY].numpy()
+    final = _vector(config, result.arrays)
     np.testing.assert_allclose(final, sim.algorithm.global_model().numpy(), rtol=1e-4, atol=1e-5)
 
     assert [s["round"] for s in strategy.sessions] == [1, 3, 5, 7, 9]
@@ -580,17 +587,21 @@ def test_dynamic_init_equals_the_simulation():
 
 def test_dynamic_client_uses_the_footprint_lr_and_its_own_minibatches():
     config = _dynamic_config(footprint_lr=0.25)
-    x0 = pf.initial_arrays(config)["model"].numpy()
-    footprint = pf.client_train(config, 0, 7, _server_content(x0, 7, session=3, **{"footprint-round": 0}), RecordDict())
-    training = pf.client_train(config, 0, 7, _server_content(x0, 7, session=3, **{"session-start": 7}), RecordDict())
+    x0 = _vector(config, pf.initial_arrays(config))
+    footprint = pf.client_train(
+        config, 0, 7, _server_content(config, x0, 7, session=3, **{"footprint-round": 0}), RecordDict()
+    )
+    training = pf.client_train(
+        config, 0, 7, _server_content(config, x0, 7, session=3, **{"session-start": 7}), RecordDict()
+    )
     sim = Simulation(config)
     algo = make_algorithm("fedavg")
     view = sim.algorithm.footprint_view(sim, 3)
     assert view.lr(0) == pytest.approx(0.25 * 0.1)
     algo.setup(view, torch.from_numpy(x0))
     expected = algo.client_update(0, 0, view).vectors["model"].numpy()
-    np.testing.assert_allclose(footprint["arrays"]["model"].numpy(), expected, atol=1e-6)
-    assert np.abs(footprint["arrays"]["model"].numpy() - training["arrays"]["model"].numpy()).max() > 1e-4
+    np.testing.assert_allclose(_vector(config, footprint["arrays"]), expected, atol=1e-6)
+    assert np.abs(_vector(config, footprint["arrays"]) - _vector(config, training["arrays"])).max() > 1e-4
 
 
 @pytest.mark.parametrize(
@@ -615,13 +626,15 @@ def _tiny(algorithm="fedavg", **kw):
     return ExperimentConfig(algorithm=algorithm, clients=3, rounds=3, local_steps=3, lr=0.1, seed=1, **kw)
 
 
-def _server_content(x: np.ndarray, rnd: int, **cfg) -> RecordDict:
-    return RecordDict(
-        {
-            "arrays": ArrayRecord({"model": Array(x)}),
-            "config": ConfigRecord({"server-round": rnd, **cfg}),
-        }
-    )
+def _server_content(config, x: np.ndarray, rnd: int, **cfg) -> RecordDict:
+    """The server's message of round ``rnd``: the model vector x [d] of ``config``'s model as named arrays."""
+    arrays = pf.vector_arrays({"model": x}, pf.model_layout(config))
+    return RecordDict({"arrays": arrays, "config": ConfigRecord({"server-round": rnd, **cfg})})
+
+
+def _vector(config, arrays) -> np.ndarray:
+    """The model vector [d] of a message's named arrays."""
+    return pf.arrays_vector(arrays, pf.model_layout(config))
 
 
 def test_client_train_equals_sim_client_update():
@@ -631,8 +644,8 @@ def test_client_train_equals_sim_client_update():
     algo.setup(sim, sim.initial_vector)
     expected = algo.client_update(1, 2, sim)
     x0 = sim.initial_vector.numpy()
-    reply = pf.client_train(config, 2, 2, _server_content(x0, 2), RecordDict())
-    np.testing.assert_allclose(reply["arrays"]["model"].numpy(), expected.vectors["model"].numpy(), atol=1e-6)
+    reply = pf.client_train(config, 2, 2, _server_content(config, x0, 2), RecordDict())
+    np.testing.assert_allclose(_vector(config, reply["arrays"]), expected.vectors["model"].numpy(), atol=1e-6)
     assert reply["metrics"]["num-examples"] == sim.client_sizes[2]
 
 
@@ -647,9 +660,9 @@ def test_client_train_equals_sim_client_update():
 )
 def test_client_train_refuses_a_server_rule_the_strategies_do_not_take(algorithm, params, match):
     config = _tiny(algorithm, algorithm_params=params)
-    x0 = pf.initial_arrays(_tiny())["model"].numpy()
+    x0 = _vector(_tiny(), pf.initial_arrays(_tiny()))
     with pytest.raises(ValueError, match=match):
-        pf.client_train(config, 0, 1, _server_content(x0, 1), RecordDict())
+        pf.client_train(config, 0, 1, _server_content(_tiny(), x0, 1), RecordDict())
 
 
 @pytest.mark.parametrize(
@@ -671,7 +684,7 @@ def test_client_train_refuses_a_server_rule_the_strategies_do_not_take(algorithm
             r"records\[0\]: 'num-examples' must be a number",
         ),
         (
-            lambda: pf.client_train(_tiny(), 0, 0, _server_content(np.zeros(3, np.float32), 0), RecordDict()),
+            lambda: pf.client_train(_tiny(), 0, 0, _server_content(_tiny(), _zeros(), 0), RecordDict()),
             ValueError,
             "server_round must be >= 1",
         ),
@@ -682,22 +695,38 @@ def test_flower_helpers_name_what_is_wrong(call, exc, match):
         call()
 
 
+def _zeros() -> np.ndarray:
+    return np.zeros(pf.model_layout(_tiny()).size, np.float32)
+
+
 def test_client_refuses_a_model_of_another_config():
+    """A message whose named arrays lack one of the model's trainable tensors, have one more, have one of another
+    shape, or are float64 for a float32 model is refused, naming the array."""
     config = _tiny()
-    x0 = pf.initial_arrays(config)["model"].numpy()
-    for content in (_server_content(x0[:-1], 1), _server_content(x0.astype(np.float64), 1)):
-        with pytest.raises(ValueError, match=r"the received model has .* but this config's model has"):
+    arrays = dict(pf.initial_arrays(config).items())
+    names = list(arrays)
+    first, last = names[0], names[-1]
+    shape = arrays[first].numpy().shape
+    wrong = {
+        f"lack \\['{last}'\\]": {k: a for k, a in arrays.items() if k != last},
+        "have \\['extra.weight'\\]": {**arrays, "extra.weight": Array(np.zeros(2, np.float32))},
+        f"array '{first}' has shape": {**arrays, first: Array(np.zeros((shape[0] + 1, *shape[1:]), np.float32))},
+        "is torch.float64": {k: Array(a.numpy().astype(np.float64)) for k, a in arrays.items()},
+    }
+    for match, named in wrong.items():
+        content = RecordDict({"arrays": ArrayRecord(named), "config": ConfigRecord({"server-round": 1})})
+        with pytest.raises(ValueError, match=f"the received model .*{match}"):
             pf.client_train(config, 0, 1, content, RecordDict())
-        with pytest.raises(ValueError, match="the received model has"):
+        with pytest.raises(ValueError, match=f"the received model .*{match}"):
             pf.client_evaluate(config, 0, content)
 
 
 def test_client_fedpbc_keeps_its_model_when_not_adopting():
     config = _tiny("fedpbc", batched=False)
     state = RecordDict()
-    x0 = pf.initial_arrays(config)["model"].numpy()
-    first = pf.client_train(config, 0, 1, _server_content(x0, 1, **{"pbc-adopt": True}), state)
-    own = first["arrays"]["model"].numpy()
+    x0 = _vector(config, pf.initial_arrays(config))
+    first = pf.client_train(config, 0, 1, _server_content(config, x0, 1, **{"pbc-adopt": True}), state)
+    own = _vector(config, first["arrays"])
     np.testing.assert_array_equal(state["pbc"]["model"].numpy(), own)
     empty = RecordDict({"arrays": ArrayRecord(), "config": ConfigRecord({"server-round": 2, "pbc-adopt": False})})
     second = pf.client_train(config, 0, 2, empty, state)
@@ -705,7 +734,7 @@ def test_client_fedpbc_keeps_its_model_when_not_adopting():
     from pyfedkern.algorithms.base import local_sgd
 
     expected = local_sgd(sim, 0, 1, torch.from_numpy(own.copy())).x.numpy()
-    np.testing.assert_allclose(second["arrays"]["model"].numpy(), expected, atol=1e-6)
+    np.testing.assert_allclose(_vector(config, second["arrays"]), expected, atol=1e-6)
 
 
 def test_client_fedspeed_matches_sim_round():
@@ -714,10 +743,10 @@ def test_client_fedspeed_matches_sim_round():
     sim = Simulation(sim_config)
     sim.run()
     states = [RecordDict() for _ in range(3)]
-    x = pf.initial_arrays(config)["model"].numpy()
+    x = _vector(config, pf.initial_arrays(config))
     for rnd in (1, 2):
-        uploads = [pf.client_train(config, c, rnd, _server_content(x, rnd), states[c]) for c in range(3)]
-        x = np.mean([u["arrays"]["model"].numpy() for u in uploads], axis=0)
+        uploads = [pf.client_train(config, c, rnd, _server_content(config, x, rnd), states[c]) for c in range(3)]
+        x = np.mean([_vector(config, u["arrays"]) for u in uploads], axis=0)
     np.testing.assert_allclose(x, sim.algorithm.global_model().numpy(), atol=1e-5)
     assert "fedspeed" in states[0].array_records  # h_i lives on the client
 
@@ -798,7 +827,11 @@ def test_the_example_reports_the_local_loss_the_simulator_records(algorithm):
     if algorithm == "fedavg":  # Flower's weighting of the same replies: the example README's 2.2343 vs 2.2333
         grid = _client_grid(config)
         msgs = [
-            Message(_server_content(pf.initial_arrays(config)["model"].numpy(), 1), message_type="train", dst_node_id=n)
+            Message(
+                _server_content(config, _vector(config, pf.initial_arrays(config)), 1),
+                message_type="train",
+                dst_node_id=n,
+            )
             for n in grid.nodes
         ]
         replies = [reply.content for reply in pf.ArrivalGrid(grid).send_and_receive(msgs, timeout=30)]
