@@ -5,17 +5,20 @@ every client row and message.
   epoch of batch 10) training a Linear head over a frozen two-convolution backbone;
 - ``trainable_round lora-bert m=100 cpu`` (with the ``llm`` extra): one FedAvg round of 100 clients (8 sequences of
   16 tokens each, one step) training LoRA adapters (r = 4 on the query and value projections, and the head) of a
-  2-layer BERT (hidden size 32) built from a config with random weights.
+  2-layer BERT (hidden size 32) built from a config with random weights;
+- ``trainable_chunk bert-512 chunk=c m=8 cpu`` (with the ``llm`` extra, :func:`chunk_cases`): the memory one
+  client chunk row adds, LoRA adapters against a trained head only, on a 4-layer BERT of hidden size 512.
 
-Cases: "pyfedkern" (batched: each client a row of the trainable parameters over the one shared frozen part),
-"per-client loop (batched=False)", and "whole model as the vector" (every parameter unfrozen, batched: what the
-engine federated before the vector became the trainable parameters; it trains a different model, at the same cost
-as the old behaviour). Quick: 10 clients. ``info`` holds d, the trainable values per client row, and the model's
-size.
+Cases of the ``trainable_round`` groups: "pyfedkern" (batched: each client a row of the trainable parameters over
+the one shared frozen part), "per-client loop (batched=False)", and "whole model as the vector" (every parameter
+unfrozen, batched: what the engine federated before the vector became the trainable parameters; it trains a
+different model, at the same cost as the old behaviour). Quick: 10 clients. ``info`` holds d, the trainable values
+per client row, and the model's size.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable
 
@@ -55,27 +58,50 @@ class _Logits(nn.Module):
         return self.model(input_ids=x).logits
 
 
-def lora_bert(num_classes: int) -> nn.Module:
-    """LoRA adapters (r = 4, query and value) and the head of a 2-layer BERT of hidden size 32, random weights, no
-    dropout."""
-    import peft
+def _bert(num_classes: int, hidden: int, layers: int) -> nn.Module:
+    """A BERT sequence classifier (hidden size ``hidden``, ``layers`` layers, 2× wide feed-forward) from a config with
+    random weights, no dropout."""
     import transformers
 
     config = transformers.BertConfig(
         vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=2,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
         num_attention_heads=2,
-        intermediate_size=64,
+        intermediate_size=2 * hidden,
         max_position_embeddings=LENGTH,
         num_labels=num_classes,
         hidden_dropout_prob=0.0,  # no dropout: the loop and the batched path draw their masks differently
         attention_probs_dropout_prob=0.0,
         attn_implementation="eager",
     )
-    base = transformers.BertForSequenceClassification(config)
+    return transformers.BertForSequenceClassification(config)
+
+
+def lora_bert(num_classes: int) -> nn.Module:
+    """LoRA adapters (r = 4, query and value) and the head of a 2-layer BERT of hidden size 32, random weights, no
+    dropout."""
+    import peft
+
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["query", "value"], task_type="SEQ_CLS")
-    return _Logits(peft.get_peft_model(base, lora))
+    return _Logits(peft.get_peft_model(_bert(num_classes, 32, 2), lora))
+
+
+def lora_bert_512(num_classes: int) -> nn.Module:
+    """As :func:`lora_bert` on a 4-layer BERT of hidden size 512 (8.7 M frozen parameters): a base far larger than the
+    activations of one short sequence."""
+    import peft
+
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["query", "value"], task_type="SEQ_CLS")
+    return _Logits(peft.get_peft_model(_bert(num_classes, 512, 4), lora))
+
+
+def head_bert_512(num_classes: int) -> nn.Module:
+    """The same 4-layer BERT of hidden size 512 with only its classifier head trainable (no adapters): the same
+    forward and backward through the frozen layers as :func:`lora_bert_512`, with a row of 1 kB."""
+    model = _bert(num_classes, 512, 4).requires_grad_(False)
+    model.classifier.requires_grad_(True)
+    return _Logits(model)
 
 
 def _unfrozen(factory: Callable[[int], nn.Module]) -> Callable[[int], nn.Module]:
@@ -85,16 +111,19 @@ def _unfrozen(factory: Callable[[int], nn.Module]) -> Callable[[int], nn.Module]
     return whole
 
 
-def fedavg_round(factory: Callable[[int], nn.Module], data: tuple, clients: int, batch: int, batched: bool):
-    """A callable running the next FedAvg round (every client taking part, one thread) of the model of ``factory``
-    on ``data`` (x, y) split IID among ``clients``; returns the global model."""
+def fedavg_round(
+    factory: Callable[[int], nn.Module], data: tuple, clients: int, batch: int, batched: bool, chunk: int | None = None
+):
+    """A callable running the next FedAvg round (every client taking part, one thread, ``chunk`` clients trained at
+    once: None for the engine's choice) of the model of ``factory`` on ``data`` (x, y) split IID among ``clients``;
+    returns the global model."""
     from pyfedkern.sim.engine import _cpu_threads
     from pyfedkern.sim.experiment import Experiment
 
     x, y = data
     experiment = Experiment(
         factory, (x, y), (x[:50], y[:50]), clients="iid", num_clients=clients, fraction=1.0, batch_size=batch, lr=0.05,
-        batched=batched, eval_every=10**6,
+        batched=batched, eval_every=10**6, client_chunk=chunk,
     )  # fmt: skip
     sim = experiment.simulation
     algo = sim.algorithm
@@ -147,4 +176,24 @@ def cases(quick: bool = False, device: str = "cpu") -> list[Case]:
     except ImportError:
         return out
     tokens = rng.integers(0, VOCAB, size=(8 * clients, LENGTH))
-    return out + _group("lora-bert", lora_bert, (tokens, rng.integers(0, 2, len(tokens))), clients, 8)
+    out += _group("lora-bert", lora_bert, (tokens, rng.integers(0, 2, len(tokens))), clients, 8)
+    return out + chunk_cases()
+
+
+def chunk_cases() -> list[Case]:
+    """``trainable_chunk bert-512 chunk=c m=8 cpu`` for c = 1, 2, 4, 8: one batched FedAvg round of 8 clients (one
+    sequence of 16 tokens each, one step) training c clients at once, "pyfedkern" the LoRA adapters of
+    :func:`lora_bert_512`, "head only" :func:`head_bert_512`. Their peaks against c (bench/peak_memory.py) give the
+    memory a chunk row adds: the LoRA slope minus the head-only slope is what the adapters' row costs beyond the
+    activations, to be compared with the adapters' and the model's sizes (``info``)."""
+    rng = np.random.default_rng(0)
+    data = (rng.integers(0, VOCAB, size=(8, LENGTH)), rng.integers(0, 2, 8))
+    models = {"pyfedkern": lora_bert_512, "head only": head_bert_512}
+    sizes = {label: _sizes(factory, 2) for label, factory in models.items()}
+    out = []
+    for chunk in (1, 2, 4, 8):
+        group = f"trainable_chunk bert-512 chunk={chunk} m=8 cpu"
+        for label, factory in models.items():
+            make = functools.partial(fedavg_round, factory, data, 8, 1, True, chunk)
+            out.append(Case(group, label, make, info=sizes[label], rounds=3))
+    return out
