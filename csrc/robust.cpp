@@ -62,12 +62,22 @@ struct Plan {
   const double* weights;  // WeightedMedian: K positive weights
 };
 
+// Compare-exchange of two tile rows over the first n columns, rounded up to whole 32-byte vectors (tile rows are
+// multiples of 16 values; the lanes past n hold finite leftovers that no result reads). Written on GCC vector types
+// so that both rows are stored unconditionally: the scalar form `lo[j] = a < b ? a : b` becomes a masked store
+// behind a data-dependent branch. The same lane-wise select on every ISA, so results do not depend on it.
 template <typename V>
 PFK_ALWAYS_INLINE void compare_exchange(V* __restrict__ lo, V* __restrict__ hi, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) {
-    const V a = lo[j], b = hi[j];
-    lo[j] = a < b ? a : b;
-    hi[j] = a < b ? b : a;
+  typedef V Vec __attribute__((vector_size(32)));
+  constexpr int64_t L = 32 / sizeof(V);
+  for (int64_t j = 0; j < n; j += L) {
+    Vec a, b;
+    __builtin_memcpy(&a, lo + j, sizeof(Vec));
+    __builtin_memcpy(&b, hi + j, sizeof(Vec));
+    const auto less = a < b;
+    const Vec mn = less ? a : b, mx = less ? b : a;
+    __builtin_memcpy(lo + j, &mn, sizeof(Vec));
+    __builtin_memcpy(hi + j, &mx, sizeof(Vec));
   }
 }
 
