@@ -262,14 +262,22 @@ def _algorithm_params(
     return params
 
 
+def near_miss(flag: str, options: Sequence[str]) -> str | None:
+    """The option of ``options`` that ``flag`` is a misspelling of (difflib ratio ≥ TYPO_CUTOFF between the names
+    without their leading dashes, which would make short names look alike: ``--p`` and ``--dp``), or None."""
+    bare = {option.lstrip("-"): option for option in options}
+    near = difflib.get_close_matches(flag.lstrip("-"), list(bare), n=1, cutoff=TYPO_CUTOFF)
+    return bare[near[0]] if near else None
+
+
 def _refuse_typos(extra: Sequence[str], options: Sequence[str]) -> None:
     """CliError for an extra option that is a near miss of one of the command's own options (before anything heavy
     is imported: the algorithms' parameters are only looked up for the options that remain)."""
     for key in _split_extra(list(extra)):
         flag = f"--{key.replace('_', '-')}"
-        near = difflib.get_close_matches(flag, list(options), n=1, cutoff=TYPO_CUTOFF)
+        near = near_miss(flag, options)
         if near:
-            raise CliError(f"unknown option {flag} (did you mean {near[0]}?)")
+            raise CliError(f"unknown option {flag} (did you mean {near}?)")
 
 
 def _given_params(args: argparse.Namespace, extra: Sequence[str], algorithms: Sequence[str]) -> dict[str, dict]:

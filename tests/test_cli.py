@@ -363,10 +363,8 @@ def test_the_help_names_every_partition():
 
 
 def test_no_algorithm_parameter_is_taken_for_a_misspelled_command_option():
-    import difflib
-
     from pyfedkern.algorithms import ALGORITHMS, algorithm_class
-    from pyfedkern.cli import TYPO_CUTOFF, _long_options, build_parser
+    from pyfedkern.cli import _long_options, build_parser, near_miss
 
     parser = build_parser()
     commands = parser._subparsers._group_actions[0].choices
@@ -375,7 +373,7 @@ def test_no_algorithm_parameter_is_taken_for_a_misspelled_command_option():
         for key in algorithm_class(name).hyperparameters():
             flag = f"--{key.replace('_', '-')}"
             if flag not in options:
-                assert not difflib.get_close_matches(flag, options, n=1, cutoff=TYPO_CUTOFF), (name, flag)
+                assert near_miss(flag, options) is None, (name, flag)
 
 
 def test_reproduce_help_with_a_name_lists_its_own_options(tmp_path):
