@@ -232,7 +232,7 @@ class CentralDP:
 
     @property
     def update_noise_multiplier(self) -> float:
-        """σ_Δ, the multiplier of the update's noise: σ, or with adaptive clipping (σ⁻² − (2σ_b)⁻²)^(−1/2)."""
+        """The multiplier σ_Δ of the update's noise: σ, or with adaptive clipping (σ⁻² − (2σ_b)⁻²)^(−1/2)."""
         if self.target_quantile is None or self.noise_multiplier == 0:
             return self.noise_multiplier
         return (self.noise_multiplier**-2 - (2 * self.count_std) ** -2) ** -0.5

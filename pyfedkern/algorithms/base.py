@@ -395,7 +395,7 @@ class Algorithm:
     Subclasses are dataclasses whose fields are their hyper-parameters (the CLI exposes each field as
     ``--field-name``), set ``name``, and implement :meth:`client_update`, :meth:`batched_client_update` (the same
     update for many clients at once; without it the engine loops over :meth:`client_update`), :meth:`accumulate`
-    and :meth:`server_step`, or override :meth:`round`. ``setup`` receives the context and the initial model
+    and :meth:`server_step`, or override ``round``. ``setup`` receives the context and the initial model
     vector.
     """
 
@@ -410,11 +410,11 @@ class Algorithm:
     distributed: ClassVar[bool] = True
     #: The uploaded vectors whose server step is a weighted mean, ``sums.vector(name) / sums.scalar("weight")``: a
     #: robust aggregator (``ctx.aggregator``) replaces that mean by its rule, and an attack (``ctx.attack``) replaces
-    #: the attackers' rows of them (:meth:`round`). Empty: the algorithm refuses both.
+    #: the attackers' rows of them (``round``). Empty: the algorithm refuses both.
     robust_vectors: ClassVar[tuple[str, ...]] = ()
     #: The uploaded model vector that central DP (``ctx.central_dp``, :class:`pyfedkern.privacy.CentralDP`) clips
-    #: and noises, when it is the algorithm's only uploaded vector and :meth:`round` is not overridden; None: the
-    #: algorithm refuses central DP (:meth:`central_dp`).
+    #: and noises, when it is the algorithm's only uploaded vector and ``round`` is not overridden; None: the
+    #: algorithm refuses central DP (``central_dp``).
     dp_upload: ClassVar[str | None] = None
 
     x: torch.Tensor
@@ -483,9 +483,9 @@ class Algorithm:
         With ``ctx.team`` (several processes, :mod:`pyfedkern.sim.distributed`), each process trains the participants
         it owns and the team combines the processes' sums before the server step, which every process takes.
 
-        With a robust ``ctx.aggregator`` or an ``ctx.attack`` (:meth:`robust_settings`), the round keeps its
-        participants' uploads (K rows of each of :attr:`robust_vectors`), replaces the attackers' rows, folds them into
-        the sums and replaces the weighted means of :attr:`robust_vectors` by the aggregator's rule; with several
+        With a robust ``ctx.aggregator`` or an ``ctx.attack`` (``robust_settings``), the round keeps its
+        participants' uploads (K rows of each of ``robust_vectors``), replaces the attackers' rows, folds them into
+        the sums and replaces the weighted means of ``robust_vectors`` by the aggregator's rule; with several
         processes, each gathers every process's uploads (``team.everyone``) and takes the same step."""
         clients = self.participants(t, ctx)
         team = getattr(ctx, "team", None)
@@ -546,7 +546,7 @@ class Algorithm:
     @classmethod
     def check_central_dp(cls) -> None:
         """ValueError naming the algorithm unless central DP can privatise it: its only upload is its model
-        (:attr:`dp_upload`) and it runs the default :meth:`round`."""
+        (:attr:`dp_upload`) and it runs the default ``round``."""
         if cls.dp_upload is None or cls.round is not Algorithm.round:
             raise ValueError(
                 f"central DP supports algorithms whose only upload is their model (fedavg, fedprox, fedsam, fedcm, "
@@ -555,14 +555,14 @@ class Algorithm:
 
     def robust_settings(self, ctx: FLContext) -> tuple[Aggregator | None, Attack | None]:
         """(the robust aggregator, the attack) of ``ctx`` (None for the weighted mean and for no attack); ValueError
-        naming the algorithm when it has no :attr:`robust_vectors` and either is asked for."""
+        naming the algorithm when it has no ``robust_vectors`` and either is asked for."""
         aggregator = parse_aggregator(getattr(ctx, "aggregator", None))
         attack = parse_attack(getattr(ctx, "attack", None))
         check_robust(type(self), aggregator, attack)
         return (None if aggregator.is_mean else aggregator), attack
 
     def robust_centre(self, name: str) -> torch.Tensor:
-        """The point the uploads of ``name`` (one of :attr:`robust_vectors`) are updates around: the global model."""
+        """The point the uploads of ``name`` (one of ``robust_vectors``) are updates around: the global model."""
         return self.x
 
     def robust_accumulate(
@@ -575,7 +575,7 @@ class Algorithm:
         ctx: FLContext,
     ) -> dict[str, Any]:
         """Fold a whole round's ``updates`` (rows ordered by client) into ``sums``: first the attackers' rows of
-        :attr:`robust_vectors` are replaced (``attack``), then after :meth:`accumulate` each of their weighted sums
+        ``robust_vectors`` are replaced (``attack``), then after :meth:`accumulate` each of their weighted sums
         becomes Σw·(the aggregator's rule). Returns the metrics of the attack (attackers, attacked_clients)."""
         extras: dict[str, Any] = {}
         if attack is not None:

@@ -14,7 +14,7 @@ An :class:`Aggregator` is parsed from a spec (``--aggregator``, ``Experiment(agg
 ``cclip:τ[,n]``     centred clipping around the current global model, radius τ, n iterations (default 1)
 ==================  ==========================================================================================
 
-All of them run on :mod:`pyfedkern.ops.robust`. An algorithm takes part when its server step reads each vector of
+All of them run on ``pyfedkern.ops``'s robust family. An algorithm takes part when its server step reads each vector of
 its ``robust_vectors`` as a weighted mean ``sums.vector(name) / sums.scalar("weight")``; the round then keeps the K
 uploaded rows of those vectors (K × d values each) for the rule (:meth:`pyfedkern.algorithms.Algorithm.round`).
 """

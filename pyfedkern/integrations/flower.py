@@ -833,7 +833,7 @@ class _RobustFedAvg(FedAvg):
 
 
 class FedMedian(_RobustFedAvg):
-    """``flwr.serverapp.strategy.FedMedian`` on :func:`pyfedkern.ops.robust.coordinate_median`: each array the
+    """``flwr.serverapp.strategy.FedMedian`` on :func:`pyfedkern.ops.coordinate_median`: each array the
     coordinate-wise median of the replies' (the mean of the two middle values for an even count, as ``np.median``),
     the weights ignored; Flower's results bit for bit for float32/float64 arrays. Same arguments as :class:`FedAvg`."""
 
@@ -843,7 +843,7 @@ class FedMedian(_RobustFedAvg):
 
 
 class FedTrimmedAvg(_RobustFedAvg):
-    """``flwr.serverapp.strategy.FedTrimmedAvg`` on :func:`pyfedkern.ops.robust.trimmed_mean`: per coordinate the
+    """``flwr.serverapp.strategy.FedTrimmedAvg`` on :func:`pyfedkern.ops.trimmed_mean`: per coordinate the
     mean after dropping the ⌊β·K⌋ smallest and largest of the K replies' values (Flower's results to rounding: the
     kept values are summed in float64).
 
@@ -866,7 +866,7 @@ class FedTrimmedAvg(_RobustFedAvg):
 
 
 class MultiKrum(_RobustFedAvg):
-    """``flwr.serverapp.strategy.MultiKrum`` on :func:`pyfedkern.ops.robust.krum_select` (the pairwise distances
+    """``flwr.serverapp.strategy.MultiKrum`` on :func:`pyfedkern.ops.krum_select` (the pairwise distances
     through one Gram product): the ``num_nodes_to_select`` replies of lowest Krum score (the sum of squared
     distances to its max(1, K − f − 2) nearest others), averaged with the weights of ``weighted_by_key`` in that
     order, as Flower's ``aggregate_arrayrecords`` (float32/float64 arrays bit for bit); the round's metrics are the
@@ -905,9 +905,9 @@ class Krum(MultiKrum):
 
 
 class Bulyan(_RobustFedAvg):
-    """``flwr.serverapp.strategy.Bulyan`` with Multi-Krum's selection on :func:`pyfedkern.ops.robust.krum_select`:
+    """``flwr.serverapp.strategy.Bulyan`` with Multi-Krum's selection on :func:`pyfedkern.ops.krum_select`:
     θ = K − 2f replies of lowest Krum score, then per coordinate the mean of the β = θ − 2f of their values nearest
-    their median (:func:`pyfedkern.ops.robust.coordinate_median`), as Flower's (its results to rounding; values
+    their median (:func:`pyfedkern.ops.coordinate_median`), as Flower's (its results to rounding; values
     equally near the median may be taken in another order). With fewer than 4f + 3 replies the round is skipped (a
     warning), as Flower's; the round's metrics are the θ chosen replies'.
 

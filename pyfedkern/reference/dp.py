@@ -138,7 +138,7 @@ def standard_normals(d: int, seed: int, *keys: int, dtype: Any = np.float64) -> 
 
 
 def gaussian_noise_(x: Any, std: float, seed: int, *keys: int) -> Any:
-    """x ← x + std·z (a 1-D float32 or float64 array) with z = :func:`standard_normals`, in x's precision."""
+    """x ← x + std·z (a 1-D float32 or float64 array) with z = ``standard_normals``, in x's precision."""
     host = x if isinstance(x, np.ndarray) else x.detach().cpu().numpy()
     z = standard_normals(host.shape[0], seed, *keys, dtype=host.dtype)
     x[...] = _like_library(host + host.dtype.type(std) * z, x)

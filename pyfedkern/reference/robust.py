@@ -132,7 +132,7 @@ def bulyan_selection(x: np.ndarray, f: int) -> list[int]:
 
 
 def bulyan(updates: Any, f: int) -> Any:
-    """[d] Bulyan (K ≥ 4f + 3): the θ = K − 2f rows of :func:`bulyan_selection`, then per coordinate the mean of
+    """[d] Bulyan (K ≥ 4f + 3): the θ = K − 2f rows of ``bulyan_selection``, then per coordinate the mean of
     the β = θ − 2f of their values closest to their median (distances |x − median| in float64; equal distances go to
     the smaller value)."""
     x, like = _rows(updates)
