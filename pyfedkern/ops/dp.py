@@ -58,8 +58,11 @@ def clip_accumulate(
     """
     _declare.refuse_grad("clip_accumulate", ("updates", "center"), updates, center)
     clip = _clip_value(clip)
-    if _declare.traced():
-        total, norms = _declare.torch_op("clip_accumulate")(updates, clip, center)
+    if _declare.operator_needed(updates, center, out, norms_out):
+        import torch
+
+        stack = updates if _declare.is_tensor(updates) else torch.stack(list(updates))  # the operator takes [K, d]
+        total, norms = _declare.torch_op("clip_accumulate")(stack, clip, center)
         if out is not None:
             out.copy_(total)
             total = out
@@ -79,16 +82,22 @@ def _clip_value(clip: Any) -> float:
     return clip
 
 
-def _clip_accumulate(updates: Any, clip: float, out: Any, norms_out: Any, center: Any, with_norms: bool) -> Any:
-    """The direct path of :func:`clip_accumulate` (any library)."""
+def _clip_operands(updates: Any, center: Any) -> tuple[Any, Any]:
+    """(the updates' RowSet, center's ArrayRef or None), checked: the direct path's and the fake function's checks."""
     rows = _update_rows(updates)
-    first, d, k = rows.first, rows.d, rows.count
     c_ref = None
     if center is not None:
         c_ref = _arrays.describe(center, "center")
-        _arrays.check_same(c_ref, first, "center", "updates")
-        if c_ref.shape != (d,):
-            raise ValueError(f"center must have shape ({d},), got {c_ref.shape}")
+        _arrays.check_same(c_ref, rows.first, "center", "updates")
+        if c_ref.shape != (rows.d,):
+            raise ValueError(f"center must have shape ({rows.d},), got {c_ref.shape}")
+    return rows, c_ref
+
+
+def _clip_accumulate(updates: Any, clip: float, out: Any, norms_out: Any, center: Any, with_norms: bool) -> Any:
+    """The direct path of :func:`clip_accumulate` (any library)."""
+    rows, c_ref = _clip_operands(updates, center)
+    first, d, k = rows.first, rows.d, rows.count
     if out is None:
         out = _arrays.empty_like_lib(first, (d,))
         out_ref = _arrays.describe(out, "out")
@@ -125,7 +134,7 @@ def _clip_accumulate(updates: Any, clip: float, out: Any, norms_out: Any, center
     if norms_out is None:
         norms_out = _arrays.empty_like_lib(first, (k,))
         norms_ref = _arrays.describe(norms_out, "norms_out")
-    _copy_host(norms, norms_out)
+    _copy_host(norms, norms_ref.obj)  # (a memoryview's numpy array)
     _arrays.mark_written(norms_ref)
     return out, norms_out
 
@@ -182,8 +191,7 @@ def _like(t: Any, like: Any) -> Any:
 
 
 def _clip_accumulate_fake(updates: Any, clip: float, center: Any) -> Any:
-    if updates.dim() != 2:
-        raise ValueError(f"updates must be a 2-D [K, d] tensor, got shape {tuple(updates.shape)}")
+    _clip_operands(updates, center)
     return updates.new_empty(updates.shape[1:]), updates.new_empty(updates.shape[:1])
 
 
@@ -233,21 +241,22 @@ def gaussian_noise_(x: A, std: float, seed: int, *keys: int) -> A:
     Returns:
         ``x``.
     """
-    _declare.refuse_grad("gaussian_noise_", ("x",), x)
+    _declare.refuse_grad("gaussian_noise_", ("x", "std"), x, std)
     std = _arrays.host_scalar(std, "std")
     if std < 0:
         raise ValueError(f"std must be >= 0, got {std}")
     seed = _key(seed, "seed")
     stream = stream_key(tuple(_key(k, f"keys[{i}]") for i, k in enumerate(keys)))
-    if _declare.traced():
+    if _declare.operator_needed(x):
         signed = lambda v: v - (1 << 64) if v >= 1 << 63 else v  # noqa: E731 (the schema's int is int64)
         _declare.torch_op("gaussian_noise_")(x, std, signed(seed), signed(stream))
         return x
     return _gaussian_noise(x, std, seed, stream)
 
 
-def _gaussian_noise(x: Any, std: float, seed: int, stream: int) -> Any:
-    """The direct path of :func:`gaussian_noise_` (any library)."""
+def _noise_target(x: Any) -> Any:
+    """x's ArrayRef, checked (a writeable, non-empty float32/float64 vector): the direct path's and the fake
+    function's checks."""
     ref = _arrays.describe(x, "x")
     if len(ref.shape) != 1:
         raise ValueError(f"x must be a 1-D vector, got shape {ref.shape}")
@@ -256,6 +265,12 @@ def _gaussian_noise(x: Any, std: float, seed: int, stream: int) -> Any:
     if ref.shape[0] == 0:
         raise ValueError("x is empty (d = 0)")
     _arrays.check_output(ref, "x")
+    return ref
+
+
+def _gaussian_noise(x: Any, std: float, seed: int, stream: int) -> Any:
+    """The direct path of :func:`gaussian_noise_` (any library)."""
+    ref = _noise_target(x)
     if std == 0:
         return x
     if ref.device >= 0:  # the same numbers, drawn on the host
@@ -274,8 +289,7 @@ def _gaussian_noise(x: Any, std: float, seed: int, stream: int) -> Any:
 
 
 def _gaussian_noise_fake(x: Any, std: float, seed: int, stream: int) -> None:
-    if x.dim() != 1:
-        raise ValueError(f"x must be a 1-D vector, got shape {tuple(x.shape)}")
+    _noise_target(x)
 
 
 @_declare.declare(

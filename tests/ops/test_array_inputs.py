@@ -71,6 +71,12 @@ def _cases() -> dict[str, tuple]:
             {},
         ),
         "sam_perturb": (ops.sam_perturb, {"x": f64(D), "grad": f64(D)}, {"rho": 0.05}),
+        "clip_accumulate": (
+            ops.clip_accumulate,
+            {"updates": f64(K, D), "center": f64(D), "out": f64(D), "norms_out": f64(K)},
+            {"clip": 1.0},
+        ),
+        "gaussian_noise_": (ops.gaussian_noise_, {"x": f64(D)}, {"std": 0.5, "seed": 3}),
         "seeded_permutations": (
             ops.seeded_permutations,
             {"keys": np.arange(6).reshape(3, 2), "sizes": np.array([3, 4, 5])},
@@ -166,6 +172,12 @@ def test_tensors_without_memory_of_their_own_take_the_registered_operator():
     got = ops.weighted_sum([wrapped, wrapped], [0.5, 0.25])  # the subclass's own dispatch unwraps them
     assert torch.equal(got, 0.75 * torch.arange(8, dtype=torch.float64))  # exact: small integers times 2^-2
     assert torch.equal(ops.row_norms(_Wrapper(torch.full((2, 4), 3.0))), torch.full((2,), 6.0))
+    rows = torch.tensor([[3.0, 4.0], [0.6, 0.8]], dtype=torch.float64)  # norms 5 and 1: clipped to 2, kept
+    clipped = ops.clip_accumulate(_Wrapper(rows), 2.0)
+    assert torch.allclose(clipped, torch.tensor([1.8, 2.4], dtype=torch.float64), rtol=1e-15, atol=0)
+    noisy = _Wrapper(torch.zeros(6, dtype=torch.float64))
+    ops.gaussian_noise_(noisy, 1.0, 3, 1)  # written through the wrapper's dispatch: the numbers of a plain tensor
+    assert torch.equal(noisy.elem, ops.gaussian_noise_(torch.zeros(6, dtype=torch.float64), 1.0, 3, 1))
     with pytest.raises(TypeError, match=r"updates\[0\] is a _Wrapper tensor without memory of its own"):
         _arrays.describe(wrapped, "updates[0]")  # what the direct path would say
 

@@ -130,6 +130,16 @@ CASES: dict[str, Case] = {
         lambda grads: ops.grab_select(grads),
         lambda grads: (grads, False),
     ),
+    "clip_accumulate": Case(
+        lambda K, d, g, dev: (_r(g, dev, K, d), _r(g, dev, d)),
+        lambda u, c: ops.clip_accumulate(u, 1.5, center=c, return_norms=True),
+        lambda u, c: (u, 1.5, c),
+    ),
+    "gaussian_noise_": Case(
+        lambda K, d, g, dev: (_r(g, dev, d),),
+        lambda x: ops.gaussian_noise_(x, 0.5, 7, 3, 2**64 - 1),
+        lambda x: (x, 0.5, 7, -(2**62)),
+    ),
 }
 
 
@@ -213,6 +223,8 @@ BAD_OPERANDS: dict[str, tuple[Callable[..., object], Callable[[], tuple]]] = {  
     "herding_order": (lambda g: ops.herding_order(g, 5), lambda: (_v(3, 4),)),
     "herding_select": (lambda g: ops.herding_select(g, 2.0), lambda: (_v(2, 3, 4),)),
     "grab_select": (lambda g: ops.grab_select(g), lambda: (_v(3, 0),)),
+    "clip_accumulate": (lambda u, c: ops.clip_accumulate(u, 1.0, center=c), lambda: (_v(2, 3), _v(4))),
+    "gaussian_noise_": (lambda x: ops.gaussian_noise_(x, 1.0, 0), lambda: (_v(2, 3),)),
 }
 
 
@@ -246,7 +258,7 @@ def test_compiled_calls_refuse_bad_operands_with_the_eager_message(name):
 
 VMAPPED = [  # the out-of-place operators of fixed-size results (torch's fallback batches none of the in-place ones)
     "weighted_sum", "row_norms", "class_feature_norms", "similarity_weights", "similarity_combine", "centred_gram",
-    "herding_order", "herding_select",
+    "herding_order", "herding_select", "clip_accumulate",
 ]  # fmt: skip
 
 
@@ -395,6 +407,9 @@ NON_DIFFERENTIABLE = {
     "weighted_delta_": lambda t: ops.weighted_delta_(torch.zeros(4, dtype=t.dtype), [t], [1.0]),
     "herding_order": lambda t: ops.herding_order(t[None].expand(3, 4), 2),
     "grab_select": lambda t: ops.grab_select(t[None].expand(3, 4)),
+    "clip_accumulate": lambda t: ops.clip_accumulate(t[None].expand(3, 4), 1.0),
+    "clip_accumulate center": lambda t: ops.clip_accumulate(torch.ones(3, 4, dtype=t.dtype), 1.0, center=t),
+    "gaussian_noise_": lambda t: ops.gaussian_noise_(t, 0.1, 0),
 }
 
 
@@ -413,6 +428,7 @@ SCALARS = {
     ),
     "similarity_weights scale": lambda s: ops.similarity_weights(_leaf(4), _leaf(3, 4), s),
     "similarity_combine scale": lambda s: ops.similarity_combine(torch.ones(4), torch.ones(3, 4), torch.ones(3, 2), s),
+    "gaussian_noise_ std": lambda s: ops.gaussian_noise_(torch.zeros(4), s, 0),
 }
 
 
