@@ -665,7 +665,7 @@ class DPSGD:
             for n, p in layer.unit.params:
                 if n in named:
                     sums[id(p)] = named[n].to(p.dtype)
-        return [sums.get(id(p), torch.zeros_like(p)) for p in trainable], norms, total
+        return [sums[id(p)] if id(p) in sums else torch.zeros_like(p) for p in trainable], norms, total
 
     def batched_clipped_sums(
         self,
