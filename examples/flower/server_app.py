@@ -33,6 +33,8 @@ def make_strategy(config):
         return pf.FedSpeed(**common)
     if config.algorithm == "dynamic":
         return pf.DynamicInit(config, **common)
+    if config.dp == "central":  # user-level DP: clipped updates summed in one fused op, seeded noise, ε per round
+        return pf.FedAvg(central_dp=pf.central_dp_of(config), seed=config.seed, **common)
     return pf.robust_strategy(config.aggregator, **common)  # FedAvg for the default aggregator, mean
 
 

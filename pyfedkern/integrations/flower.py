@@ -10,6 +10,11 @@ Server side (Flower's Message API, ``flwr.serverapp``):
   aggregation needs one model of memory instead of one per client. Its ``start`` pulls replies from the SuperLink
   as they come instead of waiting for the slowest node.
 - :class:`FedPBC`, :class:`BHerd`, :class:`FedSpeed`, :class:`DynamicInit`: the papers' server steps on top of it.
+- Central DP: ``FedAvg(central_dp=...)`` clips the replies' updates and sums them in one fused op
+  (:func:`pyfedkern.ops.clip_accumulate`) and adds the noise of :class:`pyfedkern.privacy.CentralDP` (the
+  simulator's, from the same seeded stream); :func:`central_dp_of` builds it from a config's ``dp-*`` keys. The
+  strategies also run inside Flower's own wrappers (``DifferentialPrivacyServerSideFixedClipping``, and
+  ``DifferentialPrivacyClientSideFixedClipping`` with ``make_client_app(mods=[fixedclipping_mod])``).
 - :class:`LegacyFedAvg`: the same for the legacy ``flwr.server.strategy.FedAvg.aggregate_fit``.
 - :func:`mean_metrics` (the strategies' train-metric aggregation: real measurements only) and
   :func:`server_evaluation` (an ``evaluate_fn``: the global model's test/train loss and accuracy each round).
@@ -478,28 +483,62 @@ class FedAvg(_FlowerFedAvg):
     Args:
         uniform: average with equal weights instead of ``weighted_by_key`` (FedPBC, FedSpeed).
         poll_interval: seconds between polls of the SuperLink while waiting for replies (Flower's default waits 3).
+        central_dp: a :class:`pyfedkern.privacy.CentralDP` (:func:`central_dp_of` builds one from a config) for
+            user-level DP of the aggregate: each reply's update (its arrays minus the round's global arrays, all
+            arrays as one vector) is clipped to ℓ2 norm C and the clipped updates are summed in one
+            :func:`pyfedkern.ops.clip_accumulate` call, noise N(0, (σC)²) is added once to the sum, and the sum is
+            divided by the n replies (every weight 1, so ``uniform`` is implied). The round's train metrics add
+            "dp-epsilon" (spent so far) and "dp-clip" (the round's clip). FedAvg only: its subclasses refuse it.
+        seed: the seed of central DP's noise: round t = server_round − 1 draws the stream the simulator's central
+            DP draws for (seed, t), so a run equals :class:`~pyfedkern.sim.engine.Simulation`'s to rounding.
 
     ``history`` keeps a :class:`RoundRecord` per training round. Replies must carry one ArrayRecord and a
     MetricRecord with ``weighted_by_key`` (unless ``uniform``); a malformed reply is a ValueError naming its node.
     Every round's train metrics average the replies' metrics (:func:`mean_metrics`), for every strategy.
     """
 
-    def __init__(self, *args: Any, uniform: bool = False, poll_interval: float = 0.1, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        uniform: bool = False,
+        poll_interval: float = 0.1,
+        central_dp: Any = None,
+        seed: int = 0,
+        **kwargs: Any,
+    ) -> None:
         if isinstance(poll_interval, bool) or not isinstance(poll_interval, numbers.Real):
             raise TypeError(f"poll_interval must be a number of seconds, got {poll_interval!r}")
         if not (math.isfinite(poll_interval) and poll_interval > 0):
             raise ValueError(f"poll_interval must be finite and > 0 seconds, got {poll_interval}")
+        if central_dp is not None:
+            from pyfedkern.privacy import CentralDP
+
+            if not isinstance(central_dp, CentralDP):
+                raise TypeError(f"central_dp must be a pyfedkern.privacy.CentralDP, got {type(central_dp).__name__}")
+            if type(self).aggregate_train is not FedAvg.aggregate_train:
+                raise ValueError(f"central_dp: {type(self).__name__} aggregates its own way; central DP takes FedAvg")
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
+            raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
         kwargs.setdefault("train_metrics_aggr_fn", mean_metrics)
         super().__init__(*args, **kwargs)
-        self.uniform = uniform
+        self.uniform = uniform or central_dp is not None
         self.poll_interval = poll_interval
+        self.central_dp = central_dp
+        self.seed = int(seed)
         self.history: list[RoundRecord] = []
         self._grid: ArrivalGrid | None = None
+        self._global: ArrayRecord | None = None  # the arrays of the round being trained (central DP's centre)
 
     def start(self, grid: Grid, initial_arrays: ArrayRecord, *args: Any, **kwargs: Any) -> Result:
         """Flower's ``Strategy.start`` with replies streamed through an :class:`ArrivalGrid`."""
         self._grid = grid if isinstance(grid, ArrivalGrid) else ArrivalGrid(grid, self.poll_interval)
         return super().start(self._grid, initial_arrays, *args, **kwargs)
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        self._global = arrays
+        return super().configure_train(server_round, arrays, config, grid)
 
     def _node_of(self, reply: Message) -> int:
         return self._grid.node_of(reply) if self._grid is not None else reply.metadata.src_node_id
@@ -567,10 +606,57 @@ class FedAvg(_FlowerFedAvg):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        if self.central_dp is not None:
+            return self._private_round(server_round, replies)
         running, metrics = self.stream_train(server_round, replies)
         if running.count == 0 or running.total <= 0:
             return None, None
         return _record(running.mean()), self._metrics(metrics)
+
+    def _private_round(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Central DP's round (see ``central_dp``): the replies' updates clipped and summed in one
+        :func:`pyfedkern.ops.clip_accumulate` call over their flat vectors, :meth:`CentralDP.finish
+        <pyfedkern.privacy.CentralDP.finish>`'s noise on the sum, divided by the n replies."""
+        from pyfedkern.algorithms.base import RoundSums
+
+        if self._global is None:
+            raise ValueError("central_dp: aggregate_train before configure_train (no global arrays to clip against)")
+        running, metrics = self.stream_train(server_round, list(replies))  # every reply's views, none averaged
+        n = running.count
+        if n == 0:
+            return None, None
+        names = list(running.views)
+        missing = [name for name in names if name not in self._global]
+        if missing:
+            raise ValueError(f"central_dp: the replies have arrays {missing} that the global model has not")
+        dtypes = {name: running.views[name][0].dtype for name in names}
+        dtype = _mean_dtype(dtypes.values())
+        rows = [np.concatenate([running.views[name][k].reshape(-1) for name in names]) for k in range(n)]
+        rows = [row.astype(dtype, copy=False) for row in rows]
+        x = np.concatenate([array_view(self._global[name]).reshape(-1) for name in names]).astype(dtype, copy=False)
+        dp = self.central_dp
+        total, norms = ops.clip_accumulate(rows, dp.clip, center=x, return_norms=True)
+        sums = RoundSums()
+        sums.vectors[MODEL_KEY] = torch.from_numpy(total)
+        sums.add_scalar("weight", n)
+        sums.add_scalar("dp_unclipped", float((norms <= dp.clip).sum()))
+        extras = dp.finish(server_round - 1, sums, torch.from_numpy(x), MODEL_KEY, self._rng)
+        mean = total / n
+        arrays, offset = {}, 0
+        for name in names:
+            shape = running.shapes[name]
+            size = math.prod(shape)
+            arrays[name] = mean[offset : offset + size].reshape(shape).astype(dtypes[name])
+            offset += size
+        report = self._metrics(metrics) or MetricRecord()
+        report["dp-epsilon"], report["dp-clip"] = float(extras["dp_epsilon"]), float(extras["dp_clip"])
+        return _record(arrays), report
+
+    def _rng(self, *keys: int) -> np.random.Generator:
+        """The generator of (seed, ``*keys``), as the simulator's ``rng``."""
+        return np.random.default_rng([self.seed, *(int(k) for k in keys)])
 
 
 def _left_out(server_round: int, node: int) -> int:
@@ -967,6 +1053,18 @@ def robust_strategy(aggregator: str, **kwargs: Any) -> FedAvg:
     )
 
 
+def central_dp_of(config: Any) -> Any:
+    """The :class:`pyfedkern.privacy.CentralDP` of a config with ``dp="central"`` (run-config keys ``dp``,
+    ``dp-clip``, ``dp-delta``, ``dp-epsilon`` or ``dp-noise-multiplier``, ``dp-adaptive-clip``, ``dp-population``,
+    ``dp-noise-cohort``, ``dp-accountant``: the CLI's ``--dp-*`` options), as the simulator builds it (σ solved
+    from ε over the config's rounds); None without central DP. A new object each call (an adaptive clip changes)."""
+    from pyfedkern.sim.engine import central_dp
+
+    if config.dp == "central" and config.aggregator.strip().lower() != "mean":
+        raise ValueError(f"central DP cannot be combined with a robust aggregator, got {config.aggregator!r}")
+    return central_dp(config, _simulation(config).num_clients)
+
+
 def _check_config(config: Any) -> None:
     from pyfedkern.sim.config import ExperimentConfig
 
@@ -1178,6 +1276,8 @@ def config_from_run_config(run_config: dict[str, Any]) -> Any:
                 raise ValueError(f"{key} must be JSON, got {value!r} ({err})") from None
         if name in ("local_steps", "threads", "data_root", "client_chunk") and value in (0, ""):
             value = None
+        if name.startswith("dp") and name != "dp_accountant" and value in ("", "none"):  # unset
+            value = None
         values[name] = value
     config = ExperimentConfig(**values)
     config.validate()
@@ -1314,7 +1414,10 @@ def client_evaluate(config: Any, cid: int, content: RecordDict) -> RecordDict:
 
 
 def make_client_app(
-    config: Any | Callable[[Context], Any] | None = None, *, partition_key: str = "partition-id"
+    config: Any | Callable[[Context], Any] | None = None,
+    *,
+    partition_key: str = "partition-id",
+    mods: list[Callable[..., Any]] | None = None,
 ) -> ClientApp:
     """A Flower ``ClientApp`` running a pyfedkern algorithm's local update on this node's partition.
 
@@ -1322,6 +1425,8 @@ def make_client_app(
         config: an ExperimentConfig, a callable ``context -> ExperimentConfig``, or None to read it from the run
             config (:func:`config_from_run_config`). Every node must use the same config as the server.
         partition_key: the ``--node-config`` key holding this node's client id (partition).
+        mods: Flower client mods around the app (``flwr.clientapp.mod.fixedclipping_mod`` for
+            ``DifferentialPrivacyClientSideFixedClipping``).
     """
 
     def resolve(context: Context) -> Any:
@@ -1334,7 +1439,7 @@ def make_client_app(
             raise ValueError(f"node config has no {partition_key!r} (start the SuperNode with --node-config)")
         return int(context.node_config[partition_key])
 
-    app = ClientApp()
+    app = ClientApp(mods=mods)
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:
@@ -1369,6 +1474,7 @@ __all__ = [
     "aggregate_inplace",
     "array_view",
     "arrays_vector",
+    "central_dp_of",
     "client_evaluate",
     "client_train",
     "config_from_run_config",
