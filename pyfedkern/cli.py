@@ -28,6 +28,7 @@ from pyfedkern import __version__
 from pyfedkern.benchmarks import FAMILIES
 from pyfedkern.data.spec import parse_flag
 from pyfedkern.reproduce import REPRODUCTIONS, SUMMARIES
+from pyfedkern.sim import config as sim_config
 from pyfedkern.sim.config import LAUNCHED_BY_WORKERS, ExperimentConfig
 
 
@@ -355,8 +356,8 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
     _check_out(args.out)
     if args.help_algorithm:
         return _help_algorithm(args.algorithm)
-    launched = distributed.launched()  # by torchrun or by --workers: this process is one rank
-    if launched and args.workers not in (None, distributed.local_world_size()):
+    launched = sim_config.launched()  # by torchrun or by --workers: this process is one rank
+    if launched and args.workers not in (None, sim_config.local_world_size()):
         raise CliError("--workers starts processes on this machine; under torchrun leave it out")
     workers = 1 if launched or args.workers is None else args.workers
     if args.resume:

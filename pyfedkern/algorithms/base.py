@@ -5,12 +5,14 @@ An :class:`Algorithm` owns the server state (the global model as one flat vector
 updates of a round's participants come from :meth:`Algorithm.batched_client_update` (every participant at once, the
 clients' models as rows of one [k, d] tensor, :mod:`pyfedkern.algorithms.batched`) or, for models that cannot be
 batched and for a user's own loop or a Flower client, from :meth:`Algorithm.client_update` (one client). Either way
-they arrive as :class:`ClientUpdates` (stacked messages), possibly in several chunks of participants (memory), and
-the server folds each chunk into a :class:`RoundSums` (:meth:`Algorithm.accumulate`) before finishing the round
-(:meth:`Algorithm.server_step`). Methods with a different round shape (FedPBC trains every client, FNR-FL has a second
-phase, FedSpeed sums uploads as they are made) override :meth:`Algorithm.round`. Algorithms never import
-:mod:`pyfedkern.sim` (the engine): everything they need from their environment comes through the :class:`FLContext`
-protocol, which the simulation engine implements and a user's own loop (or a Flower client) can implement as well.
+they arrive as :class:`~pyfedkern.algorithms.ClientUpdates` (stacked messages), possibly in several chunks of
+participants (memory), and the server folds each chunk into a :class:`~pyfedkern.algorithms.RoundSums`
+(:meth:`Algorithm.accumulate`) before finishing the round (:meth:`Algorithm.server_step`). Methods with a different
+round shape (FedPBC trains every client, FNR-FL has a second phase, FedSpeed sums uploads as they are made) override
+:meth:`Algorithm.round`. Algorithms never import
+:mod:`pyfedkern.sim` (the engine): everything they need from their environment comes through an
+:class:`~pyfedkern.algorithms.FLContext` (:mod:`pyfedkern.algorithms.context`), which the simulation engine is and a
+user's own loop (or a Flower client) subclasses.
 
 Every piece of mutable state that affects later rounds must be returned by ``state_dict`` so a checkpointed run
 resumes bit for bit; randomness is drawn from ``ctx.rng(...)`` streams keyed by (seed, round, client, purpose),
@@ -19,12 +21,11 @@ never from a shared generator.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -32,239 +33,10 @@ import torch
 from pyfedkern import ops
 from pyfedkern.algorithms.attacks import ATTACK_STREAM, Attack, parse_attack
 from pyfedkern.algorithms.batched import client_chunks, use_batched
-from pyfedkern.algorithms.local import LocalModel
+from pyfedkern.algorithms.context import ClientMessage, ClientUpdates, FLContext, RoundSums
 from pyfedkern.algorithms.robust import Aggregator, parse_aggregator
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-
-
-class FLContext(Protocol):
-    """What an algorithm may ask of its environment (the simulation engine implements it).
-
-    Attributes:
-        num_clients: number of clients m.
-        client_sizes: int64 [m] local dataset sizes |D_i|.
-        local: the shared :class:`~pyfedkern.algorithms.LocalModel` (one model, its parameters and gradients as flat
-            [d] buffers).
-        device: torch device of all vectors.
-        batch_size: minibatch size B.
-        local_epochs: local epochs E per round (used when local_steps is None).
-        local_steps: local steps per round, or None to take local_epochs.
-        momentum: local SGD momentum.
-        weight_decay: L2 weight decay of the local steps.
-    """
-
-    num_clients: int
-    client_sizes: np.ndarray
-    local: LocalModel
-    device: torch.device
-    batch_size: int
-    local_epochs: float
-    local_steps: int | None
-    momentum: float
-    weight_decay: float
-
-    def lr(self, t: int) -> float:
-        """Local learning rate of round t."""
-
-    def batches(
-        self,
-        cid: int,
-        t: int,
-        *,
-        epochs: float | None = None,
-        steps: int | None = None,
-        order: str = "reshuffle",
-        drop_last: bool = False,
-        batch_size: int | None = None,
-    ) -> Iterator[Batch]:
-        """Client cid's minibatches for round t ("reshuffle": a new seeded order each epoch; "fixed": one seeded
-        order kept across rounds)."""
-
-    def sample_clients(self, t: int) -> np.ndarray:
-        """The clients taking part in round t (sorted int64 ids) under the configured participation."""
-
-    # Optional, read with getattr:
-    # - stacked_batches(clients, t, *, epochs, steps, order, drop_last) -> StackedBatches: the batches() of many
-    #   clients gathered step by step (see pyfedkern.algorithms.batched.StackedBatches and
-    #   Simulation.stacked_batches); batched local training builds them from batches() when it is absent.
-    # - batched (bool, default True): train a round's participants as batched steps; False: a loop over clients.
-    # - client_chunk (int | None, default None): train at most this many participants at once (None: as many as
-    #   fit the memory budget of pyfedkern.algorithms.batched.client_chunks).
-    # - sample_input (tensor): one training sample, on which that budget measures the model's activations.
-    # - device_sharers (int, default 1): processes that share the device's free memory (the ranks of a distributed
-    #   run on one CPU machine); the budget of client_chunks is split between them.
-    # - team (pyfedkern.sim.distributed.Team): the processes a distributed run spreads rounds over; Algorithm.round
-    #   trains team.mine(participants) and combines the sums with team.combine(...). Absent: one process.
-    # - aggregator (str or pyfedkern.algorithms.robust.Aggregator, default "mean"): the server's rule for the
-    #   algorithm's robust_vectors (Algorithm.round); attack (str or pyfedkern.algorithms.attacks.Attack, default
-    #   None): Byzantine participants (Algorithm.round).
-    # - dpsgd (pyfedkern.dpsgd.DPSGD, default None): local DP-SGD; every local step's minibatch gradient is its
-    #   clipped per-sample sum plus noise keyed by (round, client, step), on the loop and the batched path alike.
-
-    def rng(self, *keys: int) -> np.random.Generator:
-        """An independent random stream for (seed, ``*keys``)."""
-
-    def seed_model_randomness(self, t: int, *keys: int) -> None:
-        """Seed the model's own randomness (dropout: torch's default generators) from a stream of (round t,
-        ``*keys``), so that what a model draws in round t does not depend on what its process ran before."""
-
-    def timer(self, category: str) -> contextlib.AbstractContextManager:
-        """Context manager adding the elapsed wall time to a category ("local", "aggregation", "evaluation")."""
-
-
-@dataclass
-class ClientMessage:
-    """What one client sends to the server after its local update.
-
-    Attributes:
-        cid: client id.
-        weight: the client's aggregation weight before normalisation (by default |D_i|).
-        vectors: named flat [d] tensors (e.g. "model", "delta", "control").
-        loss: mean local training loss over the steps taken.
-        steps: number of local steps taken (τ_i).
-        extras: small per-client values (floats) an algorithm wants to log or use.
-    """
-
-    cid: int
-    weight: float
-    vectors: dict[str, torch.Tensor]
-    loss: float = float("nan")
-    steps: int = 0
-    extras: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def upload_floats(self) -> int:
-        """The total length of the uploaded vectors (floats sent to the server)."""
-        return sum(int(v.numel()) for v in self.vectors.values())
-
-
-@dataclass
-class ClientUpdates:
-    """What a round's participants (or a chunk of them) send, stacked: row r belongs to client ``clients[r]``.
-
-    Attributes:
-        clients: int64 [k] client ids (in any order; batched training orders them by number of local steps).
-        weights: float64 [k] aggregation weights before normalisation (by default |D_i|).
-        vectors: named [k, d] tensors (e.g. "model", "delta_c"), row r the vector of client ``clients[r]``.
-        losses: float64 [k] mean local training loss of each client (NaN without steps), on the model's device
-            (read once per round, so local steps never wait for the GPU).
-        steps: int64 [k] local steps taken.
-        extras: named float64 [k] per-client values an algorithm uses or logs (BHerd's τ_i, K_i, ...).
-    """
-
-    clients: np.ndarray
-    weights: np.ndarray
-    vectors: dict[str, torch.Tensor]
-    losses: torch.Tensor
-    steps: np.ndarray
-    extras: dict[str, np.ndarray] = field(default_factory=dict)
-
-    def __len__(self) -> int:
-        return len(self.clients)
-
-    @property
-    def upload_floats(self) -> int:
-        """The total length of the uploaded vectors (floats sent to the server)."""
-        return sum(int(v.numel()) for v in self.vectors.values())
-
-    @classmethod
-    def of(
-        cls,
-        run: Any,
-        ctx: FLContext,
-        vectors: dict[str, torch.Tensor],
-        *,
-        weights: np.ndarray | None = None,
-        extras: dict[str, np.ndarray] | None = None,
-    ) -> ClientUpdates:
-        """The updates of a :class:`~pyfedkern.algorithms.batched.BatchedLocal` run: its clients, losses and steps,
-        ``vectors`` in its row order, weights |D_i| unless given."""
-        return cls(
-            clients=run.clients,
-            weights=ctx.client_sizes[run.clients].astype(np.float64) if weights is None else weights,
-            vectors=vectors,
-            losses=run.losses(),
-            steps=run.steps,
-            extras=extras or {},
-        )
-
-    @classmethod
-    def concat(cls, parts: Sequence[ClientUpdates]) -> ClientUpdates:
-        """The chunks ``parts`` of a round as one update, its rows ordered by client id (the loop's order; a stable
-        sort), so that a rule that depends on the order sees the same rows on every path."""
-        clients = np.concatenate([p.clients for p in parts])
-        order = np.argsort(clients, kind="stable")
-        first = parts[0]
-        index = torch.as_tensor(order, device=first.losses.device)
-
-        def rows(values: list[torch.Tensor]) -> torch.Tensor:
-            joined = torch.cat(values) if len(values) > 1 else values[0]
-            return joined.index_select(0, index.to(joined.device))
-
-        return cls(
-            clients=clients[order],
-            weights=np.concatenate([p.weights for p in parts])[order],
-            vectors={name: rows([p.vectors[name] for p in parts]) for name in first.vectors},
-            losses=rows([p.losses for p in parts]),
-            steps=np.concatenate([p.steps for p in parts])[order],
-            extras={key: np.concatenate([p.extras[key] for p in parts])[order] for key in first.extras},
-        )
-
-    @classmethod
-    def stack(cls, messages: Sequence[ClientMessage], device: torch.device | str = "cpu") -> ClientUpdates:
-        """The messages of a per-client loop as one stacked update (each client's vectors become a row)."""
-        if not messages:
-            raise ValueError("messages is empty: stack at least one ClientMessage")
-        names = list(messages[0].vectors)
-        return cls(
-            clients=np.array([m.cid for m in messages], dtype=np.int64),
-            weights=np.array([m.weight for m in messages], dtype=np.float64),
-            vectors={name: _rows([m.vectors[name] for m in messages]) for name in names},
-            losses=torch.tensor([m.loss for m in messages], dtype=torch.float64, device=device),
-            steps=np.array([m.steps for m in messages], dtype=np.int64),
-            extras={key: np.array([m.extras[key] for m in messages], dtype=np.float64) for key in messages[0].extras},
-        )
-
-
-def _rows(vectors: list[torch.Tensor]) -> torch.Tensor:
-    """[k, d] rows of k [d] vectors (a view of the one vector when k is 1)."""
-    return vectors[0].unsqueeze(0) if len(vectors) == 1 else torch.stack(vectors)
-
-
-class RoundSums:
-    """The sums a server step needs, accumulated chunk by chunk over a round's participants.
-
-    ``add(name, rows, coefs)`` adds Σ_r coefs[r]·rows[r] ([k, d] rows, one pass through
-    :func:`pyfedkern.ops.weighted_sum`) to the vector ``name``; ``add_scalar(name, value)`` adds a number. Reading a
-    name never added gives None (vectors) or 0.0 (scalars).
-    """
-
-    def __init__(self) -> None:
-        self.vectors: dict[str, torch.Tensor] = {}
-        self.scalars: dict[str, float] = {}
-
-    def add(self, name: str, rows: torch.Tensor, coefs: np.ndarray | Sequence[float]) -> None:
-        """Add Σ_r coefs[r]·rows[r] ([k, d] rows, k coefficients) to the vector ``name``."""
-        coefs = np.asarray(coefs, dtype=np.float64)
-        if name not in self.vectors:
-            self.vectors[name] = ops.weighted_sum(rows, coefs)
-        elif rows.shape[0] == 1 == coefs.size:  # one pass over memory (the loop folds one large model at a time)
-            ops.accumulate_(self.vectors[name], rows[0], coefs[0])
-        else:
-            self.vectors[name].add_(ops.weighted_sum(rows, coefs))
-
-    def add_scalar(self, name: str, value: float) -> None:
-        """Add a number to the scalar ``name``."""
-        self.scalars[name] = self.scalars.get(name, 0.0) + float(value)
-
-    def vector(self, name: str) -> torch.Tensor | None:
-        """The [d] sum ``name``, or None when nothing was added to it."""
-        return self.vectors.get(name)
-
-    def scalar(self, name: str) -> float:
-        """The scalar sum ``name`` (0.0 when nothing was added to it)."""
-        return self.scalars.get(name, 0.0)
 
 
 @dataclass
@@ -343,9 +115,8 @@ class ClientStore:
 def owned_clients(ctx: FLContext) -> np.ndarray | None:
     """The clients whose state this process keeps: its own in a distributed run, else None (all). Call it where the
     client state is allocated: from then on every process trains the participants it owns
-    (:meth:`~pyfedkern.sim.distributed.Team.keep_client_state`)."""
-    team = getattr(ctx, "team", None)
-    return None if team is None else team.keep_client_state()
+    (:meth:`~pyfedkern.algorithms.context.Team.keep_client_state`)."""
+    return ctx.team.keep_client_state()
 
 
 #: The largest finite float32: a larger factor (learning rate, coefficient) cannot multiply a float32 model.
@@ -488,7 +259,7 @@ class Algorithm:
         the sums and replaces the weighted means of ``robust_vectors`` by the aggregator's rule; with several
         processes, each gathers every process's uploads (``team.everyone``) and takes the same step."""
         clients = self.participants(t, ctx)
-        team = getattr(ctx, "team", None)
+        team = ctx.team
         aggregator, attack = self.robust_settings(ctx)
         keep = aggregator is not None or attack is not None
         dp = self.central_dp(ctx)
@@ -499,7 +270,7 @@ class Algorithm:
         kept: list[ClientUpdates] = []
         extras: dict[str, Any] = {}
         upload = 0
-        own = clients if team is None else team.mine(clients)
+        own = team.mine(clients)
         for chunk in client_chunks(ctx, own, self.state_rows_per_client(ctx)):
             with ctx.timer("local"):
                 updates = self.client_updates(t, chunk, ctx)
@@ -515,14 +286,13 @@ class Algorithm:
             upload += updates.upload_floats
         with ctx.timer("aggregation"):
             if keep:  # the whole round's uploads, on every process; rank 0's sums count once in team.combine
-                parts = kept if team is None else team.everyone(t, kept)
+                parts = team.everyone(t, kept)
                 whole = RoundSums()
                 if parts:
                     extras = self.robust_accumulate(t, whole, ClientUpdates.concat(parts), aggregator, attack, ctx)
-                if getattr(team, "rank", 0) == 0:
+                if team.rank == 0:
                     sums = whole
-            if team is not None:
-                sums, losses, upload = team.combine(t, sums, losses, upload)
+            sums, losses, upload = team.combine(t, sums, losses, upload)
             if dp is not None and len(clients):  # the noise, once per round on the combined sum
                 extras.update(dp.finish(t, sums, self.x, self.dp_upload, ctx.rng))
             if len(clients):
@@ -538,7 +308,7 @@ class Algorithm:
     def central_dp(self, ctx: FLContext) -> Any:
         """``ctx.central_dp`` (a :class:`pyfedkern.privacy.CentralDP`, or None), checked by
         :meth:`check_central_dp` when set."""
-        dp = getattr(ctx, "central_dp", None)
+        dp = ctx.central_dp
         if dp is not None:
             self.check_central_dp()
         return dp
@@ -556,8 +326,8 @@ class Algorithm:
     def robust_settings(self, ctx: FLContext) -> tuple[Aggregator | None, Attack | None]:
         """(the robust aggregator, the attack) of ``ctx`` (None for the weighted mean and for no attack); ValueError
         naming the algorithm when it has no ``robust_vectors`` and either is asked for."""
-        aggregator = parse_aggregator(getattr(ctx, "aggregator", None))
-        attack = parse_attack(getattr(ctx, "attack", None))
+        aggregator = parse_aggregator(ctx.aggregator)
+        attack = parse_attack(ctx.attack)
         check_robust(type(self), aggregator, attack)
         return (None if aggregator.is_mean else aggregator), attack
 
@@ -682,7 +452,7 @@ def local_sgd(
     wd = ctx.weight_decay if weight_decay is None else weight_decay
     momentum_buf: torch.Tensor | None = None
     total, n = 0.0, 0
-    dp = getattr(ctx, "dpsgd", None)
+    dp = ctx.dpsgd
     plain = dp is None and correction is None and on_gradient is None and not wd and not ctx.momentum
     for n, (xb, yb) in enumerate(
         ctx.batches(cid, t, epochs=epochs, steps=steps, order=order, drop_last=drop_last), start=1

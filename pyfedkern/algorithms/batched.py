@@ -5,8 +5,9 @@ forward/backward, optimizer bookkeeping, one small kernel per layer per client).
 together (:class:`BatchedLocal`): each local step is one batched gradient of all the rows on their own minibatches
 (:class:`BatchedTrainer`) and one batched update, with an algorithm's per-client terms applied row-wise (weight
 decay, momentum, FedProx's prox term, SCAFFOLD's control variates, ...). The minibatches are those of
-``ctx.batches`` for each client, gathered a step at a time (``ctx.stacked_batches``, :class:`StackedBatches`), so the
-batched path and the per-client loop (:func:`~pyfedkern.algorithms.local_sgd`) agree up to floating-point rounding.
+``ctx.batches`` for each client, gathered a step at a time (``ctx.stacked_batches``,
+:class:`~pyfedkern.algorithms.context.StackedBatches`), so the batched path and the per-client loop
+(:func:`~pyfedkern.algorithms.local_sgd`) agree up to floating-point rounding.
 
 Gradients:
 
@@ -44,22 +45,18 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
-from torch.nn.utils.rnn import pad_sequence
 
+from pyfedkern.algorithms.context import FLContext
 from pyfedkern.algorithms.local import LocalModel
 from pyfedkern.flat import Entry, trainable_parameters
 
-if TYPE_CHECKING:
-    from pyfedkern.algorithms.base import FLContext
-
-Batch = tuple[torch.Tensor, torch.Tensor]
 logger = logging.getLogger("pyfedkern")
 
 
@@ -396,9 +393,9 @@ def trainer_for(local: LocalModel) -> BatchedTrainer:
 
 
 def use_batched(ctx: FLContext) -> bool:
-    """Whether a round's participants train as batched steps: the context allows it (``ctx.batched``, default
-    True) and its model can be batched (:func:`can_batch`)."""
-    return bool(getattr(ctx, "batched", True)) and can_batch(ctx.local)
+    """Whether a round's participants train as batched steps: the context allows it (``ctx.batched``) and its
+    model can be batched (:func:`can_batch`)."""
+    return bool(ctx.batched) and can_batch(ctx.local)
 
 
 # Which path is faster ----------------------------------------------------------------------------------------------
@@ -484,7 +481,7 @@ def _probe_batch(ctx: FLContext, rows: int) -> tuple[torch.Tensor, torch.Tensor,
     rows = max(1, min(int(rows), PROBE_ROWS, int(ctx.num_clients)))
     device = ctx.local.flat.data.device
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # the engine seeds torch there
-        return next(iter(stacked_batches(ctx, np.arange(rows), 0, steps=1)))
+        return next(iter(ctx.stacked_batches(np.arange(rows), 0, steps=1)))
 
 
 def _measure_paths(ctx: FLContext, xb: torch.Tensor, yb: torch.Tensor, wb: torch.Tensor | None) -> dict[str, float]:
@@ -600,85 +597,6 @@ def choose_layout(ctx: FLContext, rows: int) -> LayoutChoice:
     return _LAYOUTS[key]
 
 
-# Minibatches of many clients -----------------------------------------------------------------------------------
-
-
-class StackedBatches(Protocol):
-    """The minibatches of a round's clients, step by step (what ``ctx.stacked_batches`` returns).
-
-    Attributes:
-        clients: int64 [k] the clients, ordered by descending number of steps (ties keep the order asked for).
-        steps: int64 [k] each client's number of steps (descending).
-
-    Iterating yields, for step s = 0, 1, ..., ``(xb, yb, wb)`` of the a_s = #{r: steps[r] > s} first clients:
-    xb [a_s, B, ...] and yb [a_s, B] their batches (client r's batch is the one ``ctx.batches(clients[r], ...)``
-    yields at step s), wb None when every batch of the step has B samples, else [a_s, B] weights 1/b_r on client
-    r's b_r samples and 0 on the padding after them. A step's tensors may be overwritten by the next step's (the
-    engine reuses its buffers): copy them to keep them.
-    """
-
-    clients: np.ndarray
-    steps: np.ndarray
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]: ...
-
-
-class ListedBatches:
-    """:class:`StackedBatches` for a context that only has ``batches``: every client's batches listed, then
-    stacked step by step."""
-
-    def __init__(self, ctx: FLContext, clients: Sequence[int] | np.ndarray, t: int, **kwargs: Any) -> None:
-        listed = [list(ctx.batches(int(cid), t, **kwargs)) for cid in clients]
-        counts = np.array([len(b) for b in listed], dtype=np.int64)
-        order = np.argsort(-counts, kind="stable")
-        self.clients = np.asarray(clients, dtype=np.int64).reshape(-1)[order]
-        self.steps = counts[order]
-        self._listed = [listed[r] for r in order]
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
-        for step in range(int(self.steps[0]) if len(self.steps) else 0):
-            active = int(np.count_nonzero(self.steps > step))
-            yield stack_batches([self._listed[r][step] for r in range(active)])
-
-
-def stacked_batches(
-    ctx: FLContext,
-    clients: Sequence[int] | np.ndarray,
-    t: int,
-    *,
-    epochs: float | None = None,
-    steps: int | None = None,
-    order: str = "reshuffle",
-    drop_last: bool = False,
-) -> StackedBatches:
-    """``ctx.stacked_batches`` when the context has it, else :class:`ListedBatches` from ``ctx.batches``."""
-    kwargs = {"epochs": epochs, "steps": steps, "order": order, "drop_last": drop_last}
-    stacked = getattr(ctx, "stacked_batches", None)
-    if stacked is not None:
-        return stacked(clients, t, **kwargs)
-    return ListedBatches(ctx, clients, t, **kwargs)
-
-
-def stack_batches(batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Stack k batches to [k, B, ...]; unequal sizes are zero-padded to the largest, with per-sample weights."""
-    sizes = [int(b[1].shape[0]) for b in batches]
-    if len(set(sizes)) == 1 and len({tuple(b[0].shape) for b in batches}) == 1:
-        return torch.stack([b[0] for b in batches]), torch.stack([b[1] for b in batches]), None
-    xb = pad_sequence([b[0] for b in batches], batch_first=True)
-    yb = pad_sequence([b[1] for b in batches], batch_first=True)
-    return xb, yb, padding_weights(sizes, xb)
-
-
-def padding_weights(sizes: Sequence[int] | torch.Tensor, xb: torch.Tensor) -> torch.Tensor:
-    """[k, B] per-sample weights of k batches of ``sizes`` ([k] integers) zero-padded into xb [k, B, ...]: 1/b_r on
-    the b_r real samples of batch r, 0 on its padding (xb's float dtype, or float64 for integer inputs such as token
-    ids: :meth:`BatchedTrainer.gradients` rounds them to the model's dtype)."""
-    sizes = torch.as_tensor(sizes, device=xb.device)
-    dtype = xb.dtype if xb.is_floating_point() else torch.float64
-    real = torch.arange(xb.shape[1], device=xb.device)[None, :] < sizes[:, None]
-    return real.to(dtype) / sizes[:, None].to(dtype)
-
-
 # Batched local training ----------------------------------------------------------------------------------------
 
 
@@ -732,7 +650,7 @@ class BatchedLocal:
         if steps is None and epochs is None:
             steps, epochs = ctx.local_steps, ctx.local_epochs
         self.ctx = ctx
-        self.batches = stacked_batches(ctx, clients, t, epochs=epochs, steps=steps, order=order, drop_last=drop_last)
+        self.batches = ctx.stacked_batches(clients, t, epochs=epochs, steps=steps, order=order, drop_last=drop_last)
         self.clients = np.asarray(self.batches.clients, dtype=np.int64)
         self.steps = np.asarray(self.batches.steps, dtype=np.int64)
         self.index = torch.as_tensor(self.clients, device=ctx.device)
@@ -740,11 +658,11 @@ class BatchedLocal:
         self.t = t
         self.trainer = trainer_for(ctx.local)
         #: local DP-SGD (``ctx.dpsgd``): every step's gradients are private ones, noise keyed by (t, client, step)
-        self.dp = getattr(ctx, "dpsgd", None)
+        self.dp = ctx.dpsgd
         self.loss_sum = torch.zeros(len(self.clients), dtype=torch.float64, device=ctx.device)
         #: a distillation teacher (module) and weight, when the context's model has them (dynamic's Continuous)
-        self.teacher = getattr(ctx.local, "teacher", None)
-        self.kd_weight = float(getattr(ctx.local, "kd_weight", 0.0))
+        self.teacher = ctx.local.teacher
+        self.kd_weight = float(ctx.local.kd_weight)
 
     def __len__(self) -> int:
         return len(self.clients)
@@ -960,7 +878,7 @@ def bytes_per_client(ctx: FLContext, state_rows: int) -> int:
     local = ctx.local
     itemsize = local.flat.data.element_size()
     rows = 5 + state_rows + (1 if ctx.momentum else 0)
-    sample = getattr(ctx, "sample_input", None)
+    sample = ctx.sample_input
     activations = 0
     if sample is not None and can_batch(local):
         activations = 3 * ctx.batch_size * trainer_for(local).activations_per_sample(sample)
@@ -974,13 +892,13 @@ def client_chunks(ctx: FLContext, clients: np.ndarray, state_rows: int = 2) -> I
     when everything fits.
     Nothing when ``clients`` is empty."""
     clients = np.asarray(clients, dtype=np.int64).reshape(-1)
-    size = getattr(ctx, "client_chunk", None)
+    size = ctx.client_chunk
     if size is None and not use_batched(ctx):
         size = max(1, LOOP_CHUNK_BYTES // (2 * ctx.local.dim * ctx.local.flat.data.element_size()))
     elif size is None:
         device = torch.device(ctx.device)
         budget = MEMORY_FRACTION["cuda" if device.type == "cuda" else "cpu"] * free_memory(device)
-        budget /= getattr(ctx, "device_sharers", 1)  # the processes of a distributed run on the same memory
+        budget /= ctx.device_sharers  # the processes of a distributed run on the same memory
         size = max(1, int(budget // max(bytes_per_client(ctx, state_rows), 1)))
     for start in range(0, len(clients), size):
         yield clients[start : start + size]

@@ -106,9 +106,6 @@ class SessionContext:
         self._round_key = round_key
         if local is not None:
             self.local = local
-        base_stacked = getattr(base, "stacked_batches", None)
-        if base_stacked is not None:  # shifted like batches (a context without it keeps using batches)
-            self.stacked_batches = lambda clients, t, **kwargs: base_stacked(clients, t + round_key, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._base, name)
@@ -122,6 +119,9 @@ class SessionContext:
 
     def batches(self, cid: int, t: int, **kwargs: Any):
         return self._base.batches(cid, t + self._round_key, **kwargs)
+
+    def stacked_batches(self, clients: Any, t: int, **kwargs: Any) -> Any:
+        return self._base.stacked_batches(clients, t + self._round_key, **kwargs)
 
     def sample_clients(self, t: int) -> np.ndarray:
         return self._base.sample_clients(t + self._round_key)
@@ -249,13 +249,13 @@ class DistillationLocal:
 
 def session_groups(ctx: FLContext) -> tuple[list[np.ndarray], list[np.ndarray | None]]:
     """(client ids, labels) of each client group: the partition's groups, or one group of every client."""
-    partition = getattr(ctx, "partition", None)
-    groups = getattr(partition, "groups", None)
+    partition = ctx.partition
+    groups = None if partition is None else partition.groups
     if groups is None:
         return [np.arange(ctx.num_clients, dtype=np.int64)], [None]
     groups = np.asarray(groups, dtype=np.int64)
     ids = sorted(set(groups.tolist()))
-    labels = getattr(partition, "group_labels", None)
+    labels = partition.group_labels
     return (
         [np.flatnonzero(groups == g).astype(np.int64) for g in ids],
         [None if labels is None else np.asarray(labels[g], dtype=np.int64) for g in ids],
@@ -458,10 +458,8 @@ class DynamicInit(Algorithm):
     def _start_session(self, s: int, t: int, ctx: FLContext) -> dict[str, float]:
         groups, labels = session_groups(ctx)
         g = s % len(groups)
-        if hasattr(ctx, "active_clients"):
-            ctx.active_clients = groups[g]
-        if hasattr(ctx, "eval_labels"):
-            ctx.eval_labels = labels[g]
+        ctx.active_clients = groups[g]
+        ctx.eval_labels = labels[g]
         extras: dict[str, float] = {"group": float(g)}
         if self._skipped(s):
             return extras
@@ -508,10 +506,9 @@ def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
 
 
 def _rounds_per_session(ctx: FLContext, sessions: int) -> int:
-    config = getattr(ctx, "config", None)
-    rounds = getattr(config, "rounds", None)
+    rounds = ctx.rounds
     if rounds is None:
-        raise ValueError("session_rounds must be set when the context has no config.rounds")
+        raise ValueError("session_rounds must be set when the context has no rounds")
     if rounds % sessions:
         raise ValueError(f"rounds ({rounds}) must be a multiple of sessions ({sessions}), or set session_rounds")
     return rounds // sessions

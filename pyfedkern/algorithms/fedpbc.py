@@ -58,8 +58,8 @@ def client_class_histograms(ctx: FLContext) -> np.ndarray:
 
     ValueError when the context has no integer class labels (pass explicit ``link_probs`` then).
     """
-    labels = getattr(ctx, "client_y", None)
-    num_classes = getattr(getattr(ctx, "data", None), "num_classes", None)
+    labels = ctx.client_y
+    num_classes = None if ctx.data is None else ctx.data.num_classes
     if labels is None or not num_classes:
         raise ValueError(
             "the log-normal link probabilities need per-client class labels (ctx.client_y, ctx.data.num_classes); "
@@ -139,7 +139,7 @@ class _LinkAlgorithm(Algorithm):
     def present_clients(ctx: FLContext) -> np.ndarray:
         """Sorted int64 ids of the clients that exist this round: ``ctx.active_clients`` when the context has it
         (a session schedule may restrict it), else all m."""
-        present = getattr(ctx, "active_clients", None)
+        present = ctx.active_clients
         if present is None:
             return np.arange(ctx.num_clients, dtype=np.int64)
         return np.unique(np.asarray(present, dtype=np.int64))
@@ -188,14 +188,13 @@ class FedPBC(_LinkAlgorithm):
         self.clients.data.copy_(x0.expand_as(self.clients.data))
         self.present: np.ndarray | None = None
         # spread over processes, x̄^t is combined each round (no process holds every x_i)
-        team = getattr(ctx, "team", None)
-        self.team_mean = x0.clone() if team is not None and team.size > 1 else None
+        self.team_mean = x0.clone() if ctx.team.size > 1 else None
 
     def round(self, t: int, ctx: FLContext) -> RoundStats:
         present = self.present_clients(ctx)
         self.present = present
-        team = getattr(ctx, "team", None)
-        if team is not None and team.size > 1:
+        team = ctx.team
+        if team.size > 1:
             return self.shared_round(t, ctx, team, present)
         store = self.clients.data
         if len(present) == store.shape[0]:
@@ -314,8 +313,8 @@ class FedAvgLinks(_LinkAlgorithm):
     def round(self, t: int, ctx: FLContext) -> RoundStats:
         self.present = self.present_clients(ctx)
         active = self.uplinks(t, self.present)
-        team = getattr(ctx, "team", None)
-        if team is None or team.size == 1:
+        team = ctx.team
+        if team.size == 1:
             models, losses = self.local_models(ctx, t, active)
             with ctx.timer("aggregation"):
                 self.server_update(t, active, models)

@@ -452,8 +452,8 @@ class FedSpeed(Algorithm):
 
     def round(self, t: int, ctx: FLContext) -> RoundStats:
         clients = self.participants(t, ctx)
-        team = getattr(ctx, "team", None)
-        own = clients if team is None else team.mine(clients)
+        team = ctx.team
+        own = team.mine(clients)
         self._acc.zero_()
         opt = self.optimizer
         opt.param_groups[0]["lr"] = ctx.lr(t)
@@ -471,8 +471,7 @@ class FedSpeed(Algorithm):
             sums.vectors["upload"] = self._acc
             if self.corr_avg == "all":
                 sums.vectors["h_total"] = self.h_total
-            if team is not None:
-                sums, losses, _ = team.combine(t, sums, losses, 0)
+            sums, losses, _ = team.combine(t, sums, losses, 0)
             if len(clients):
                 if self.corr_avg == "all":
                     ops.weighted_sum(

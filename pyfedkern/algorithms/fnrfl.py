@@ -407,8 +407,8 @@ class FNRFL(FedAvg):
         statistics (F_i, present labels, A_i: 2K + 1 numbers each), each takes the same selection, refines the
         selected clients it trained, and the team adds up the model sums for the server step."""
         clients = self.participants(t, ctx)
-        team = getattr(ctx, "team", None)
-        own = clients if team is None else team.mine(clients)
+        team = ctx.team
+        own = team.mine(clients)
         _split_model(ctx.local.module)
         batched = use_batched(ctx)
         chunks: list[ClientUpdates] = []
@@ -426,7 +426,7 @@ class FNRFL(FedAvg):
         own_ids = np.concatenate([u.clients for u in chunks]) if chunks else np.zeros(0, dtype=np.int64)
         where = dict(zip(own_ids.tolist(), ((c, r) for c, u in enumerate(chunks) for r in range(len(u))), strict=True))
         ids = own_ids
-        if team is not None and team.size > 1:
+        if team.size > 1:
             stats = self._shared_statistics(t, team, _num_classes(ctx.local.module), clients, own_ids, stats)
             ids = np.asarray(clients, dtype=np.int64)
         # positions in ids in ascending client id: selection ties go to the lower id
@@ -459,8 +459,7 @@ class FNRFL(FedAvg):
         with ctx.timer("aggregation"):
             for updates in chunks:
                 self.accumulate(t, sums, updates, ctx)
-            if team is not None:
-                sums, losses, _ = team.combine(t, sums, losses, 0)
+            sums, losses, _ = team.combine(t, sums, losses, 0)
             if len(clients):
                 self.server_step(t, sums, ctx)
         P = int(self.x.numel())
@@ -504,7 +503,7 @@ def _empty_target(like: PublicStats) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _public_set(ctx: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    px, py = getattr(ctx, "public_x", None), getattr(ctx, "public_y", None)
+    px, py = ctx.public_x, ctx.public_y
     if px is None or py is None or px.shape[0] == 0:
         raise ValueError(
             "FNR-FL needs a labelled public set: the simulation engine carves it from the training data when the "

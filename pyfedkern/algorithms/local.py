@@ -21,6 +21,11 @@ from pyfedkern.flat import FlatParameters
 class LocalModel:
     """A module whose parameters and gradients are views of flat [d] buffers ``flat.data`` / ``flat.grad``."""
 
+    #: A distillation teacher whose log-probabilities the batched path's objective matches with weight
+    #: ``kd_weight`` (DynamicInit's Continuous baseline sets both); None: none.
+    teacher: nn.Module | None = None
+    kd_weight: float = 0.0
+
     def __init__(
         self,
         module: nn.Module,

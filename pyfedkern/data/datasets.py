@@ -21,12 +21,14 @@ import gzip
 import math
 import pickle
 import zlib
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from pyfedkern.data.dataset import Dataset
+from pyfedkern.data.leaf import load_leaf
 from pyfedkern.data.spec import parse_spec
 
 DATASETS = ("digits", "synthetic", "synthetic-iid", "mnist", "cifar10", "quadratic", "leaf")
@@ -35,26 +37,6 @@ NORMALIZATIONS = ("standard", "unit", "none")
 MNIST_URL = "http://yann.lecun.com/exdb/mnist/"
 CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar.html"
 LEAF_URL = "https://github.com/TalwalkarLab/leaf"
-
-
-@dataclass
-class Dataset:
-    """A train/test split. x: [n, *input_shape] (float32 features, or int64 tokens); y: int64 [n] class labels in
-    [0, num_classes), or float regression targets [n, ...] with num_classes None.
-
-    ``normalization`` describes what was applied to x. ``client_ids`` (int64 [n_train]) names the natural client
-    of each training sample for datasets that have them (synthetic, synthetic-iid, quadratic, LEAF), else None.
-    """
-
-    name: str
-    x_train: np.ndarray
-    y_train: np.ndarray
-    x_test: np.ndarray
-    y_test: np.ndarray
-    num_classes: int | None
-    input_shape: tuple[int, ...]
-    normalization: str
-    client_ids: np.ndarray | None = None
 
 
 def load_dataset(
@@ -85,8 +67,6 @@ def load_dataset(
     if name == "digits":
         return _digits(normalize, int(split_seed))
     if name == "leaf":
-        from pyfedkern.data.leaf import load_leaf
-
         return load_leaf(_require_root(root, "leaf", "train/ and test/ folders of LEAF *.json files", LEAF_URL))
     if name == "mnist":
         return _mnist(root, normalize)

@@ -1,4 +1,4 @@
-"""Partitions made by ``flwr-datasets`` (Flower's federated datasets) as a :class:`~pyfedkern.data.datasets.Dataset`
+"""Partitions made by ``flwr-datasets`` (Flower's federated datasets) as a :class:`~pyfedkern.data.dataset.Dataset`
 with natural clients: the optional extra ``pip install pyfedkern[flwr-datasets]``.
 
 pyfedkern downloads nothing: build the ``FederatedDataset`` from local files (``dataset="csv"``/``"parquet"``/
@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from pyfedkern.data.datasets import Dataset
+from pyfedkern.data.dataset import Dataset
 
 
 def from_flwr_datasets(

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pyfedkern.data.datasets import Dataset
+from pyfedkern.data.dataset import Dataset
 
 #: LEAF's Shakespeare alphabet (``leaf/models/utils/language_utils.py``): a character's index is its class.
 SHAKESPEARE_LETTERS = "\n !\"&'(),-.0123456789:;>?ABCDEFGHIJKLMNOPQRSTUVWXYZ[]abcdefghijklmnopqrstuvwxyz}"

@@ -58,6 +58,7 @@ import numpy as np
 import torch
 
 from pyfedkern import ops
+from pyfedkern.algorithms.context import FLContext
 from pyfedkern.flat import FlatLayout, pack, unpack
 from pyfedkern.ops import robust as robust_ops
 
@@ -781,8 +782,8 @@ class FedPBC(FedAvg):
 
 
 @dataclass
-class _ServerContext:
-    """The parts of :class:`~pyfedkern.algorithms.FLContext` a server step reads (LR schedule, local work)."""
+class _ServerContext(FLContext):
+    """The :class:`~pyfedkern.algorithms.FLContext` of a server step: the LR schedule and the local work."""
 
     config: Any
     local_epochs: float = field(init=False)
@@ -1311,7 +1312,8 @@ def _simulation(config: Any) -> Any:
 
 
 class _OneClient:
-    """An FLContext for one client's state: num_clients = 1 so per-client stores hold one row."""
+    """The client's simulation (an :class:`~pyfedkern.algorithms.FLContext`) seen with num_clients = 1, so that
+    per-client stores hold one row; every other member is the simulation's."""
 
     def __init__(self, ctx: Any) -> None:
         self._ctx = ctx

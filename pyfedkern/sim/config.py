@@ -448,6 +448,16 @@ def device_problems(device: str, *, torch_cuda: bool, gpus: int, pyfedkern_cuda:
 LAUNCHED_BY_WORKERS = "PYFEDKERN_WORKER"
 
 
+def launched() -> bool:
+    """Whether this process was started by torchrun (or ``--workers``): the env:// rendezvous variables are set."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def local_world_size() -> int:
+    """Processes of this run on this machine (LOCAL_WORLD_SIZE; 1 outside a launch)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if launched() else 1
+
+
 def parse_lr_schedule(text: str) -> tuple[str, float]:
     name, args = parse_spec(text, what="lr_schedule", choices=LR_SCHEDULES)
     if name == "const":

@@ -9,9 +9,10 @@ ranks is bit-identical. With N ranks the results equal the one-process run to ro
 - Placement: :func:`place_clients` splits clients by their planned local steps (largest first to the least-loaded
   rank), deterministically. An algorithm without client state has each round's participants split this way, so the
   ranks finish the round together. Once an algorithm keeps client state (SCAFFOLD's c_i, FedDyn's h_i, ...: it asks
-  :meth:`Team.keep_client_state` which clients are its), every client has one owner rank for the whole run, placed
-  the same way over all clients; its state lives in the owner's :class:`~pyfedkern.algorithms.ClientStore` only and
-  never travels, and each round's participants are trained by their owners.
+  :meth:`Team.keep_client_state <pyfedkern.algorithms.context.Team.keep_client_state>` which clients are its),
+  every client has one owner rank for the whole run, placed the same way over all clients; its state lives in the
+  owner's :class:`~pyfedkern.algorithms.ClientStore` only and never travels, and each round's participants are
+  trained by their owners.
 - Evaluation: each rank evaluates a contiguous slice of the test (and train-evaluation) samples; the means are
   combined weighted by the slice sizes.
 - Files: only rank 0 writes the run directory. A checkpoint holds every rank's algorithm state (rank 0 gathers them
@@ -33,30 +34,22 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from pyfedkern.algorithms import ClientUpdates, RoundSums
-from pyfedkern.sim.config import LAUNCHED_BY_WORKERS
+from pyfedkern.algorithms import ClientUpdates, RoundSums, algorithm_class
+from pyfedkern.algorithms.context import Team
+from pyfedkern.sim.config import LAUNCHED_BY_WORKERS, local_world_size
+from pyfedkern.sim.engine import Simulation
 
 #: Seconds a rank waits in a collective (and at start-up for the others) before it gives up.
 DEFAULT_TIMEOUT = 300.0
 #: Most local processes ``--workers`` starts (beyond that a machine's cores are oversubscribed anyway).
 MAX_WORKERS = 1024
-
-
-def launched() -> bool:
-    """Whether this process was started by torchrun (or ``--workers``): the env:// rendezvous variables are set."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
-def local_world_size() -> int:
-    """Processes of this run on this machine (LOCAL_WORLD_SIZE; 1 outside a launch)."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if launched() else 1
 
 
 def place_clients(steps: np.ndarray, ranks: int) -> np.ndarray:
@@ -72,65 +65,6 @@ def place_clients(steps: np.ndarray, ranks: int) -> np.ndarray:
         owner[cid] = rank
         heapq.heappush(loads, (load + max(int(steps[cid]), 1), rank))
     return owner
-
-
-class Team:
-    """The ranks of one run as the engine and :meth:`Algorithm.round <pyfedkern.algorithms.Algorithm.round>` see
-    them. This base class is the one-process team (every method the identity); :class:`ProcessTeam` is the
-    torch.distributed one.
-
-    Attributes:
-        rank, size: this rank and the number of ranks.
-        owned: sorted int64 ids of the clients this rank owns (None: all of them).
-    """
-
-    rank = 0
-    size = 1
-    owned: np.ndarray | None = None
-
-    @property
-    def is_writer(self) -> bool:
-        """Whether this rank writes files and prints (rank 0)."""
-        return self.rank == 0
-
-    def keep_client_state(self) -> np.ndarray | None:
-        """The clients whose state this rank keeps (``owned``). From this call on, :meth:`mine` gives every rank
-        the participants it owns, so that a client is always trained where its state is."""
-        return self.owned
-
-    def mine(self, clients: np.ndarray) -> np.ndarray:
-        """The clients of a round's participants ``clients`` that this rank trains, in their given order: the ones it
-        owns once client state is kept (:meth:`keep_client_state`), else its share of this round's work."""
-        return clients
-
-    def combine(self, t: int, sums: RoundSums, losses: list[torch.Tensor], upload: int):
-        """(sums, losses, upload floats) of the whole round from this rank's part of them."""
-        return sums, losses, upload
-
-    def evaluate(
-        self, fn: Callable[[torch.Tensor, torch.Tensor], tuple[float, float]], x: torch.Tensor, y: torch.Tensor
-    ) -> tuple[float, float]:
-        """``fn(x, y)`` → (mean loss, accuracy), computed over the ranks' slices of (x, y) and combined."""
-        return fn(x, y)
-
-    def first(self, fn: Callable[[], Any]) -> Any:
-        """``fn()`` run on rank 0 (its value there, None on the other ranks) before any rank goes on; a ValueError
-        or OSError it raises is raised on every rank."""
-        return fn()
-
-    def scatter(self, items: Sequence[Any] | None) -> Any:
-        """items[r] (given on rank 0) on rank r."""
-        assert items is not None
-        return items[0]
-
-    def gather(self, item: Any) -> list[Any] | None:
-        """Every rank's ``item`` in rank order on rank 0 (tensors in it on the CPU), None elsewhere."""
-        return [item]
-
-    def everyone(self, t: int, parts: list[ClientUpdates]) -> list[ClientUpdates]:
-        """Every rank's ``parts`` (chunks of round t's uploads, kept for a robust aggregator or an attack) on every
-        rank, in rank order, on this rank's device."""
-        return parts
 
 
 class ProcessTeam(Team):
@@ -383,8 +317,6 @@ def spreads(cls: type) -> bool:
 def check_algorithm(name: str, params: dict[str, Any] | None = None) -> None:
     """ValueError unless the algorithm ``name`` with hyper-parameters ``params`` can spread its rounds over processes
     (:func:`spreads`): it, and the algorithm it wraps when it has a ``host`` hyper-parameter (``dynamic``)."""
-    from pyfedkern.algorithms import algorithm_class
-
     names = [name]
     host = algorithm_class(name).hyperparameters().get("host")
     if host is not None:
@@ -484,8 +416,6 @@ def run_distributed(
     """Run (or resume) ``config`` as this process's rank of a launched job (torchrun or ``--workers``; see
     :meth:`Simulation.run <pyfedkern.sim.engine.Simulation.run>`): join the process group, build the simulation,
     place the clients, run, leave the group. Every rank returns the same per-round metrics."""
-    from pyfedkern.sim.engine import Simulation
-
     check_algorithm(config.algorithm, config.algorithm_params)
     device = rank_device(config.device)
     init_process_group(device)

@@ -37,8 +37,8 @@ from pyfedkern.algorithms.batched import (
     choose_path,
     free_memory,
     is_image_batch,
-    padding_weights,
 )
+from pyfedkern.algorithms.context import FLContext, Team, padding_weights
 from pyfedkern.algorithms.robust import parse_aggregator
 from pyfedkern.ops import seeded_permutations
 from pyfedkern.privacy import CentralDP
@@ -49,9 +49,9 @@ from pyfedkern.sim.config import (
     check_local_work,
     check_model_memory,
     check_threads,
+    local_world_size,
     parse_lr_schedule,
 )
-from pyfedkern.sim.distributed import Team, local_world_size
 from pyfedkern.sim.parts import Parts, build_module, check_model, fingerprint, parts_from_config
 from pyfedkern.sim.results import (
     RESUME_FREE_FIELDS,
@@ -73,8 +73,9 @@ logger = logging.getLogger("pyfedkern")
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
-class Simulation:
-    """Builds an experiment from its config and runs it; implements :class:`~pyfedkern.algorithms.FLContext`."""
+class Simulation(FLContext):
+    """Builds an experiment from its config and runs it; the :class:`~pyfedkern.algorithms.FLContext` its algorithm
+    reads."""
 
     def __init__(
         self, config: ExperimentConfig, algorithm: Algorithm | None = None, parts: Parts | None = None
@@ -172,7 +173,7 @@ class Simulation:
                 spec.name,
             )
         self._timers: dict[str, float] = {}
-        #: The ranks this run is spread over (FLContext.team; pyfedkern.sim.distributed): one process by default.
+        #: The ranks this run is spread over (FLContext.team): one process unless pyfedkern.sim.distributed sets it.
         self.team = Team()
         #: Processes of this run sharing the device's memory (``FLContext.device_sharers``), the local ranks on a CPU.
         self.device_sharers = local_world_size() if self.device.type == "cpu" else 1
@@ -196,6 +197,11 @@ class Simulation:
     @batched.setter
     def batched(self, value: bool) -> None:
         self._batched = value
+
+    @property
+    def rounds(self) -> int:
+        """The run's number of rounds (``config.rounds``)."""
+        return self.config.rounds
 
     @property
     def channels_last(self) -> bool:
@@ -392,7 +398,7 @@ class Simulation:
         batch_size: int | None = None,
     ) -> RoundBatches:
         """The minibatches of many clients in round t, gathered a step at a time
-        (:class:`~pyfedkern.algorithms.batched.StackedBatches`): the clients ordered by descending number of steps,
+        (:class:`~pyfedkern.algorithms.context.StackedBatches`): the clients ordered by descending number of steps,
         and at step s the batches of those that still have one, client r's equal to what
         ``batches(clients[r], t, ...)`` yields at step s (noise included). The whole round's sample index is built on
         the host without a loop over clients and copied to the device once."""
@@ -695,7 +701,7 @@ class _Plan:
 
 class RoundBatches:
     """What :meth:`Simulation.stacked_batches` returns (see
-    :class:`~pyfedkern.algorithms.batched.StackedBatches`): the plan's sample index, step after step, on the device.
+    :class:`~pyfedkern.algorithms.context.StackedBatches`): the plan's sample index, step after step, on the device.
     Each step's batches are gathered with ``index_select`` into buffers reused from step to step.
 
     Attributes:

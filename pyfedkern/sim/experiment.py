@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from pyfedkern.algorithms import Algorithm, make_algorithm
-from pyfedkern.data.datasets import Dataset
+from pyfedkern.data.dataset import Dataset
 from pyfedkern.sim.config import ExperimentConfig
 from pyfedkern.sim.engine import Simulation
 from pyfedkern.sim.parts import Evaluate, Parts, as_dataset, check_data, from_arrays, model_spec, split
@@ -36,7 +36,7 @@ class Experiment:
             reference, a built-in model name (``"cnn"``), or a :class:`~pyfedkern.models.ModelSpec`.
         train: the training data: an ``(x, y)`` pair of NumPy arrays or tensors (x [n, ...] any shape; y int64
             class labels [n] or float regression targets [n, ...]), a map-style dataset of ``(x, y)`` pairs, or a
-            :class:`~pyfedkern.data.datasets.Dataset` (which carries its test set: leave ``test`` None).
+            :class:`~pyfedkern.data.dataset.Dataset` (which carries its test set: leave ``test`` None).
         test: the test data, in the same forms as ``train``.
         clients: a partition spec (``"dirichlet:0.3"``, ``"iid"``, ``"natural"`` for a Dataset's own clients, ...;
             ``pyfedkern partition --help``), a list of index lists (client i holds ``train`` samples

@@ -1,5 +1,5 @@
 """An experiment's parts: the model (:class:`~pyfedkern.models.ModelSpec`), the data
-(:class:`~pyfedkern.data.datasets.Dataset`) and its split among clients, with the checks they pass before any
+(:class:`~pyfedkern.data.dataset.Dataset`) and its split among clients, with the checks they pass before any
 training. :func:`parts_from_config` is the one place a config's names become parts; :func:`model_spec`,
 :func:`from_arrays` and :func:`split` make them from the user's own objects
 (:class:`~pyfedkern.sim.experiment.Experiment`). The engine (:class:`~pyfedkern.sim.engine.Simulation`) takes parts,

@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from pyfedkern.algorithms.batched import BatchedTrainer, LinearChainGradients, layer_chain, padding_weights
+from pyfedkern.algorithms.batched import BatchedTrainer, LinearChainGradients, layer_chain
+from pyfedkern.algorithms.context import padding_weights
 from pyfedkern.algorithms.local import LocalModel
 from pyfedkern.models import build_model
 

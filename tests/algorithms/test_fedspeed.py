@@ -4,20 +4,18 @@ FedAvg), the user-loop optimizer, bad input, exact resume, and short end-to-end 
 
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from pyfedkern.algorithms import LocalModel, algorithm_class, make_algorithm
+from pyfedkern.algorithms import FLContext, LocalModel, algorithm_class, make_algorithm
 from pyfedkern.algorithms.fedavg import FedAvg, FedProx
 from pyfedkern.algorithms.fedspeed import FedSpeed, FedSpeedOptimizer
 from pyfedkern.algorithms.fedspeed_baselines import FedAdam, FedCM, FedDyn, FedSAM
 
 
-class ToyContext:
+class ToyContext(FLContext):
     """A deterministic FLContext: m clients (n samples each, or ``sizes``) with shifted Gaussian features, a small
     float64 MLP. ``client_sizes`` (the aggregation weights |D_i|) may be overwritten without changing the data."""
 
@@ -29,10 +27,10 @@ class ToyContext:
         self.local = LocalModel(module)
         self.x0 = self.local.flat.data.clone()
         sizes = [n] * num_clients if sizes is None else list(sizes)
-        self.data = []
+        self.samples = []
         for i, size in enumerate(sizes):
             features = torch.randn(size, dim, generator=gen, dtype=torch.float64) + 0.5 * i
-            self.data.append((features, torch.randint(0, classes, (size,), generator=gen)))
+            self.samples.append((features, torch.randint(0, classes, (size,), generator=gen)))
         self.num_clients, self.batch, self.seed = len(sizes), batch, seed
         self.client_sizes = np.asarray(sizes, dtype=np.int64)
         self.device = torch.device("cpu")
@@ -45,7 +43,7 @@ class ToyContext:
 
     def batches(self, cid, t, *, epochs=None, steps=None, order="reshuffle", drop_last=False, batch_size=None):
         rng = self.rng(2, t, cid)
-        x, y = self.data[cid]
+        x, y = self.samples[cid]
         for _ in range(steps or self.local_steps):
             idx = torch.as_tensor(rng.choice(len(y), self.batch, replace=False))
             yield x[idx], y[idx]
@@ -56,9 +54,6 @@ class ToyContext:
 
     def rng(self, *keys: int) -> np.random.Generator:
         return np.random.default_rng([self.seed, *keys])
-
-    def timer(self, category: str):
-        return contextlib.nullcontext()
 
 
 def run(algorithm, ctx: ToyContext, rounds: int) -> torch.Tensor:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from pyfedkern.algorithms import make_algorithm
+from pyfedkern.algorithms import FLContext, make_algorithm
 from pyfedkern.algorithms.fnrfl import (
     FNRFL,
     PublicStats,
@@ -241,9 +241,9 @@ def test_authors_delta_rule_reaches_the_refinement(monkeypatch):
         torch.testing.assert_close(target[0], sum(s.class_mean.double() * s.present for s in others))
 
 
-class _RefineContext:
-    """The part of FLContext that FNRFL.refine reads: a LocalModel, the public set, lr, batch size, rng streams and
-    the model's seeding."""
+class _RefineContext(FLContext):
+    """The part of FLContext that FNRFL.refine reads: a LocalModel, the public set, lr, batch size and rng streams
+    (the model's seeding is the default's: the test model has no dropout)."""
 
     def __init__(self, module, public_x, public_y, batch_size):
         self.local = LocalModel(module)
@@ -256,9 +256,6 @@ class _RefineContext:
 
     def rng(self, *keys):
         return np.random.default_rng(list(keys))
-
-    def seed_model_randomness(self, t, *keys):
-        """The test model has no dropout: nothing to seed."""
 
 
 def _spec_refinement(start, x, y, target_sum, target_count, lam, steps, lr=0.5):
@@ -382,12 +379,8 @@ def test_parameters_are_validated_and_reach_the_cli():
 def test_missing_public_set_and_model_split_are_reported():
     algo = FNRFL()
 
-    class Ctx:
-        public_x = None
-        public_y = None
-
     with pytest.raises(ValueError, match="public set"):
-        algo.public_statistics(torch.zeros(1), Ctx())
+        algo.public_statistics(torch.zeros(1), FLContext())
 
 
 def test_cli_accepts_the_short_p_option(tmp_path):

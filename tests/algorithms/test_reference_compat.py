@@ -13,7 +13,6 @@ plain mean, the step count and the padded batched path all matter.
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import numpy as np
@@ -22,7 +21,7 @@ import torch
 from torch import nn
 from torch.nn.utils import clip_grad_norm_, parameters_to_vector, vector_to_parameters
 
-from pyfedkern.algorithms import LocalModel, make_algorithm
+from pyfedkern.algorithms import FLContext, LocalModel, make_algorithm
 
 LAMB = 0.1  # FL-Simulator's prox weight (FedProx's μ, FedDyn's and FedSpeed's 1/λ)
 RHO = 0.1
@@ -30,7 +29,7 @@ CM_ALPHA = 0.1  # FedCM's a
 ADAM = dict(server_lr=0.1, beta1=0.9, beta2=0.99, eps=0.01)
 
 
-class EpochContext:
+class EpochContext(FLContext):
     """A FLContext whose clients pass over their data in epochs of shuffled minibatches of ``batch`` samples, the
     last one short (a DataLoader with shuffle=True); every client takes part in every round unless ``fraction``."""
 
@@ -41,10 +40,10 @@ class EpochContext:
         self.module = nn.Sequential(nn.Linear(dim, 6), nn.Tanh(), nn.Linear(6, classes)).double()
         self.local = LocalModel(self.module)
         self.x0 = self.local.flat.data.clone()
-        self.data = []
+        self.samples = []
         for i, size in enumerate(sizes):
             features = 2.0 * torch.randn(size, dim, generator=gen, dtype=torch.float64) + i
-            self.data.append((features, torch.randint(0, classes, (size,), generator=gen)))
+            self.samples.append((features, torch.randint(0, classes, (size,), generator=gen)))
         self.num_clients, self.seed, self.fraction = len(sizes), seed, fraction
         self.client_sizes = np.asarray(sizes, dtype=np.int64)
         self.device = torch.device("cpu")
@@ -56,7 +55,7 @@ class EpochContext:
         return self.lr0 * self.decay**t
 
     def batches(self, cid, t, *, epochs=None, steps=None, order="reshuffle", drop_last=False, batch_size=None):
-        x, y = self.data[cid]
+        x, y = self.samples[cid]
         for e in range(math.ceil(epochs or self.local_epochs)):
             perm = torch.as_tensor(self.rng(2, t, cid, e).permutation(len(y)))
             for b in range(0, len(y), self.batch_size):
@@ -69,9 +68,6 @@ class EpochContext:
 
     def rng(self, *keys: int) -> np.random.Generator:
         return np.random.default_rng([self.seed, *keys])
-
-    def timer(self, category: str):
-        return contextlib.nullcontext()
 
 
 # FL-Simulator, restated ----------------------------------------------------------------------------------------
