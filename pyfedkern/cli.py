@@ -123,10 +123,10 @@ _COMMON = [
         "Byzantine clients: signflip:p | gaussian:p[,σ] | scale:p[,s] | alie:p[,z] | ipm:p[,ε], p the fraction of "
         "each round's clients",
     ),
-    ("dp", "--dp", str, "differential privacy: central (user-level, clipped and noised aggregate; docs/privacy.md)"),
+    ("dp", "--dp", str, "differential privacy: central (user-level) | local (DP-SGD, record-level); docs/privacy.md"),
     ("dp_epsilon", "--dp-epsilon", float, "DP budget ε over the run (σ solved from it); or give --dp-noise-multiplier"),
     ("dp_delta", "--dp-delta", float, "DP δ, in (0, 1/population)"),
-    ("dp_clip", "--dp-clip", float, "DP clip C of each client's model update (ℓ2 norm; the initial clip if adaptive)"),
+    ("dp_clip", "--dp-clip", float, "DP clip C (ℓ2) of each client's update (central) or sample's gradient (local)"),
     ("dp_noise_multiplier", "--dp-noise-multiplier", float, "DP noise multiplier σ (ε is reported); or --dp-epsilon"),
     ("dp_adaptive_clip", "--dp-adaptive-clip", float, "adapt the clip to this quantile of the update norms"),
     ("dp_population", "--dp-population", int, "clients the cohorts are drawn from, for accounting (none: --clients)"),

@@ -11,6 +11,9 @@ sum (:func:`pyfedkern.ops.gaussian_noise_`, a stream keyed by (seed, round), so 
 participants are spread over processes) and the server divides by the cohort size n. An algorithm takes it through
 :meth:`Algorithm.round <pyfedkern.algorithms.base.Algorithm.round>` when it sets ``dp_upload`` (the name of its
 uploaded model vector) and keeps the default round (docs/privacy.md lists which do).
+
+Local DP-SGD (:mod:`pyfedkern.dpsgd`) is accounted by :class:`LocalDP`: each client's local steps, for the
+worst-case client of a run.
 """
 
 from __future__ import annotations
@@ -276,14 +279,90 @@ class CentralDP:
         one's (a run planned for ε over fewer rounds, extended: its remaining rounds would exceed the budget)."""
         if not isinstance(state, dict) or not {"clip", "noise_multiplier"} <= state.keys():
             raise ValueError(f"{where} holds no central-DP state (a run without DP cannot be resumed with it)")
-        if float(state["noise_multiplier"]) != self.noise_multiplier:
-            raise ValueError(
-                f"{where}: the run's noise multiplier was {float(state['noise_multiplier']):.6g} (its budget spread "
-                f"over {int(state.get('rounds', 0))} rounds), this configuration gives {self.noise_multiplier:.6g} "
-                f"over {self.rounds}: continuing would exceed the run's privacy budget; give --dp-noise-multiplier "
-                "to extend it (ε then grows)"
-            )
+        _check_same_sigma(float(state["noise_multiplier"]), int(state.get("rounds", 0)), self, where)
         self.clip = float(state["clip"])
+
+
+@dataclass
+class LocalDP:
+    """The accounting of record-level DP-SGD in a federated run (:class:`pyfedkern.dpsgd.DPSGD` in every local step).
+
+    Client i's local steps are Poisson-subsampled Gaussian mechanisms at rate q_i = b_i/|D_i| (b_i = min(B, |D_i|)),
+    s_i steps a round, in each of the ``rounds`` rounds it may take part in. The run is accounted for its worst-case
+    client with q = max_i q_i and s = max_i s_i (an upper bound on every client's ε: ε grows with both), as
+    ``rounds``·s compositions at rate q with multiplier σ.
+
+    Args:
+        clip: C > 0, finite: the bound of each sample's gradient.
+        noise_multiplier: σ ≥ 0 (0: clipping only, ε = inf).
+        delta: δ ∈ (0, 1/records).
+        records: the most samples a client holds (δ must be below its inverse).
+        sampling_rate: q ∈ (0, 1], the largest of the clients' b_i/|D_i|.
+        steps_per_round: s ≥ 1, the most local steps a client takes in a round.
+        rounds: rounds T the budget covers.
+        accountant: "rdp" or "pld" (``dp-accounting``'s).
+    """
+
+    clip: float
+    noise_multiplier: float
+    delta: float
+    records: int
+    sampling_rate: float
+    steps_per_round: int
+    rounds: int
+    accountant: str = "rdp"
+
+    def __post_init__(self) -> None:
+        for name in ("records", "steps_per_round", "rounds"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"dp {name} must be an integer >= 1, got {value!r}")
+        check_clip(self.clip)
+        sigma = self.noise_multiplier
+        if isinstance(sigma, bool) or not isinstance(sigma, (int, float)) or not 0 <= sigma < math.inf:
+            raise ValueError(f"dp noise_multiplier must be a finite number >= 0, got {sigma!r}")
+        if isinstance(self.delta, bool) or not isinstance(self.delta, (int, float)) or not 0 < self.delta < 1:
+            raise ValueError(f"dp delta must be in (0, 1), got {self.delta!r}")
+        if self.delta >= 1 / self.records:
+            raise ValueError(
+                f"dp delta must be below 1/records = 1/{self.records} (the largest client's samples: local DP "
+                f"protects each record), got {self.delta!r}"
+            )
+        check_accounting(self.delta, int(self.rounds * self.steps_per_round), self.sampling_rate, self.accountant)
+        self._epsilon = EpsilonSchedule(sigma, self.delta, self.sampling_rate, self.accountant)
+
+    @classmethod
+    def for_epsilon(cls, epsilon: float, **settings: Any) -> LocalDP:
+        """The LocalDP whose σ spends (``epsilon``, delta) over its rounds (:func:`noise_multiplier`)."""
+        probe = cls(noise_multiplier=0.0, **settings)
+        steps = probe.rounds * probe.steps_per_round
+        sigma = noise_multiplier(epsilon, probe.delta, steps, probe.sampling_rate, probe.accountant)
+        return cls(noise_multiplier=sigma, **settings)
+
+    def epsilon(self, rounds: int | None = None) -> float:
+        """ε spent after ``rounds`` rounds (default: all of the run's) by the worst-case client."""
+        return self._epsilon((self.rounds if rounds is None else rounds) * self.steps_per_round)
+
+    def state_dict(self) -> dict[str, float]:
+        """What a resumed run checks: σ and the rounds the budget was planned for."""
+        return {"noise_multiplier": self.noise_multiplier, "rounds": float(self.rounds)}
+
+    def load_state_dict(self, state: Any, where: str = "state") -> None:
+        """ValueError when ``state`` (:meth:`state_dict`'s) is missing or its σ is not this one's (a run planned for
+        ε over fewer rounds, extended: its remaining rounds would exceed the budget)."""
+        if not isinstance(state, dict) or "noise_multiplier" not in state:
+            raise ValueError(f"{where} holds no local-DP state (a run without DP-SGD cannot be resumed with it)")
+        _check_same_sigma(float(state["noise_multiplier"]), int(state.get("rounds", 0)), self, where)
+
+
+def _check_same_sigma(saved: float, saved_rounds: int, dp: Any, where: str) -> None:
+    """ValueError unless the noise multiplier ``saved`` in a checkpoint is ``dp``'s."""
+    if saved != dp.noise_multiplier:
+        raise ValueError(
+            f"{where}: the run's noise multiplier was {saved:.6g} (its budget spread over {saved_rounds} rounds), "
+            f"this configuration gives {dp.noise_multiplier:.6g} over {dp.rounds}: continuing would exceed the "
+            "run's privacy budget; give --dp-noise-multiplier to extend it (ε then grows)"
+        )
 
 
 class _ClippedSums:

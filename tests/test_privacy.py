@@ -253,8 +253,12 @@ def test_docs_examples_run(tmp_path, monkeypatch):
         spaces.append({})
         exec(compile(block, "docs/privacy.md", "exec"), spaces[-1])
     assert any("total" in space and space["x"].shape == (1000,) for space in spaces)  # the own-loop example
-    (command,) = re.findall(r"```bash\n(.*?)```", text, re.DOTALL)
-    argv = shlex.split(command.replace("\\\n", " "))
-    assert argv[0] == "pyfedkern" and main([*argv[1:], "--no-progress"]) == 0
-    metrics = read_metrics(tmp_path / "runs" / "dp-central")
-    assert [m["round"] for m in metrics] == list(range(21)) and metrics[-1]["dp_epsilon"] > metrics[1]["dp_epsilon"]
+    commands = re.findall(r"```bash\n(.*?)```", text, re.DOTALL)
+    assert len(commands) == 2  # central, then local DP
+    for command in commands:
+        argv = shlex.split(command.replace("\\\n", " "))
+        assert argv[0] == "pyfedkern" and main([*argv[1:], "--no-progress"]) == 0
+    for run, rounds in (("dp-central", 20), ("dp-local", 3)):
+        metrics = read_metrics(tmp_path / "runs" / run)
+        assert [m["round"] for m in metrics] == list(range(rounds + 1))
+        assert metrics[-1]["dp_epsilon"] > metrics[1]["dp_epsilon"]

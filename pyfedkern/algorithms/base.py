@@ -187,6 +187,11 @@ class Algorithm:
     #: and noises, when it is the algorithm's only uploaded vector and ``round`` is not overridden; None: the
     #: algorithm refuses central DP (``central_dp``).
     dp_upload: ClassVar[str | None] = None
+    #: Whether local DP-SGD (``ctx.dpsgd``) privatises the algorithm's local training: its only data-dependent
+    #: quantity is one minibatch gradient a step, taken by :func:`local_sgd` or
+    #: :meth:`~pyfedkern.algorithms.batched.BatchedLocal.sgd_` (everything else it computes is post-processing).
+    #: False: refused with local DP (``check_local_dp``).
+    local_dp: ClassVar[bool] = False
 
     x: torch.Tensor
 
@@ -321,6 +326,16 @@ class Algorithm:
             raise ValueError(
                 f"central DP supports algorithms whose only upload is their model (fedavg, fedprox, fedsam, fedcm, "
                 f"fedadam); {cls.name} uploads more (control variates, gradients) or runs a round of its own"
+            )
+
+    @classmethod
+    def check_local_dp(cls) -> None:
+        """ValueError naming the algorithm unless local DP-SGD can privatise its local steps (:attr:`local_dp`)."""
+        if not cls.local_dp:
+            raise ValueError(
+                f"local DP-SGD supports algorithms whose local steps are plain minibatch gradient steps (fedavg, "
+                f"fedprox, scaffold, feddyn, fedcm, fedadam, fnrfl, fednova, bherd and its variants, grab, fedpbc "
+                f"and its baselines); {cls.name} takes extra gradients (perturbed steps, distillation) of its own"
             )
 
     def robust_settings(self, ctx: FLContext) -> tuple[Aggregator | None, Attack | None]:

@@ -206,6 +206,7 @@ class BHerd(Algorithm):
     """
 
     name = "bherd"
+    local_dp = True
     distributed = True  # its round wraps Algorithm.round
     alpha: float = 0.5
     buffer_dtype: str = "float32"
@@ -408,6 +409,7 @@ class GrabFedAvg(Algorithm):
     """
 
     name = "grab"
+    local_dp = True
     distributed = True  # its round wraps Algorithm.round
     running_mean: bool = False
     order: str = "fixed"
@@ -497,6 +499,7 @@ class FedNova(Algorithm):
     """
 
     name = "fednova"
+    local_dp = True
     order: str = "reshuffle"
 
     def __post_init__(self) -> None:

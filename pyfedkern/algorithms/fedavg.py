@@ -100,6 +100,7 @@ class FedAvg(Algorithm):
     """
 
     name = "fedavg"
+    local_dp = True
     robust_vectors = ("model",)
     dp_upload = "model"
     server_lr: float = 1.0

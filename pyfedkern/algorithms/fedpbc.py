@@ -87,6 +87,7 @@ class _LinkAlgorithm(Algorithm):
         link_probs: explicit probabilities instead (m values, or g values for g equal contiguous client groups).
     """
 
+    local_dp = True
     links: str = "bernoulli"
     gamma: float = 0.3
     period: int = 40

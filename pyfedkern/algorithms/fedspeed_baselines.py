@@ -59,6 +59,7 @@ class FedDyn(Algorithm):
     """
 
     name = "feddyn"
+    local_dp = True
     lam: float = 10.0
     ref_compat: bool = False
     clip_norm: float = 10.0
@@ -138,6 +139,7 @@ class FedSAM(FedAvg):
     (with ``ref_compat`` g2 is clipped to norm ``clip_norm`` first, as FL-Simulator's client does)."""
 
     name = "fedsam"
+    local_dp = False  # its perturbed second gradient would be a second, unaccounted query
     rho: float = 0.1
     eps: float = 1e-7
 

@@ -57,7 +57,10 @@ class ExperimentConfig:
     ``NAME:fraction[,parameter]`` (:mod:`pyfedkern.algorithms.attacks`), None for none. dp: "central" for
     user-level DP of the server's aggregate (:class:`pyfedkern.privacy.CentralDP`, docs/privacy.md) with dp_clip,
     dp_delta, one of dp_epsilon and dp_noise_multiplier, dp_adaptive_clip (a target quantile), dp_population (the
-    sampling rate's denominator; default the clients), dp_noise_cohort and dp_accountant ("rdp" or "pld").
+    sampling rate's denominator; default the clients), dp_noise_cohort and dp_accountant ("rdp" or "pld");
+    "local" for record-level DP-SGD in every local step (:class:`pyfedkern.dpsgd.DPSGD`, accounted by
+    :class:`pyfedkern.privacy.LocalDP`) with dp_clip (of each sample's gradient), dp_delta, one of dp_epsilon and
+    dp_noise_multiplier, and dp_accountant.
     """
 
     algorithm: str = "fedavg"
@@ -214,29 +217,30 @@ class ExperimentConfig:
 
 DP_MODES = ("central", "local")
 _DP_OPTIONS = ("epsilon", "delta", "clip", "noise_multiplier", "adaptive_clip", "population", "noise_cohort")
+_CENTRAL_OPTIONS = ("adaptive_clip", "population", "noise_cohort")  # mean nothing for local DP-SGD
 
 
 def check_dp(config: ExperimentConfig, algorithm: type) -> None:
     """ValueError naming the option for differential-privacy settings that are wrong or missing (docs/privacy.md):
-    dp must be None, "central" or "local"; central DP needs dp_clip (finite, > 0), dp_delta in (0, 1) below
-    1/population, exactly one of dp_epsilon (> 0) and dp_noise_multiplier (>= 0), and an algorithm that uploads only
-    its model."""
+    dp must be None, "central" or "local"; both need dp_clip (finite, > 0), dp_delta in (0, 1) and exactly one of
+    dp_epsilon (> 0) and dp_noise_multiplier (>= 0). Central DP needs dp_delta below 1/population and an algorithm
+    that uploads only its model; local DP-SGD an algorithm whose local steps are plain gradient steps, and it refuses
+    central DP's own options (dp_adaptive_clip, dp_population, dp_noise_cohort)."""
     from pyfedkern import privacy
 
     if config.dp is None:
         given = [f"dp_{name}" for name in _DP_OPTIONS if getattr(config, f"dp_{name}") is not None]
         if given:
-            raise ValueError(f"{', '.join(given)} need dp='central' (--dp central)")
+            raise ValueError(f"{', '.join(given)} need dp='central' or dp='local' (--dp central|local)")
         return
     if config.dp not in DP_MODES:
         raise ValueError(f"dp must be one of {', '.join(DP_MODES)} or None, got {config.dp!r}")
-    if config.dp == "local":
-        raise ValueError("dp='local' (DP-SGD) is not available from the run options yet; use pyfedkern.dpsgd")
     if config.dp_accountant not in privacy.ACCOUNTANTS:
         raise ValueError(f"dp_accountant must be one of {', '.join(privacy.ACCOUNTANTS)}, got {config.dp_accountant!r}")
     if (config.dp_epsilon is None) == (config.dp_noise_multiplier is None):
         raise ValueError(
-            "central DP needs exactly one of dp_epsilon (--dp-epsilon) and dp_noise_multiplier (--dp-noise-multiplier)"
+            f"{config.dp} DP needs exactly one of dp_epsilon (--dp-epsilon) and dp_noise_multiplier "
+            "(--dp-noise-multiplier)"
         )
     if config.dp_epsilon is not None and not _real(config.dp_epsilon, lambda v: 0 < v < math.inf):
         raise ValueError(f"dp_epsilon must be a finite number > 0, got {config.dp_epsilon!r}")
@@ -244,6 +248,14 @@ def check_dp(config: ExperimentConfig, algorithm: type) -> None:
         raise ValueError(f"dp_noise_multiplier must be a finite number >= 0, got {config.dp_noise_multiplier!r}")
     if config.dp_clip is None or not _real(config.dp_clip, lambda v: 0 < v < math.inf):
         raise ValueError(f"dp_clip (--dp-clip) must be a finite number > 0, got {config.dp_clip!r}")
+    if config.dp_delta is None or not _real(config.dp_delta, lambda v: 0 < v < 1):
+        raise ValueError(f"dp_delta (--dp-delta) must be in (0, 1), got {config.dp_delta!r}")
+    if config.dp == "local":
+        given = [f"dp_{name}" for name in _CENTRAL_OPTIONS if getattr(config, f"dp_{name}") is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} apply to central DP only (--dp central), not to dp='local'")
+        algorithm.check_local_dp()
+        return
     if config.dp_adaptive_clip is not None and not _real(config.dp_adaptive_clip, lambda v: 0 < v < 1):
         raise ValueError(f"dp_adaptive_clip must be a quantile in (0, 1), got {config.dp_adaptive_clip!r}")
     for name in ("dp_population", "dp_noise_cohort"):
@@ -251,8 +263,6 @@ def check_dp(config: ExperimentConfig, algorithm: type) -> None:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     population = config.dp_population or config.clients
-    if config.dp_delta is None or not _real(config.dp_delta, lambda v: 0 < v < 1):
-        raise ValueError(f"dp_delta (--dp-delta) must be in (0, 1), got {config.dp_delta!r}")
     if config.dp_delta >= 1 / population:
         raise ValueError(
             f"dp_delta must be below 1/population = 1/{population} (--dp-population, default the clients), got "

@@ -40,8 +40,9 @@ from pyfedkern.algorithms.batched import (
 )
 from pyfedkern.algorithms.context import FLContext, Team, padding_weights
 from pyfedkern.algorithms.robust import parse_aggregator
+from pyfedkern.dpsgd import DPSGD, units
 from pyfedkern.ops import seeded_permutations
-from pyfedkern.privacy import CentralDP
+from pyfedkern.privacy import CentralDP, LocalDP
 from pyfedkern.sim.config import (
     ExperimentConfig,
     check_data_memory,
@@ -115,6 +116,12 @@ class Simulation(FLContext):
         self.client_indices = self.partition.client_indices
         self.client_sizes = np.array([len(ix) for ix in self.client_indices], dtype=np.int64)
         check_local_work(config, self.client_sizes, free_memory(torch.device("cpu")))  # plans are made on the host
+        #: The accounting of local DP-SGD (``config.dp == "local"``), or None.
+        self.local_dp = local_dp(config, self.client_sizes, self.planned_steps(np.arange(self.num_clients)))
+        #: Local DP-SGD of every local step (FLContext.dpsgd, read by local_sgd and BatchedLocal), or None.
+        self.dpsgd = (
+            None if self.local_dp is None else DPSGD(self.local_dp.clip, self.local_dp.noise_multiplier, config.seed)
+        )
 
         x_train, y_train = self._tensor(data.x_train), self._tensor(data.y_train)
         # every client's samples, client after client; client_x/client_y are views of these (stacked_batches
@@ -153,6 +160,9 @@ class Simulation(FLContext):
             module, loss=spec.loss, penalty=spec.penalty, predict=spec.predict, has_accuracy=has_accuracy
         )
         check_model(self.local, spec.name, self._all_x[:2], self._all_y[:2], data.num_classes)
+        if self.dpsgd is not None:  # an algorithm it cannot privatise, BatchNorm in training mode: refused now
+            type(self.algorithm).check_local_dp()
+            units(module.train())
         self.initial_vector = self.local.flat.data.detach().clone()
         #: Digests of the model's structure, the data and the split, kept in the run directory (checked on resume).
         self.fingerprint = fingerprint(parts, module)
@@ -560,6 +570,8 @@ class Simulation(FLContext):
                 with self.timer("evaluation"):
                     record.update(self.evaluate(algo.global_model()))
             record.update(stats.extras)
+            if self.local_dp is not None:
+                record["dp_epsilon"] = self.local_dp.epsilon(t + 1)
             record["time_local"] = self._timers.get("local", 0.0)
             record["time_aggregation"] = self._timers.get("aggregation", 0.0)
             record["time_evaluation"] = self._timers.get("evaluation", 0.0)
@@ -632,6 +644,7 @@ class Simulation(FLContext):
             "channels_last": self.channels_last,
             "buffers": {name: b.detach().cpu().clone() for name, b in self.local.module.named_buffers()},
             "central_dp": None if self.central_dp is None else self.central_dp.state_dict(),
+            "local_dp": None if self.local_dp is None else self.local_dp.state_dict(),
         }
 
     def _restore(self, path: Path, state: dict[str, Any]) -> None:
@@ -670,6 +683,8 @@ class Simulation(FLContext):
                 buffers[name].copy_(value)
         if self.central_dp is not None:
             self.central_dp.load_state_dict(state.get("central_dp"), f"checkpoint {path}")
+        if self.local_dp is not None:
+            self.local_dp.load_state_dict(state.get("local_dp"), f"checkpoint {path}")
         self.active_clients = active.astype(np.int64)
         self.eval_labels = eval_labels
         if self.config.batched is None and isinstance(state.get("batched"), bool):
@@ -775,6 +790,27 @@ def central_dp(config: ExperimentConfig, num_clients: int) -> CentralDP | None:
     if config.dp_epsilon is not None:
         return CentralDP.for_epsilon(config.dp_epsilon, **settings)
     return CentralDP(noise_multiplier=config.dp_noise_multiplier, **settings)
+
+
+def local_dp(config: ExperimentConfig, client_sizes: np.ndarray, steps: np.ndarray) -> LocalDP | None:
+    """The :class:`~pyfedkern.privacy.LocalDP` accounting of a config with ``dp="local"`` (σ solved from dp_epsilon
+    over the config's rounds when given), or None. Clients of ``client_sizes`` samples taking ``steps`` local steps
+    a round (fixed-size batches of min(B, n)): accounted for the largest rate min(B, n)/n and the most steps."""
+    if config.dp != "local":
+        return None
+    sizes = np.asarray(client_sizes, dtype=np.int64)
+    settings = {
+        "clip": config.dp_clip,
+        "delta": config.dp_delta,
+        "records": int(sizes.max()),
+        "sampling_rate": float(np.max(np.minimum(config.batch_size, sizes) / sizes)),
+        "steps_per_round": max(1, int(np.max(steps))),
+        "rounds": config.rounds,
+        "accountant": config.dp_accountant,
+    }
+    if config.dp_epsilon is not None:
+        return LocalDP.for_epsilon(config.dp_epsilon, **settings)
+    return LocalDP(noise_multiplier=config.dp_noise_multiplier, **settings)
 
 
 def threads_for_work(work: float, cores: int) -> int:

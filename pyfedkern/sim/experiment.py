@@ -53,7 +53,7 @@ class Experiment:
         name: the data's name in config.json.
         **settings: the run settings of :class:`~pyfedkern.sim.config.ExperimentConfig` (rounds, fraction,
             batch_size, local_epochs, lr, seed, eval_every, eval_initial, sample_with_replacement, batch_order,
-            checkpoint_every, batched, channels_last, dtype, device, aggregator, attack, and central DP's dp,
+            checkpoint_every, batched, channels_last, dtype, device, aggregator, attack, and DP's dp (central|local),
             dp_epsilon, dp_delta, dp_clip, dp_noise_multiplier, dp_adaptive_clip, dp_population, dp_noise_cohort,
             dp_accountant, ...).
     """
