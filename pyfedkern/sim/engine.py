@@ -40,7 +40,7 @@ from pyfedkern.algorithms.batched import (
 )
 from pyfedkern.algorithms.context import FLContext, Team, padding_weights
 from pyfedkern.algorithms.robust import parse_aggregator
-from pyfedkern.dpsgd import DPSGD, units
+from pyfedkern.dpsgd import DPSGD
 from pyfedkern.ops import seeded_permutations
 from pyfedkern.privacy import CentralDP, LocalDP
 from pyfedkern.sim.config import (
@@ -160,9 +160,10 @@ class Simulation(FLContext):
             module, loss=spec.loss, penalty=spec.penalty, predict=spec.predict, has_accuracy=has_accuracy
         )
         check_model(self.local, spec.name, self._all_x[:2], self._all_y[:2], data.num_classes)
-        if self.dpsgd is not None:  # an algorithm it cannot privatise, BatchNorm in training mode: refused now
+        if self.dpsgd is not None:  # an algorithm or a layer it cannot privatise (BatchNorm training): refused now
             type(self.algorithm).check_local_dp()
-            units(module.train())
+            with torch.random.fork_rng(devices=[]):  # one private step's clipped sum on two samples
+                self.dpsgd.clipped_sum(module.train(), self.local.loss, self._all_x[:2], self._all_y[:2])
         self.initial_vector = self.local.flat.data.detach().clone()
         #: Digests of the model's structure, the data and the split, kept in the run directory (checked on resume).
         self.fingerprint = fingerprint(parts, module)

@@ -173,25 +173,38 @@ def test_config_refuses_bad_local_dp_settings(changes, match):
 
 
 def test_refused_before_training():
-    """δ at or above 1/(the largest client's samples), and a model with BatchNorm in training mode, are refused when
-    the simulation is built."""
+    """δ at or above 1/(the largest client's samples), a model with BatchNorm in training mode and a layer whose
+    per-sample gradients neither the norms nor torch.func can take are refused when the simulation is built."""
     with pytest.raises(ValueError, match="delta must be below 1/records"):
         Simulation(dataclasses.replace(LOCAL, dp_delta=0.01))
+
+    class Odd(nn.Module):  # .item()-like: torch.func cannot run it
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.w * float(x.detach().sum())
+
     torch.manual_seed(0)
     x, y = torch.randn(40, 6), torch.randint(0, 3, (40,))
-    experiment = Experiment(
-        lambda: nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4), nn.Linear(4, 3)),
-        (x[:30], y[:30]),
-        (x[30:], y[30:]),
-        clients="iid",
-        num_clients=2,
-        dp="local",
-        dp_clip=1.0,
-        dp_delta=1e-3,
-        dp_noise_multiplier=1.0,
-    )
-    with pytest.raises(ValueError, match="BatchNorm1d in training mode"):
-        experiment.simulation  # noqa: B018
+    for layer, error, match in [
+        (nn.BatchNorm1d(4), ValueError, "BatchNorm1d in training mode"),
+        (Odd(), TypeError, "Odd"),
+    ]:
+        experiment = Experiment(
+            lambda layer=layer: nn.Sequential(nn.Linear(6, 4), layer, nn.Linear(4, 3)),
+            (x[:30], y[:30]),
+            (x[30:], y[30:]),
+            clients="iid",
+            num_clients=2,
+            dp="local",
+            dp_clip=1.0,
+            dp_delta=1e-3,
+            dp_noise_multiplier=1.0,
+        )
+        with pytest.raises(error, match=match):
+            experiment.simulation  # noqa: B018
 
 
 def test_cli_local_dp(tmp_path, capsys):
