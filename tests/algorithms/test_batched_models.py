@@ -176,7 +176,7 @@ def test_measuring_leaves_the_model_and_the_random_state_unchanged(fresh_choices
         models.build_model("simple_cnn", (3, 8, 8), 5).double(), x, y, SIZES, per_round=5, batch_size=4, lr=0.1
     )
     before = ctx.local.flat.data.clone()
-    batch = next(iter(batched.stacked_batches(ctx, np.arange(5), 0, steps=1)))  # seeds torch: a group's training
+    batch = next(iter(ctx.stacked_batches(np.arange(5), 0, steps=1)))  # seeds torch: a group's training
     torch.manual_seed(7)
     expected = torch.rand(3)
     torch.manual_seed(7)
