@@ -152,6 +152,30 @@ def test_resume_is_bit_identical_and_keeps_the_budget(tmp_path):
         Simulation(dataclasses.replace(budget, rounds=4)).run(tmp_path / "budget", resume=True)
 
 
+def test_interrupted_run_resumes_bit_identical(tmp_path, monkeypatch):
+    """A run stopped in round 3 (after its round-2 checkpoint) and resumed equals the uninterrupted run bit for bit."""
+    config = dataclasses.replace(LOCAL, rounds=4, checkpoint_every=2, fraction=0.5, dp_noise_multiplier=0.8)
+    full = Simulation(config).run(tmp_path / "full")
+    sim = Simulation(config)
+    cls = type(sim.algorithm)
+    original = cls.round
+
+    def stop(self, t, ctx):
+        if t == 2:
+            raise KeyboardInterrupt
+        return original(self, t, ctx)
+
+    monkeypatch.setattr(cls, "round", stop)
+    with pytest.raises(KeyboardInterrupt):
+        sim.run(tmp_path / "cut")
+    monkeypatch.undo()
+    assert [m["round"] for m in read_metrics(tmp_path / "cut")] == [0, 1, 2]
+    resumed = Simulation(config).run(tmp_path / "cut", resume=True)
+    assert _numbers(resumed) == _numbers(full)
+    full_x = torch.load(tmp_path / "full" / "model.pt", weights_only=True)["x"]
+    assert torch.equal(torch.load(tmp_path / "cut" / "model.pt", weights_only=True)["x"], full_x)
+
+
 @pytest.mark.parametrize(
     ("changes", "match"),
     [
