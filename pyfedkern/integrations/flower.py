@@ -488,8 +488,9 @@ class FedAvg(_FlowerFedAvg):
             user-level DP of the aggregate: each reply's update (its arrays minus the round's global arrays, all
             arrays as one vector) is clipped to ℓ2 norm C and the clipped updates are summed in one
             :func:`pyfedkern.ops.clip_accumulate` call, noise N(0, (σC)²) is added once to the sum, and the sum is
-            divided by the n replies (every weight 1, so ``uniform`` is implied). The round's train metrics add
-            "dp-epsilon" (spent so far) and "dp-clip" (the round's clip). FedAvg only: its subclasses refuse it.
+            divided by the n replies (every weight 1, so ``uniform`` is implied; the round's K replies are held, as
+            flat vectors). The round's train metrics add "dp-epsilon" (spent so far) and "dp-clip" (the round's
+            clip). FedAvg only: its subclasses refuse it.
         seed: the seed of central DP's noise: round t = server_round − 1 draws the stream the simulator's central
             DP draws for (seed, t), so a run equals :class:`~pyfedkern.sim.engine.Simulation`'s to rounding.
 
@@ -634,9 +635,8 @@ class FedAvg(_FlowerFedAvg):
             raise ValueError(f"central_dp: the replies have arrays {missing} that the global model has not")
         dtypes = {name: running.views[name][0].dtype for name in names}
         dtype = _mean_dtype(dtypes.values())
-        rows = [np.concatenate([running.views[name][k].reshape(-1) for name in names]) for k in range(n)]
-        rows = [row.astype(dtype, copy=False) for row in rows]
-        x = np.concatenate([array_view(self._global[name]).reshape(-1) for name in names]).astype(dtype, copy=False)
+        rows = [np.concatenate([running.views[name][k].reshape(-1) for name in names], dtype=dtype) for k in range(n)]
+        x = np.concatenate([array_view(self._global[name]).reshape(-1) for name in names], dtype=dtype)
         dp = self.central_dp
         total, norms = ops.clip_accumulate(rows, dp.clip, center=x, return_norms=True)
         sums = RoundSums()
