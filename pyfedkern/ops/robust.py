@@ -9,9 +9,11 @@ How they compute:
   buffer and a sorting network pruned to the ranks the rule needs runs across the B coordinates at once
   (selection, not a sort per coordinate; vectorised), parallel over fixed blocks of coordinates. Order statistics
   are exact; means of them are summed in float64. The weighted median sorts (value, row) pairs per coordinate.
-- **Krum and Bulyan's selection** take pairwise squared distances ‖x_i‖² + ‖x_j‖² − 2⟨x_i, x_j⟩ from one centred
-  Gram product (the herding ops' chunked GEMM, :func:`pyfedkern.ops.centred_gram`), accumulated in float64; the
-  K×K work after it is on the host. Scores within their rounding bound of the lowest count as tied (lowest index).
+- **Krum and Bulyan's selection** take pairwise squared distances ‖x_i‖² + ‖x_j‖² − 2⟨x_i, x_j⟩ from one Gram
+  product (chunked GEMMs summed in float64): of the raw rows when the mean row is small against their spread, else
+  of the rows shifted by the first one (the herding ops' :func:`pyfedkern.ops.centred_gram` path, one more pass);
+  the K×K work after it is on the host. Scores within their rounding bound of the lowest count as tied (lowest
+  index).
 - **Geometric median and centred clipping** iterate in the caller's precision (float32 for 16-bit storage): per
   iteration, the distances of the rows to the current point (a chunked difference and the
   :func:`pyfedkern.ops.row_norms` kernel) and one :func:`pyfedkern.ops.weighted_sum`. The stopping test of the
@@ -38,7 +40,7 @@ from pyfedkern._arrays import ArrayRef, RowSet
 from pyfedkern._runtime import native
 from pyfedkern.ops import _declare
 from pyfedkern.ops.aggregate import _check_output, _update_rows, weighted_sum
-from pyfedkern.ops.herding import _gram_batch, tie_rel_tol
+from pyfedkern.ops.herding import GRAM_CHUNK_ELEMENTS, _gram_batch, tie_rel_tol
 from pyfedkern.ops.norms import row_norms
 
 A = TypeVar("A")
@@ -274,13 +276,38 @@ def _traced(name: str, updates: Any, out: Any, *args: Any) -> Any:
 # Krum and Bulyan -------------------------------------------------------------------------------------------------
 
 
+def _raw_gram(x: Any) -> np.ndarray:
+    """float64 [K, K] Gram matrix X·Xᵀ of a torch [K, d] tensor: one GEMM per chunk of columns on views of the rows
+    (no copy for float32/float64), in the GEMM dtype (float64 for float64 rows, float32 otherwise), the chunk
+    products summed in float64."""
+    work = torch.float64 if x.dtype == torch.float64 else torch.float32
+    K, d = x.shape
+    c = max(256, GRAM_CHUNK_ELEMENTS["gpu" if x.is_cuda else "cpu"] // K)
+    g = torch.zeros(K, K, dtype=torch.float64, device=x.device)
+    for lo in range(0, d, c):
+        part = x[:, lo : lo + c].to(work)
+        g += part @ part.T
+    return g.cpu().numpy()
+
+
 def _squared_distances(op: str, updates: Any, rows: RowSet) -> tuple[np.ndarray, np.ndarray]:
-    """(float64 [K, K] squared distances from one centred Gram product, [K, K] rounding bound of each entry)."""
+    """(float64 [K, K] squared distances ‖x_i‖² + ‖x_j‖² − 2⟨x_i, x_j⟩ from one Gram product, [K, K] rounding bound
+    of each entry).
+
+    The Gram product of the raw rows is used when its rounding, relative to the squared norms, is within 4× of that
+    of the centred rows (max‖x_k‖² ≤ 4·max‖x_k − μ‖², μ the mean row: updates spread around a small mean); rows
+    that share a large common part (models rather than updates) take the Gram product of the rows shifted by the
+    first one (the herding ops' :func:`pyfedkern.ops.centred_gram` path: one more pass over the rows)."""
     stack = _stack(updates, rows)
-    gram = _gram_batch(rows.first.lib, stack[None])[0]
-    g = np.asarray(_torch_view(gram).cpu().numpy(), dtype=np.float64)
+    g = _raw_gram(_torch_view(stack))
     if not np.isfinite(g).all():
         raise _nonfinite(op, updates, rows)
+    r = g.sum(1) / rows.count
+    centred = np.diag(g) - 2.0 * r + r.sum() / rows.count  # ‖x_k − μ‖², up to the rounding of g
+    if np.diag(g).max() > 4.0 * centred.max():
+        g = np.asarray(_torch_view(_gram_batch(rows.first.lib, stack[None])[0]).cpu().numpy(), dtype=np.float64)
+        if not np.isfinite(g).all():
+            raise _nonfinite(op, updates, rows)
     diag = np.diag(g)
     dist = np.maximum(diag[:, None] + diag[None, :] - 2.0 * g, 0.0)
     np.fill_diagonal(dist, 0.0)
@@ -313,9 +340,9 @@ def krum_scores(updates: Any, f: int) -> Any:
     """[K] float64 Krum scores: per row the sum of the squared distances to its max(1, K − f − 2) nearest other rows
     (Flower's count: at least one; 0 when K = 1), 0 ≤ f < K. Returned in the updates' library and device.
 
-    Distances come from one centred Gram product (see the module docstring): each is accurate to about
-    max(8, √d) ulps of the GEMM dtype times ‖x_i − μ‖² + ‖x_j − μ‖² (μ the mean row), not to the rounding of a
-    direct ‖x_i − x_j‖².
+    Distances come from one Gram product (see the module docstring): each is accurate to about max(8, √d) ulps of
+    the GEMM dtype (float32 unless the rows are float64) times ‖x_i‖² + ‖x_j‖², and at worst 4 times that bound for
+    the centred rows, ‖x_i − μ‖² + ‖x_j − μ‖² (μ the mean row); not to the rounding of a direct ‖x_i − x_j‖².
     """
     _declare.refuse_grad("krum_scores", ("updates",), updates)
     if _declare.operator_needed(updates):

@@ -65,9 +65,10 @@ def test_median_and_trimmed_mean_match_reference(lib, dtype, kind):
             assert_means_close(ops.trimmed_mean(u, beta), reference.trimmed_mean(u, beta), x, dtype)
 
 
-@pytest.mark.parametrize("K", [1, 4, 9, 50])
+@pytest.mark.parametrize("K", [1, 4, 9, 23, 40, 45, 50])
 def test_trimmed_selection_is_exact(K):
-    """With every kept value equal per coordinate, the trimmed mean is that value: the selection is exact."""
+    """With every kept value equal per coordinate, the trimmed mean is that value: the selection is exact (cuts of
+    1, 4 and 8 per side take the kernel's register chains, 9 and 10 its sorting network, 0 the plain sum)."""
     rng = np.random.default_rng(K)
     cut = int(0.2 * K)
     mid = rng.integers(-1000, 1000, 300) / 8.0  # sums of a few of these are exact
@@ -143,6 +144,18 @@ def test_krum_matches_reference_and_flower(dtype):
         if K > 3:
             multi = flower.aggregate_krum(results, f, 3)[0]
             np.testing.assert_allclose(multi, u[ops.krum_select(u, f, 3)].mean(0), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+def test_krum_of_rows_sharing_a_large_part_matches_reference(lib):
+    """Models rather than updates: ‖x‖² ≈ 2·10⁸ against squared distances ≈ 4, far below the rounding of the raw
+    rows' float32 Gram product; the distances must come from the shifted rows (the ranking is the reference's)."""
+    rng = np.random.default_rng(7)
+    x = (100.0 + 0.01 * rng.standard_normal((12, 20_000)) * rng.uniform(0.5, 2.0, (12, 1))).astype(np.float32)
+    u = make(lib, x, "float32")
+    want = reference.krum_scores(x, 2)
+    np.testing.assert_allclose(to_numpy64(ops.krum_scores(u, 2)), want, rtol=1e-3)
+    np.testing.assert_array_equal(to_numpy64(ops.krum_select(u, 2, 4)), reference.krum_select(x, 2, 4))
 
 
 def test_krum_ties_go_to_the_lowest_index():
