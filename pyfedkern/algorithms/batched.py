@@ -617,7 +617,7 @@ class Step:
 class BatchedLocal:
     """The local training of k clients in round t, their models the rows of one [k, d] tensor.
 
-    Plans the clients' minibatches (:func:`stacked_batches`) and orders the clients by descending number of steps;
+    Plans the clients' minibatches (``ctx.stacked_batches``) and orders the clients by descending number of steps;
     row r of every [k, ·] tensor belongs to client ``clients[r]``, so per-client state must be gathered in that
     order (``store[run.index]``).
 

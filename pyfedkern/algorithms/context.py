@@ -55,8 +55,8 @@ class StackedBatches(Protocol):
 
 
 class ListedBatches:
-    """:class:`StackedBatches` for a context that only has ``batches``: every client's batches listed, then
-    stacked step by step."""
+    """:class:`StackedBatches` from a context's ``batches``: every client's batches listed, then stacked step by
+    step (:meth:`FLContext.stacked_batches`' default)."""
 
     def __init__(self, ctx: FLContext, clients: Sequence[int] | np.ndarray, t: int, **kwargs: Any) -> None:
         listed = [list(ctx.batches(int(cid), t, **kwargs)) for cid in clients]
@@ -85,7 +85,7 @@ def stack_batches(batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor, tor
 def padding_weights(sizes: Sequence[int] | torch.Tensor, xb: torch.Tensor) -> torch.Tensor:
     """[k, B] per-sample weights of k batches of ``sizes`` ([k] integers) zero-padded into xb [k, B, ...]: 1/b_r on
     the b_r real samples of batch r, 0 on its padding (xb's float dtype, or float64 for integer inputs such as token
-    ids: :meth:`BatchedTrainer.gradients` rounds them to the model's dtype)."""
+    ids: :meth:`~pyfedkern.algorithms.batched.BatchedTrainer.gradients` rounds them to the model's dtype)."""
     sizes = torch.as_tensor(sizes, device=xb.device)
     dtype = xb.dtype if xb.is_floating_point() else torch.float64
     real = torch.arange(xb.shape[1], device=xb.device)[None, :] < sizes[:, None]
@@ -431,8 +431,9 @@ class FLContext:
         order: str = "reshuffle",
         drop_last: bool = False,
     ) -> StackedBatches:
-        """The :meth:`batches` of many clients gathered step by step (:class:`StackedBatches`). This default lists
-        every client's batches, then stacks them (:class:`ListedBatches`); the engine gathers them from its arrays."""
+        """The :meth:`batches` of many clients gathered step by step
+        (:class:`~pyfedkern.algorithms.context.StackedBatches`). This default lists every client's batches, then stacks
+        them (:class:`~pyfedkern.algorithms.context.ListedBatches`); the engine gathers them from its arrays."""
         return ListedBatches(self, clients, t, epochs=epochs, steps=steps, order=order, drop_last=drop_last)
 
     def seed_model_randomness(self, t: int, *keys: int) -> None:
