@@ -356,6 +356,8 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
     _check_out(args.out)
     if args.help_algorithm:
         return _help_algorithm(args.algorithm)
+    if args.log is not None and args.out is None:
+        raise CliError("--log writes its logs in the run directory: give --out DIR")
     launched = sim_config.launched()  # by torchrun or by --workers: this process is one rank
     if launched and args.workers not in (None, sim_config.local_world_size()):
         raise CliError("--workers starts processes on this machine; under torchrun leave it out")
@@ -384,17 +386,37 @@ def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
         except distributed.ChildFailedWorkers as err:
             print(f"pyfedkern run: error: {err}{f'; {_left(args)}' if err.lost_work else ''}", file=sys.stderr)
             return err.status
+    options = {"resume": args.resume, "progress": not args.no_progress, "callbacks": _loggers(args)}
     if launched:
-        metrics = distributed.run_distributed(config, args.out, resume=args.resume, progress=not args.no_progress)
+        metrics = distributed.run_distributed(config, args.out, **options)
         if int(os.environ["RANK"]) != 0:
             return 0
     else:
-        metrics = Simulation(config).run(args.out, resume=args.resume, progress=not args.no_progress)
+        metrics = Simulation(config).run(args.out, **options)
     last = next((m for m in reversed(metrics) if "test_acc" in m), metrics[-1])
     print(f"round {last['round']}: test accuracy {last['test_acc']:.4f}, test loss {last['test_loss']:.4f}")
     if args.out:
         print(f"results in {args.out}")
     return 0
+
+
+def _log_names(text: str) -> str:
+    """``--log``'s value, checked: logger names whose packages are installed (argparse's one-line error else)."""
+    from pyfedkern.sim.loggers import check_loggers
+
+    try:
+        return check_loggers(text)
+    except (ImportError, ValueError) as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _loggers(args: argparse.Namespace) -> list:
+    """The logger callbacks ``--log`` asks for (none without it)."""
+    if args.log is None:
+        return []
+    from pyfedkern.sim.loggers import make_loggers
+
+    return make_loggers(args.log)
 
 
 def _resuming(out: str, point, rounds: int) -> str:
@@ -518,6 +540,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="spread the rounds over N local processes (torch.distributed; at most the CPU cores, or one per GPU "
         "with --device cuda); under torchrun leave it out (default: one process)",
+    )
+    run.add_argument(
+        "--log",
+        type=_log_names,
+        default=None,
+        metavar="tensorboard|mlflow",
+        help="also log the metrics to TensorBoard (--out's tensorboard/) or MLflow (--out's mlflow.db), or both "
+        "(tensorboard,mlflow); extras pyfedkern[tensorboard], pyfedkern[mlflow]",
     )
     _add_common(run)
     run.set_defaults(parser=run, handler=cmd_run, takes_extra=True)

@@ -411,17 +411,23 @@ def tell_launcher(message: str) -> bool:
 
 
 def run_distributed(
-    config: Any, out_dir: str | os.PathLike | None = None, *, resume: bool = False, progress: bool = False
+    config: Any,
+    out_dir: str | os.PathLike | None = None,
+    *,
+    resume: bool = False,
+    progress: bool = False,
+    callbacks: list[Any] | tuple[Any, ...] = (),
 ) -> list[dict[str, Any]]:
     """Run (or resume) ``config`` as this process's rank of a launched job (torchrun or ``--workers``; see
     :meth:`Simulation.run <pyfedkern.sim.engine.Simulation.run>`): join the process group, build the simulation,
-    place the clients, run, leave the group. Every rank returns the same per-round metrics."""
+    place the clients, run (calling ``callbacks`` on every rank), leave the group. Every rank returns the same
+    per-round metrics."""
     check_algorithm(config.algorithm, config.algorithm_params)
     device = rank_device(config.device)
     init_process_group(device)
     try:
         sim = Simulation(config)
         sim.team = init_team(sim)
-        return sim.run(out_dir, resume=resume, progress=progress)
+        return sim.run(out_dir, resume=resume, progress=progress, callbacks=callbacks)
     finally:
         close_process_group()

@@ -43,6 +43,7 @@ from pyfedkern.algorithms.robust import parse_aggregator
 from pyfedkern.dpsgd import DPSGD
 from pyfedkern.ops import seeded_permutations
 from pyfedkern.privacy import CentralDP, LocalDP
+from pyfedkern.sim.callbacks import Callback, Run, builtin_callbacks, check_callbacks
 from pyfedkern.sim.config import (
     ExperimentConfig,
     check_data_memory,
@@ -183,7 +184,8 @@ class Simulation(FLContext):
                 "not batched",
                 spec.name,
             )
-        self._timers: dict[str, float] = {}
+        #: Seconds spent in each :meth:`timer` category this round (the Timing callback starts it afresh).
+        self.times: dict[str, float] = {}
         #: The ranks this run is spread over (FLContext.team): one process unless pyfedkern.sim.distributed sets it.
         self.team = Team()
         #: Processes of this run sharing the device's memory (``FLContext.device_sharers``), the local ranks on a CPU.
@@ -260,7 +262,7 @@ class Simulation(FLContext):
         try:
             yield
         finally:
-            self._timers[category] = self._timers.get(category, 0.0) + time.perf_counter() - start
+            self.times[category] = self.times.get(category, 0.0) + time.perf_counter() - start
 
     def sample_clients(self, t: int) -> np.ndarray:
         """Round t's participants: max(1, round(fraction·m)) active clients drawn without replacement, sorted."""
@@ -491,7 +493,12 @@ class Simulation(FLContext):
         return out
 
     def run(
-        self, out_dir: str | Path | None = None, *, resume: bool = False, progress: bool = False
+        self,
+        out_dir: str | Path | None = None,
+        *,
+        resume: bool = False,
+        progress: bool = False,
+        callbacks: list[Callback] | tuple[Callback, ...] = (),
     ) -> list[dict[str, Any]]:
         """Run (or resume) the experiment; return the per-round metrics (round 0 = the initial model).
 
@@ -500,8 +507,11 @@ class Simulation(FLContext):
         alone (:class:`~pyfedkern.sim.results.RunWriter` holds the directory's lock). ``resume`` continues the run
         in ``out_dir``, or extends a finished one when ``config.rounds`` is above its rounds. Spread over processes
         when ``self.team`` is a process group's (:func:`pyfedkern.sim.distributed.run_distributed`): then rank 0
-        writes.
+        writes. The engine's own :mod:`~pyfedkern.sim.callbacks` do the writing, the progress bar, the timing and
+        the divergence warning; ``callbacks`` (:class:`~pyfedkern.sim.callbacks.Callback` instances, e.g. the
+        loggers of :mod:`pyfedkern.sim.loggers`) are called after them.
         """
+        callbacks = check_callbacks(callbacks)
         if self.team.size == 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise ValueError(
                 f"this process is one of {os.environ['WORLD_SIZE']} started by torchrun: run the experiment with "
@@ -513,7 +523,7 @@ class Simulation(FLContext):
             writing = self.team.first(lambda: RunWriter(out_dir, self.config.to_dict(), resume=resume))
         threads = self.config.threads or self.auto_threads()
         with _cpu_threads(threads), writing or contextlib.nullcontext() as writer:  # the lock held to the end
-            return self._run(out_dir is not None, writer, resume, progress)
+            return self._run(out_dir, writer, resume, [*builtin_callbacks(progress), *callbacks])
 
     def auto_threads(self) -> int:
         """CPU threads when ``config.threads`` is None: :func:`threads_for_work` of one batched training step (this
@@ -528,37 +538,29 @@ class Simulation(FLContext):
             rows = min(rows, self.client_chunk)
         return threads_for_work(rows * self.batch_size * self.local.dim, cores)
 
-    def _run(self, recording: bool, writer: RunWriter | None, resume: bool, progress: bool) -> list[dict[str, Any]]:
-        """The rounds; ``recording``: the run has a directory (``writer``, rank 0's, is None on the other ranks)."""
-        cfg, team, algo = self.config, self.team, self.algorithm
+    def _run(
+        self, out_dir: str | Path | None, writer: RunWriter | None, resume: bool, callbacks: list[Callback]
+    ) -> list[dict[str, Any]]:
+        """The rounds, calling ``callbacks``; ``writer`` (rank 0's; None on the other ranks) writes ``out_dir``."""
+        cfg, algo = self.config, self.algorithm
         algo.setup(self, self.initial_vector)
         metrics: list[dict[str, Any]] = []
         start = 0
-        if recording and resume:
+        if out_dir is not None and resume:
             start, metrics = self._resume(writer)
         elif writer is not None:
             write_fingerprint(writer.dir, self.fingerprint)
             write_frozen(writer.dir, self.frozen)
+        run = Run(self, None if out_dir is None else Path(out_dir), writer, start, metrics)
+        for callback in callbacks:
+            callback.on_run_start(run)
         if start == 0:  # a new run, or one interrupted before its first checkpoint
             evaluation = self._timed_evaluation(algo.global_model()) if cfg.eval_initial else {}
-            record = {"round": 0, **evaluation}
-            metrics.append(record)
-            if writer is not None:
-                writer.append_metrics(record)
-        bar = _progress(progress and team.is_writer, start, cfg.rounds, cfg.algorithm)
-        diverged = False
+            _round_end(run, callbacks, {"round": 0, **evaluation})
         for t in range(start, cfg.rounds):
-            self._timers = {}
-            began = time.perf_counter()
+            for callback in callbacks:
+                callback.on_round_start(run, t)
             stats = algo.round(t, self)
-            if not diverged and not bool(torch.isfinite(algo.global_model()).all()):
-                diverged = True
-                if team.is_writer:
-                    logger.warning(
-                        "round %d: the global model holds NaN or inf (training diverged; a smaller learning rate "
-                        "may help): the later rounds cannot recover",
-                        t + 1,
-                    )
             record: dict[str, Any] = {
                 "round": t + 1,
                 "local_loss": stats.local_loss,
@@ -573,25 +575,9 @@ class Simulation(FLContext):
             record.update(stats.extras)
             if self.local_dp is not None:
                 record["dp_epsilon"] = self.local_dp.epsilon(t + 1)
-            record["time_local"] = self._timers.get("local", 0.0)
-            record["time_aggregation"] = self._timers.get("aggregation", 0.0)
-            record["time_evaluation"] = self._timers.get("evaluation", 0.0)
-            record["time_round"] = time.perf_counter() - began
-            metrics.append(record)
-            if writer is not None:
-                writer.append_metrics(record)
-            if recording and ((t + 1) % cfg.checkpoint_every == 0 or t + 1 == cfg.rounds):  # the last: to extend
-                state = self._checkpoint(t + 1)
-                shards = team.gather(state["algorithm"])  # every rank's state, on rank 0
-                if writer is not None:
-                    writer.save_checkpoint({**state, "algorithm": shards[0] if team.size == 1 else shards})
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(_postfix(metrics))
-        if bar is not None:
-            bar.close()
-        if writer is not None:
-            writer.finish(metrics, algo.global_model())
+            _round_end(run, callbacks, record)
+        for callback in callbacks:
+            callback.on_run_end(run)
         return metrics
 
     def _resume(self, writer: RunWriter | None) -> tuple[int, list[dict[str, Any]]]:
@@ -835,20 +821,11 @@ def _cpu_threads(n: int) -> Iterator[None]:
         pyfedkern.set_num_threads(before[1])
 
 
-def _progress(enabled: bool, start: int, total: int, label: str):
-    if not enabled:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, initial=start, desc=label, unit="round", dynamic_ncols=True)
-
-
-def _postfix(metrics: list[dict[str, Any]]) -> dict[str, str]:
-    last_eval = next((m for m in reversed(metrics) if "test_acc" in m), {})
-    out = {"loss": f"{metrics[-1].get('local_loss', float('nan')):.4f}"}
-    if "test_acc" in last_eval:
-        out["acc"] = f"{last_eval['test_acc']:.4f}"
-    return out
+def _round_end(run: Run, callbacks: list[Callback], record: dict[str, Any]) -> None:
+    """Add a new record to the run's metrics and give it to every callback."""
+    run.metrics.append(record)
+    for callback in callbacks:
+        callback.on_round_end(run, record)
 
 
 def run_experiment(

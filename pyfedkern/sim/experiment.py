@@ -19,6 +19,7 @@ import numpy as np
 
 from pyfedkern.algorithms import Algorithm, make_algorithm
 from pyfedkern.data.dataset import Dataset
+from pyfedkern.sim.callbacks import Callback, check_callbacks
 from pyfedkern.sim.config import ExperimentConfig
 from pyfedkern.sim.engine import Simulation
 from pyfedkern.sim.parts import Evaluate, Parts, as_dataset, check_data, from_arrays, model_spec, split
@@ -51,6 +52,8 @@ class Experiment:
         num_classes: the number of classes (default: the largest label + 1; None for float targets).
         allow_overlap: whether index lists may share samples.
         name: the data's name in config.json.
+        callbacks: :class:`~pyfedkern.sim.callbacks.Callback` instances each run calls after the engine's own
+            (e.g. the loggers :class:`~pyfedkern.sim.loggers.TensorBoard` and :class:`~pyfedkern.sim.loggers.MLflow`).
         **settings: the run settings of :class:`~pyfedkern.sim.config.ExperimentConfig` (rounds, fraction,
             batch_size, local_epochs, lr, seed, eval_every, eval_initial, sample_with_replacement, batch_order,
             checkpoint_every, batched, channels_last, dtype, device, aggregator, attack, and DP's dp (central|local),
@@ -74,6 +77,7 @@ class Experiment:
         num_classes: int | None = None,
         allow_overlap: bool = False,
         name: str = "data",
+        callbacks: list[Callback] | tuple[Callback, ...] = (),
         **settings: Any,
     ) -> None:
         known = {f.name for f in dataclasses.fields(ExperimentConfig)} - set(_FROM_PARTS) - {"algorithm"}
@@ -83,6 +87,7 @@ class Experiment:
         settings = {k: v.item() if isinstance(v, np.generic) else v for k, v in settings.items()}  # NumPy scalars
         if evaluate is not None and not callable(evaluate):
             raise TypeError(f"evaluate must be callable, got {type(evaluate).__name__}")
+        self.callbacks = check_callbacks(callbacks)
         if not isinstance(allow_overlap, bool):
             raise TypeError(f"allow_overlap must be True or False, got {allow_overlap!r}")
         spec = model_spec(model, loss=loss, penalty=penalty, predict=predict)
@@ -145,7 +150,7 @@ class Experiment:
         """Run (or, with ``resume``, continue the interrupted run in ``out_dir``); return the per-round metrics
         (see :meth:`~pyfedkern.sim.engine.Simulation.run`). Resuming needs the same settings, model structure, data
         and split."""
-        return self.simulation.run(out_dir, resume=resume, progress=progress)
+        return self.simulation.run(out_dir, resume=resume, progress=progress, callbacks=self.callbacks)
 
 
 def _parameters(algorithm: Algorithm) -> dict[str, Any]:
