@@ -8,15 +8,18 @@ computed), the per-sample norms come from each layer's (input, output gradient) 
 gradient sum is one product of the clip-weighted output gradients with the input (the product a plain backward
 computes).
 
-Supported layers: Linear, Conv1d, Conv2d (groups 1, zero padding), Embedding, LayerNorm, GroupNorm. A module of any
-other kind that holds trainable parameters (attention, a bare ``nn.Parameter``) is handled with ``torch.func``
-(per-sample gradients of that module alone, vmap over grad; LSTM and GRU one sample at a time, as torch's fused RNN
-kernels run slowly under vmap), named once in a log line. BatchNorm in
+Supported layers: Linear, Conv1d, Conv2d (groups 1, zero padding), Embedding, LayerNorm, GroupNorm, and LSTM (one
+direction, no projection: torch's LSTM kernel forward, and a backward through time that also yields each layer's
+gate pre-activation gradients, from which its weights are book-kept like a Linear's over time steps; on the batched
+path, per-sample gradients row by row). A module of any other kind that holds trainable parameters (attention, GRU, a
+bare ``nn.Parameter``) is handled with ``torch.func`` (per-sample gradients of that module alone, vmap over grad; RNNs
+one sample at a time, as torch's fused RNN kernels run slowly under vmap), named once in a log line. BatchNorm in
 training mode mixes samples and is refused.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import weakref
@@ -47,7 +50,7 @@ def _native(module: nn.Module) -> bool:
         return module.groups == 1 and module.padding_mode == "zeros"
     if isinstance(module, nn.Embedding):
         return not module.sparse and not module.scale_grad_by_freq
-    return isinstance(module, NATIVE)
+    return isinstance(module, NATIVE) or _book_kept_lstm(module)
 
 
 @dataclass
@@ -126,6 +129,7 @@ def _capture(
     """Forward with hooks and one backward to the units' outputs: ((unit capture, output gradients) for each unit
     that took part, Σ_n ℓ_n detached)."""
     captured: dict[int, _Captured] = {}
+    lstms = {id(u): [] for u in found if _book_kept_lstm(u.module)}  # each layer's (input, h_{t-1}, gate probe)
 
     def hook(unit: _Unit) -> Callable:
         def capture(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
@@ -134,6 +138,10 @@ def _capture(
                     f"dpsgd: layer {unit.name or 'model'} was called more than once in one forward pass (shared "
                     "weights are not supported)"
                 )
+            if id(unit) in lstms:
+                layers = lstms[id(unit)]
+                captured[id(unit)] = _Captured(unit, tuple(layers), {}, [probe for _, _, probe in layers])
+                return
             leaves = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
             detach = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
             kw = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
@@ -142,6 +150,9 @@ def _capture(
         return capture
 
     handles = [u.module.register_forward_hook(hook(u), with_kwargs=True) for u in found]
+    for u in found:
+        if id(u) in lstms:
+            u.module.forward = functools.partial(_lstm_forward, u.module, lstms[id(u)])
     try:
         with torch.enable_grad():
             out = model(x)
@@ -151,6 +162,9 @@ def _capture(
     finally:
         for h in handles:
             h.remove()
+        for u in found:
+            if id(u) in lstms:
+                del u.module.forward  # the class's forward again
     taken = [c for u in found if (c := captured.get(id(u))) is not None]
     targets = [(i, t) for i, c in enumerate(taken) for t in c.outputs if t.requires_grad]
     if not targets or not total.requires_grad:
@@ -181,8 +195,9 @@ class _Layer:
         self.unit, self.rows = cap.unit, rows
         module = cap.unit.module
         self._per_sample: dict[str, torch.Tensor] | None = None  # fallback, LayerNorm, GroupNorm
+        self._lstm: list[tuple[list[str], torch.Tensor | None, torch.Tensor, list[str]]] | None = None
         self.a = self.g = None
-        if cap.unit.fallback and rows is not None:
+        if rows is not None and (cap.unit.fallback or isinstance(module, nn.LSTM)):
             prefix = f"{cap.unit.name}." if cap.unit.name else ""
             parts = []
             for r in range(rows):
@@ -192,6 +207,9 @@ class _Layer:
             return
         if cap.unit.fallback:
             self._per_sample = _fallback_grads(cap, grads)
+            return
+        if isinstance(module, nn.LSTM):
+            self._lstm = _lstm_layers(cap.unit, cap.args, grads)
             return
         self.a, self.g = cap.args[0], grads[0]
         if rows is not None:  # the samples of every row as one batch
@@ -208,6 +226,15 @@ class _Layer:
             values = list(self._per_sample.values())
             B = values[0].shape[0]
             return torch.stack([v.reshape(B, -1).square().sum(1) for v in values]).sum(0)
+        if self._lstm is not None:
+            sq = 0
+            for weights, a, dz, biases in self._lstm:
+                if weights:
+                    meta = nn.Linear(a.shape[-1], dz.shape[-1], bias=False, device="meta")
+                    sq = sq + per_sample_grad_norms(meta, a, dz, squared=True)
+                if biases:
+                    sq = sq + len(biases) * dz.sum(1).square().sum(1)
+            return sq
         if isinstance(module, (nn.Linear, nn.Conv2d)):
             return per_sample_grad_norms(module, a, g, squared=True)
         if isinstance(module, nn.Conv1d):
@@ -224,6 +251,16 @@ class _Layer:
             for n, v in self._per_sample.items():
                 out[n] = torch.einsum("kb,kb...->k...", f.to(v.dtype), v.reshape(k, -1, *v.shape[1:]))
             return out if self.rows is not None else {n: v[0] for n, v in out.items()}
+        if self._lstm is not None:
+            for weights, a, dz, biases in self._lstm:
+                gc = (dz * factors.to(dz.dtype)[:, None, None]).flatten(0, 1)
+                if weights:
+                    product = gc.T @ a.flatten(0, 1)
+                    sizes = [self.unit.module.get_parameter(n).shape[1] for n in weights]
+                    out.update(zip(weights, product.split(sizes, 1), strict=True))
+                if biases:
+                    out.update(dict.fromkeys(biases, gc.sum(0)))
+            return out
         module, a = self.unit.module, self.a
         gc = self.g * factors.to(self.g.dtype).view(-1, *([1] * (self.g.dim() - 1)))
         wanted = dict(self.unit.params)
@@ -464,6 +501,129 @@ def _rnn_zero_state(module: nn.RNNBase, x: torch.Tensor) -> Any:
     layers = module.num_layers * (2 if module.bidirectional else 1)
     h = x.new_zeros(layers, B, module.proj_size or module.hidden_size)
     return (h, x.new_zeros(layers, B, module.hidden_size)) if isinstance(module, nn.LSTM) else h
+
+
+def _book_kept_lstm(module: nn.Module) -> bool:
+    """Whether an LSTM's per-sample norms come from its gate gradients (one direction, no projection)."""
+    return isinstance(module, nn.LSTM) and not module.bidirectional and not module.proj_size
+
+
+class _LSTMLayer(torch.autograd.Function):
+    """One LSTM layer whose backward also returns the gate pre-activations' gradient.
+
+    forward(x [B, T, I], h0 [B, H], c0 [B, H], probe [B, T, 4H], w_ih, w_hh, b_ih, b_hh) → (y [B, T, H], h_T, c_T),
+    torch's own LSTM kernel (i, f, g, o gates: Z_t = W_ih x_t + W_hh h_{t-1} + b). ``probe`` must be zero: it stands
+    for an offset of Z, so its gradient is ∂L/∂Z [B, T, 4H], computed by the backward through time below from Z
+    recomputed in one product (the forward keeps only y): the per-sample gradient of W_ih is Σ_t ∂L/∂Z_t ⊗ x_t, of
+    W_hh Σ_t ∂L/∂Z_t ⊗ h_{t-1}, of each bias Σ_t ∂L/∂Z_t. Biases may be None.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor, probe: torch.Tensor, *weights: Any
+    ) -> tuple:
+        used = [w for w in weights if w is not None]
+        y, h, c = torch.lstm(x, (h0[None], c0[None]), used, len(used) == 4, 1, 0.0, False, False, True)
+        ctx.save_for_backward(x, h0, c0, y, *weights)
+        return y, h[0], c[0]
+
+    @staticmethod
+    def backward(
+        ctx: Any, dy: torch.Tensor | None, dh_last: torch.Tensor | None, dc_last: torch.Tensor | None
+    ) -> tuple:
+        x, h0, c0, y, w_ih, w_hh, b_ih, b_hh = ctx.saved_tensors
+        B, T, H = y.shape
+        xt = x.transpose(0, 1)  # time-major: the loop's slices are contiguous
+        h_prev = torch.cat([h0[None], y.transpose(0, 1)[:-1]])
+        z = torch.matmul(xt, w_ih.T) + torch.matmul(h_prev, w_hh.T)
+        if b_ih is not None:
+            z += b_ih + b_hh
+        z = z.view(T, B, 4, H)
+        ifo = torch.sigmoid(z[:, :, [0, 1, 3]])
+        i, f, o = ifo.unbind(2)
+        g = torch.tanh(z[:, :, 2])
+        c = torch.empty_like(g)
+        state = c0
+        for t in range(T):
+            state = torch.addcmul(i[t] * g[t], f[t], state, out=c[t])
+        tanh_c = torch.tanh(c)
+        c_prev = torch.cat([c0[None], c[:-1]])
+        slope = ifo * (1 - ifo)  # σ' of i, f, o
+        keep = o * (1 - tanh_c.square())  # ∂c_t/∂h_t's factor: dc_t += dh_t·o_t·(1 − tanh² c_t)
+        coef = torch.stack([g * slope[:, :, 0], c_prev * slope[:, :, 1], i * (1 - g.square())], 2)  # dc → di, df, dg
+        out_coef = tanh_c * slope[:, :, 2]  # dh → do
+        dz = torch.empty(T, B, 4, H, dtype=y.dtype, device=y.device)
+        flat = dz.view(T, B, 4 * H)
+        dyt = dy.transpose(0, 1) if dy is not None else torch.zeros_like(h_prev)
+        dh = dh_last if dh_last is not None else torch.zeros_like(h0)
+        dc = dc_last if dc_last is not None else torch.zeros_like(c0)
+        for t in reversed(range(T)):
+            dh = dyt[t] + dh if t == T - 1 else torch.addmm(dyt[t], flat[t + 1], w_hh)
+            dc = torch.addcmul(dc if t == T - 1 else dc * f[t + 1], dh, keep[t])
+            torch.mul(coef[t], dc[:, None], out=dz[t, :, :3])
+            torch.mul(dh, out_coef[t], out=dz[t, :, 3])
+        dh0 = flat[0] @ w_hh
+        dc0 = dc * f[0]
+        dx = torch.matmul(flat, w_ih).transpose(0, 1) if ctx.needs_input_grad[0] else None
+        needs = ctx.needs_input_grad
+        dw_ih = flat.flatten(0, 1).T @ xt.flatten(0, 1) if needs[4] else None
+        dw_hh = flat.flatten(0, 1).T @ h_prev.flatten(0, 1) if needs[5] else None
+        db = flat.sum((0, 1)) if b_ih is not None and (needs[6] or needs[7]) else None
+        return dx, dh0, dc0, flat.transpose(0, 1), dw_ih, dw_hh, db, db
+
+
+def _lstm_forward(module: nn.LSTM, records: list, x: torch.Tensor, hx: Any = None) -> Any:
+    """``module``'s forward, layer by layer through :class:`_LSTMLayer`; appends (layer input [B, T, I], its
+    h_{t-1} sequence [B, T, H], the zero probe of its gate gradients) of each layer to ``records``."""
+    if isinstance(x, nn.utils.rnn.PackedSequence):
+        raise TypeError("dpsgd: an LSTM called on a PackedSequence is not supported")
+    batched = x.dim() == 3
+    if not batched:
+        x = x.unsqueeze(0 if module.batch_first else 1)
+    if not module.batch_first:
+        x = x.transpose(0, 1)
+    B, T, H = x.shape[0], x.shape[1], module.hidden_size
+    if hx is None:
+        h0 = c0 = x.new_zeros(module.num_layers, B, H)
+    else:
+        h0, c0 = (s if batched else s.unsqueeze(1) for s in hx)
+    hs, cs = [], []
+    for layer in range(module.num_layers):
+        if layer and module.dropout and module.training:
+            x = F.dropout(x, module.dropout, training=True)
+        names = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
+        weights = [None if w is None else w.detach() for w in (getattr(module, f"{n}_l{layer}", None) for n in names)]
+        probe = x.new_zeros(()).expand(B, T, 4 * H).requires_grad_()
+        y, h, c = _LSTMLayer.apply(x, h0[layer], c0[layer], probe, *weights)
+        records.append((x.detach(), torch.cat([h0[layer][:, None], y[:, :-1]], 1).detach(), probe))
+        hs.append(h)
+        cs.append(c)
+        x = y
+    h, c = torch.stack(hs), torch.stack(cs)
+    if not module.batch_first:
+        x = x.transpose(0, 1)
+    if not batched:
+        x, h, c = x.squeeze(0 if module.batch_first else 1), h.squeeze(1), c.squeeze(1)
+    return x, (h, c)
+
+
+def _lstm_layers(
+    unit: _Unit, records: tuple, grads: list[torch.Tensor | None]
+) -> list[tuple[list[str], torch.Tensor | None, torch.Tensor, list[str]]]:
+    """For each layer of a book-kept LSTM whose gates got a gradient: (its trainable weights' names, their inputs
+    side by side [B, T, I + H] (x_t for W_ih, h_{t-1} for W_hh; None without trainable weights), ∂L/∂Z [B, T, 4H],
+    its trainable biases' names). One weight gradient per sample is then a Linear's over T positions."""
+    trainable = {n for n, _ in unit.params}
+    out = []
+    for layer, ((x, h_prev, _), dz) in enumerate(zip(records, grads, strict=True)):
+        if dz is None:
+            continue
+        names = [f"weight_ih_l{layer}", f"weight_hh_l{layer}"]
+        inputs = [v for n, v in zip(names, (x, h_prev), strict=True) if n in trainable]
+        a = torch.cat(inputs, -1) if len(inputs) > 1 else (inputs[0] if inputs else None)
+        biases = [n for n in (f"bias_ih_l{layer}", f"bias_hh_l{layer}") if n in trainable]
+        out.append(([n for n in names if n in trainable], a, dz, biases))
+    return out
 
 
 @dataclass(frozen=True)

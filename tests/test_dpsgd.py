@@ -117,7 +117,8 @@ def test_embedding_padding_row_has_no_gradient():
 
 @pytest.mark.parametrize("cell", [nn.LSTM, nn.GRU])
 def test_recurrent_layers_equal_per_sample_loop(cell, caplog):
-    """LSTM/GRU go through torch.func (named in a log line) and equal one backward per sample."""
+    """LSTM (book-kept from its gate gradients) and GRU (torch.func, named in a log line) equal one backward per
+    sample."""
     torch.manual_seed(1)
     model = _Recurrent(cell).double()
     x, y = _tokens(5, 6, 9, 2), torch.randint(0, 3, (5,))
@@ -125,7 +126,119 @@ def test_recurrent_layers_equal_per_sample_loop(cell, caplog):
         sums, _, _ = DPSGD(0.1, 0.0).clipped_sum(model, F.cross_entropy, x, y)
     for got, want in zip(sums, _clip_reference(_loop_per_sample(model, x, y), 0.1), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
-    assert any("torch.func" in r.message and cell.__name__ in r.message for r in caplog.records)
+    logged = any("torch.func" in r.message and cell.__name__ in r.message for r in caplog.records)
+    assert logged == (cell is nn.GRU)
+
+
+def test_lstm_clipped_sum_equals_opacus_dplstm():
+    """σ = 0: an LSTM's book-kept clipped sum equals Opacus 1.6's DPLSTM under GradSampleModule, clipped."""
+    opacus = pytest.importorskip("opacus")
+    from opacus.validators import ModuleValidator
+
+    torch.manual_seed(6)
+    model = _Recurrent(nn.LSTM).double()
+    x, y = _tokens(6, 7, 9, 5), torch.randint(0, 3, (6,))
+    twin = ModuleValidator.fix(model).double()
+    twin.load_state_dict(model.state_dict(), strict=False)
+    assert type(twin.rnn).__name__ == "DPLSTM"
+    torch.testing.assert_close(twin(x), model(x), rtol=1e-12, atol=1e-12)
+    sums, norms, _ = DPSGD(0.05, 0.0).clipped_sum(model, F.cross_entropy, x, y)
+    wrapped = opacus.GradSampleModule(twin, loss_reduction="sum")
+    F.cross_entropy(wrapped(x), y, reduction="sum").backward()
+    per_sample = dict(twin.named_parameters())
+    ours = dict(zip([n for n, _ in model.named_parameters()], sums, strict=True))
+    grad_samples = [per_sample[n].grad_sample for n in ours]
+    wrapped._close()
+    for (name, got), want in zip(ours.items(), _clip_reference(grad_samples, 0.05), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=name)
+    want_norms = torch.stack([g.reshape(6, -1).square().sum(1) for g in grad_samples]).sum(0)
+    torch.testing.assert_close(norms, want_norms.sqrt(), rtol=1e-10, atol=1e-12)
+
+
+def test_batched_lstm_equals_the_loop():
+    """The batched path (per-sample gradients of the LSTM, row by row) equals the loop's book-kept LSTM."""
+    torch.manual_seed(9)
+    model = _Recurrent(nn.LSTM).double()
+    k, B = 3, 4
+    params = {
+        n: torch.stack([p.detach() + 0.1 * torch.randn_like(p) for _ in range(k)]) for n, p in model.named_parameters()
+    }
+    xb, yb = torch.stack([_tokens(B, 6, 9, r) for r in range(k)]), torch.randint(0, 3, (k, B))
+    dp = DPSGD(0.1, 0.0)
+    sums, norms, _ = dp.batched_clipped_sums(model, F.cross_entropy, params, xb, yb)
+    for r in range(k):
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(params[n][r])
+        loop, loop_norms, _ = dp.clipped_sum(model, F.cross_entropy, xb[r], yb[r])
+        for (n, _), got in zip(model.named_parameters(), loop, strict=True):
+            torch.testing.assert_close(sums[n][r], got, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(norms[r], loop_norms, rtol=1e-10, atol=1e-12)
+
+
+class _LSTMVariants(nn.Module):
+    """An LSTM fed a given state, its final state used, time-major or batch-first, with or without biases."""
+
+    def __init__(self, batch_first: bool, bias: bool, layers: int) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(3, 4, layers, batch_first=batch_first, bias=bias)
+        self.state = nn.Linear(3, 2 * layers * 4)
+        self.out = nn.Linear(4 + 2 * 4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, layers = x.shape[0], self.rnn.num_layers
+        h0, c0 = torch.tanh(self.state(x[:, 0])).reshape(B, 2, layers, 4).permute(1, 2, 0, 3).contiguous()
+        seq = x if self.rnn.batch_first else x.transpose(0, 1)
+        y, (h, c) = self.rnn(seq, (h0, c0))
+        last = y[:, -1] if self.rnn.batch_first else y[-1]
+        return self.out(torch.cat([last, h[-1], c[0]], 1))
+
+
+@pytest.mark.parametrize("batch_first,bias,layers", [(True, True, 1), (False, False, 2), (False, True, 3)])
+def test_lstm_variants_equal_per_sample_loop(batch_first, bias, layers):
+    """Given initial states, the final states' gradients, time-major input, no biases, a frozen weight: the
+    book-kept LSTM equals one backward per sample."""
+    torch.manual_seed(7)
+    model = _LSTMVariants(batch_first, bias, layers).double()
+    model.rnn.weight_hh_l0.requires_grad_(False)
+    x, y = torch.randn(5, 6, 3, dtype=torch.float64), torch.randint(0, 2, (5,))
+    sums, _, total = DPSGD(0.2, 0.0).clipped_sum(model, F.cross_entropy, x, y)
+    for got, want in zip(sums, _clip_reference(_loop_per_sample(model, x, y), 0.2), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(total, F.cross_entropy(model(x), y, reduction="sum"))
+    assert type(model.rnn).forward is nn.LSTM.forward and "forward" not in vars(model.rnn)
+
+
+def test_lstm_layer_gradients_equal_autograd_of_its_cells():
+    """_LSTMLayer's backward: ∂L/∂(x, h0, c0, weights) equal torch's LSTM's, and ∂L/∂probe equals the gradient of
+    the gate pre-activations Z_t of the same layer written cell by cell."""
+    from pyfedkern.dpsgd import _LSTMLayer
+
+    torch.manual_seed(8)
+    B, T, I, H = 3, 5, 4, 6
+    lstm = nn.LSTM(I, H, batch_first=True).double()
+    weights = [lstm.weight_ih_l0, lstm.weight_hh_l0, lstm.bias_ih_l0, lstm.bias_hh_l0]
+    x = torch.randn(B, T, I, dtype=torch.float64, requires_grad=True)
+    h0, c0 = (torch.randn(B, H, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    probe = torch.zeros(B, T, 4 * H, dtype=torch.float64, requires_grad=True)
+    wy, wh, wc = (torch.randn(*shape, dtype=torch.float64) for shape in ((B, T, H), (B, H), (B, H)))
+    y, h, c = _LSTMLayer.apply(x, h0, c0, probe, *weights)
+    got = torch.autograd.grad((y * wy).sum() + (h * wh).sum() + (c * wc).sum(), [x, h0, c0, *weights, probe])
+    y2, (h2, c2) = lstm(x, (h0[None], c0[None]))
+    torch.testing.assert_close(y, y2, rtol=1e-12, atol=1e-12)
+    want = torch.autograd.grad((y2 * wy).sum() + (h2[0] * wh).sum() + (c2[0] * wc).sum(), [x, h0, c0, *weights])
+    for a, b in zip(got[:-1], want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    w_ih, w_hh, b_ih, b_hh = (w.detach() for w in weights)
+    z = (x.detach() @ w_ih.T + b_ih + b_hh).requires_grad_()
+    hh, cc, outs = h0.detach(), c0.detach(), []
+    for t in range(T):
+        i, f, g, o = (z[:, t] + hh @ w_hh.T).chunk(4, 1)
+        cc = torch.sigmoid(f) * cc + torch.sigmoid(i) * torch.tanh(g)
+        hh = torch.sigmoid(o) * torch.tanh(cc)
+        outs.append(hh)
+    dz = torch.autograd.grad((torch.stack(outs, 1) * wy).sum() + (hh * wh).sum() + (cc * wc).sum(), z)[0]
+    torch.testing.assert_close(got[-1], dz, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize(
