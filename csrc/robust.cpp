@@ -5,13 +5,15 @@
 // copied into a [K, B] buffer that stays in L1 (each row read once, contiguously), and a sorting network, pruned
 // to the output ranks the rule needs, runs across the B columns at once: each compare-exchange of ranks (a, b) is a
 // vectorised min/max of two buffer rows. Batcher's odd-even merge network for the next power of two, with the
-// comparators past K dropped (the missing ranks act as +inf, which those comparators would never move). Every
-// coordinate is computed alone, so results do not depend on the thread count.
+// comparators past K dropped (the missing ranks act as +inf, which those comparators would never move). Trimmed
+// means with a small cut run no network (trimmed_sums: the extremes held in registers). Every coordinate is
+// computed alone, so results do not depend on the thread count.
 #include <pybind11/numpy.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <utility>
 #include <vector>
@@ -78,6 +80,72 @@ PFK_ALWAYS_INLINE void compare_exchange(V* __restrict__ lo, V* __restrict__ hi, 
     const Vec mn = less ? a : b, mx = less ? b : a;
     __builtin_memcpy(lo + j, &mn, sizeof(Vec));
     __builtin_memcpy(hi + j, &mx, sizeof(Vec));
+  }
+}
+
+// Trimmed sum without sorting, for a cut of C values per side: per lane, the C smallest and the C largest values
+// seen so far are held in registers (lo, hi; each sorted), and each further row is pushed through them, a chain of
+// C compare-exchanges per side (2C(K - 2C) in all, against several hundred for a sorting network at K = 50). The value
+// that leaves both is neither among the C smallest nor the C largest of all K (more rows only push it further out),
+// so it is kept: it is added to the float64 sums, the kept values of each coordinate in row order of leaving.
+template <typename V, int C>
+PFK_ALWAYS_INLINE void trimmed_sums(const V* buf, int64_t B, int64_t n, int64_t K, double* __restrict__ acc) {
+  typedef V Vec __attribute__((vector_size(32)));
+  typedef double Acc __attribute__((vector_size(32)));
+  constexpr int64_t L = 32 / sizeof(V);
+  constexpr int A = sizeof(V) == 4 ? 2 : 1;  // float64 accumulators per vector of values
+  for (int64_t j = 0; j < n; j += L) {
+    Vec lo[C], hi[C], v, t;
+    Acc s[A] = {};
+    for (int c = 0; c < C; ++c) {
+      lo[c] = Vec{} + std::numeric_limits<V>::infinity();
+      hi[c] = Vec{} - std::numeric_limits<V>::infinity();
+    }
+    for (int64_t k = 0; k < K; ++k) {
+      __builtin_memcpy(&v, buf + k * B + j, sizeof(Vec));
+      for (int c = 0; c < C; ++c) {  // v leaves as the largest of lo and v
+        t = v < lo[c] ? v : lo[c];
+        v = v < lo[c] ? lo[c] : v;
+        lo[c] = t;
+      }
+      if (k < C) continue;           // v is a +inf placeholder: lo holds the first rows
+      for (int c = 0; c < C; ++c) {  // v leaves as the smallest of hi and v
+        t = hi[c] < v ? v : hi[c];
+        v = hi[c] < v ? hi[c] : v;
+        hi[c] = t;
+      }
+      if (k < 2 * C) continue;  // v is a -inf placeholder: hi holds the next rows
+      if constexpr (A == 2) {
+        s[0] += __builtin_convertvector(__builtin_shufflevector(v, v, 0, 1, 2, 3), Acc);
+        s[1] += __builtin_convertvector(__builtin_shufflevector(v, v, 4, 5, 6, 7), Acc);
+      } else {
+        s[0] += v;
+      }
+    }
+    __builtin_memcpy(acc + j, s, sizeof(s));
+  }
+}
+
+// Trimmed sums for cuts up to kMaxPushCut per side (the register chains above); false for larger cuts.
+constexpr int64_t kMaxPushCut = 8;
+template <typename V>
+PFK_ALWAYS_INLINE bool trimmed_sums_by_cut(const V* buf, int64_t B, int64_t n, int64_t K, int64_t cut, double* acc) {
+  switch (cut) {
+#define PFK_TRIMMED_CASE(C)                \
+  case C:                                  \
+    trimmed_sums<V, C>(buf, B, n, K, acc); \
+    return true;
+    PFK_TRIMMED_CASE(1)
+    PFK_TRIMMED_CASE(2)
+    PFK_TRIMMED_CASE(3)
+    PFK_TRIMMED_CASE(4)
+    PFK_TRIMMED_CASE(5)
+    PFK_TRIMMED_CASE(6)
+    PFK_TRIMMED_CASE(7)
+    PFK_TRIMMED_CASE(8)
+#undef PFK_TRIMMED_CASE
+    default:
+      return false;
   }
 }
 
@@ -160,6 +228,10 @@ PFK_ALWAYS_INLINE bool robust_chunk_body(int64_t begin, int64_t end, T* out, int
       V* __restrict__ pr = probe.data();
       if (s == 1) {
         for (int64_t j = 0; j < n; ++j) dst[j] = to_acc(r[t0 + j]);
+        // The next tile of this row into L2 while this one is sorted: K interleaved streams defeat the hardware
+        // prefetchers, and rows beyond the last-level cache would otherwise be read at memory latency.
+        for (int64_t j = t0 + B; j < std::min(end, t0 + 2 * B); j += 64 / int64_t(sizeof(T)))
+          __builtin_prefetch(r + j, 0, 2);
       } else {
         for (int64_t j = 0; j < n; ++j) dst[j] = to_acc(r[(t0 + j) * s]);
       }
@@ -167,8 +239,13 @@ PFK_ALWAYS_INLINE bool robust_chunk_body(int64_t begin, int64_t end, T* out, int
     }
     for (int64_t j = 0; j < n; ++j) finite = finite && probe[j] == V(0);
     if (!finite) return false;
-    for (const auto& c : plan.network) compare_exchange(buf.data() + c.first * B, buf.data() + c.second * B, n);
     T* o = out + t0 * out_stride;
+    if (plan.rule == Rule::Trimmed && trimmed_sums_by_cut(buf.data(), B, n, K, plan.param, sums.data())) {
+      const double kept = static_cast<double>(K - 2 * plan.param);
+      for (int64_t j = 0; j < n; ++j) store(o + j * out_stride, sums[j] / kept);
+      continue;
+    }
+    for (const auto& c : plan.network) compare_exchange(buf.data() + c.first * B, buf.data() + c.second * B, n);
     if (plan.rule == Rule::Median || plan.rule == Rule::Trimmed) {
       // Sum the kept ranks row by row (vectorised across the tile), in ascending rank order per coordinate.
       const int64_t first = plan.rule == Rule::Median ? (K - 1) / 2 : plan.param;
@@ -234,7 +311,8 @@ bool robust_coordinate(const std::string& dtype_name, int64_t d, uintptr_t out, 
       break;
     case Rule::Trimmed:
       if (param < 0 || 2 * param >= K) throw ArgumentError("robust_coordinate: trimmed cut out of range");
-      for (int64_t r = param; r < K - param; ++r) needed[r] = true;
+      if (param > kMaxPushCut)  // smaller cuts: register chains (trimmed_sums); none: the rows' plain sum
+        for (int64_t r = param; r < K - param; ++r) needed[r] = true;
       break;
     case Rule::Closest:
       if (param < 1 || param > K) throw ArgumentError("robust_coordinate: closest count out of range");
