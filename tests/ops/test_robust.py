@@ -158,6 +158,16 @@ def test_krum_of_rows_sharing_a_large_part_matches_reference(lib):
     np.testing.assert_array_equal(to_numpy64(ops.krum_select(u, 2, 4)), reference.krum_select(x, 2, 4))
 
 
+def test_raw_gram_sums_its_chunks(monkeypatch):
+    monkeypatch.setattr(robust, "_RAW_GRAM_CHUNK_ELEMENTS", 5 * 300)  # 300 columns per GEMM: 4 chunks, the last short
+    x = np.random.default_rng(3).standard_normal((5, 1100))
+    for dtype, rtol in (("float32", 1e-5), ("float64", 1e-13)):
+        got = robust._raw_gram(torch.from_numpy(x.astype(dtype)))
+        want = x.astype(dtype).astype(np.float64) @ x.astype(dtype).astype(np.float64).T
+        assert got.dtype == np.float64
+        np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * np.abs(want).max())
+
+
 def test_krum_ties_go_to_the_lowest_index():
     rng = np.random.default_rng(0)
     x = rng.standard_normal((8, 1000)).astype(np.float32) * 10
