@@ -31,6 +31,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 
 from pyfedkern.ops.dp import gaussian_noise_
 from pyfedkern.ops.norms import gram_is_cheaper, per_sample_grad_norms
@@ -110,7 +111,7 @@ class _Captured:
     unit: _Unit
     args: tuple
     kwargs: dict
-    outputs: list[torch.Tensor]  # the tensors of the unit's output, in pytree order
+    outputs: list[Any]  # the gradient edge of each tensor of the unit's output (None: none), in pytree order
 
 
 def _batch_dims(unit: _Unit, count: int) -> list[int]:
@@ -140,12 +141,14 @@ def _capture(
                 )
             if id(unit) in lstms:
                 layers = lstms[id(unit)]
-                captured[id(unit)] = _Captured(unit, tuple(layers), {}, [probe for _, _, probe in layers])
+                probes = [get_gradient_edge(probe) for _, _, probe in layers]
+                captured[id(unit)] = _Captured(unit, tuple((a, h) for a, h, _ in layers), {}, probes)
                 return
             leaves = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
             detach = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
             kw = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-            captured[id(unit)] = _Captured(unit, tuple(detach), kw, leaves)
+            edges = [get_gradient_edge(t) if t.requires_grad else None for t in leaves]  # not the outputs: no memory
+            captured[id(unit)] = _Captured(unit, tuple(detach), kw, edges)
 
         return capture
 
@@ -166,14 +169,13 @@ def _capture(
             if id(u) in lstms:
                 del u.module.forward  # the class's forward again
     taken = [c for u in found if (c := captured.get(id(u))) is not None]
-    targets = [(i, t) for i, c in enumerate(taken) for t in c.outputs if t.requires_grad]
+    targets = [(i, j, e) for i, c in enumerate(taken) for j, e in enumerate(c.outputs) if e is not None]
     if not targets or not total.requires_grad:
         return [], total.detach()
-    grads = torch.autograd.grad(total, [t for _, t in targets], allow_unused=True)
+    grads = torch.autograd.grad(total, [e for _, _, e in targets], allow_unused=True)
     per_unit: list[list[torch.Tensor | None]] = [[None] * len(c.outputs) for c in taken]
-    position = {(i, id(t)): j for i, c in enumerate(taken) for j, t in enumerate(c.outputs)}
-    for (i, t), g in zip(targets, grads, strict=True):
-        per_unit[i][position[(i, id(t))]] = g
+    for (i, j, _), g in zip(targets, grads, strict=True):
+        per_unit[i][j] = g
     result = [(c, g) for c, g in zip(taken, per_unit, strict=True) if any(x is not None for x in g)]
     return result, total.detach()
 
@@ -218,6 +220,8 @@ class _Layer:
             self._per_sample = _norm_layer_grads(module, self.a, self.g)
         elif isinstance(module, (nn.Conv1d, nn.Conv2d)) and _materialise_conv(module, self.a, self.g):
             self._per_sample = _conv_per_sample_grads(module, self.a, self.g)
+        if self._per_sample is not None:
+            self.a = self.g = None  # not needed any more: free them before the next layer's work
 
     def sq_norms(self) -> torch.Tensor:
         """[k·B] squared norms of the unit's per-sample gradients."""
@@ -615,7 +619,7 @@ def _lstm_layers(
     its trainable biases' names). One weight gradient per sample is then a Linear's over T positions."""
     trainable = {n for n, _ in unit.params}
     out = []
-    for layer, ((x, h_prev, _), dz) in enumerate(zip(records, grads, strict=True)):
+    for layer, ((x, h_prev), dz) in enumerate(zip(records, grads, strict=True)):
         if dz is None:
             continue
         names = [f"weight_ih_l{layer}", f"weight_hh_l{layer}"]
@@ -813,7 +817,9 @@ class DPSGD:
         if B == 0:
             return [torch.zeros_like(p) for p in trainable], x.new_zeros(0), x.new_zeros(())
         captured, total = _capture(model, found, loss_fn, x, y)
-        layers = [_Layer(c, g) for c, g in captured]
+        layers = []
+        while captured:  # each layer's input and output gradient freed as soon as its work no longer needs them
+            layers.append(_Layer(*captured.pop(0)))
         dtype = trainable[0].dtype if trainable else x.dtype
         sq = torch.zeros(B, dtype=dtype, device=x.device)
         for layer in layers:
