@@ -7,16 +7,15 @@
 // gaussian_noise: x += std * z, z standard normal from a counter-based generator: Philox4x32-10 (Salmon et al. 2011)
 // keyed by the 64-bit seed, its counter (block index, 64-bit stream), each block's four 32-bit words turned into four
 // normals by Box-Muller. The logarithm, sine and cosine are polynomials of +, -, *, / and sqrt only (the build uses
-// -ffp-contract=off), so the NumPy reference (pyfedkern.reference.dp) computes the same bits. Element i of the vector
-// takes lane (i % 256) / 64 of block (i / 256) * 64 + i % 64: 64 blocks fill 256 consecutive elements, lane by lane.
+// -ffp-contract=off), so the NumPy reference (pyfedkern.reference.dp) computes the same bits, and so does every ISA
+// (one vector code, 8 floats or 4 doubles per vector, for SSE2, AVX2 and AVX-512). Element i of the vector takes lane
+// (i % 256) / 64 of block (i / 256) * 64 + i % 64: 64 blocks fill 256 consecutive elements, lane by lane.
 #include <pybind11/numpy.h>
 
 #include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstring>
-#include <limits>
-#include <type_traits>
 #include <vector>
 
 #include "bindings.h"
@@ -24,6 +23,14 @@
 #include "parallel.h"
 #include "simd.h"
 #include "types.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
+
+// gaussian_noise's 32-byte vectors never cross a call (its kernels are flattened): GCC's note that passing them
+// without AVX would change the ABI does not apply.
+#pragma GCC diagnostic ignored "-Wpsabi"
 
 namespace pfk {
 namespace {
@@ -143,6 +150,14 @@ void clip_accumulate(const std::string& dtype_name, int64_t d, uintptr_t out, in
 }
 
 // ---- gaussian_noise -------------------------------------------------------------------------------------------
+//
+// Written once with GCC vector extensions (32-byte vectors of floats or doubles) and compiled for each ISA, which
+// maps the vectors to its registers; the only ISA-specific code is the high half of a 32x32-bit product. Every lane
+// performs the same IEEE operations as the reference's scalar code, so all ISAs give the same bits.
+
+// GCC reports Philox's state arrays as maybe uninitialised in the AVX-512 build (they are initialised).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 
 constexpr uint32_t kPhiloxM0 = 0xD2511F53u, kPhiloxM1 = 0xCD9E8D57u;
 constexpr uint32_t kPhiloxW0 = 0x9E3779B9u, kPhiloxW1 = 0xBB67AE85u;
@@ -186,95 +201,203 @@ constexpr std::array<A, Normal<A>::kSinTerms> kSinCoef = coefficients<A, Normal<
 template <typename A>
 constexpr std::array<A, Normal<A>::kCosTerms> kCosCoef = coefficients<A, Normal<A>::kCosTerms, 2>();
 
-// ln(v) for a positive normal v: v = m * 2^e with m in [sqrt(1/2), sqrt(2)), ln m = 2 atanh(s), s = (m-1)/(m+1).
-template <typename A, typename U>
-PFK_ALWAYS_INLINE A log_positive(A n) {
-  constexpr int kMant = std::numeric_limits<A>::digits - 1;
-  constexpr int kExpBias = std::numeric_limits<A>::max_exponent - 2;  // frexp's: m in [0.5, 1)
-  U bits;
-  std::memcpy(&bits, &n, sizeof(A));
-  A e = A(static_cast<int32_t>(bits >> kMant) - kExpBias);
-  const U mbits = (bits & ((U(1) << kMant) - 1)) | (U(kExpBias) << kMant);
-  A m;
-  std::memcpy(&m, &mbits, sizeof(A));
-  const bool low = m < A(kSqrtHalf);
-  m = low ? m + m : m;
-  e = low ? e - A(1) : e;
-  const A s = (m - A(1)) / (m + A(1));
-  const A s2 = s * s;
-  A t = kLogCoef<A>[Normal<A>::kLogTerms - 1];
-  for (int j = Normal<A>::kLogTerms - 2; j >= 0; --j) t = t * s2 + kLogCoef<A>[j];
-  return e * A(kLn2) + (s + s) * t;
+// Box-Muller's vectors: 32 bytes of A (8 floats or 4 doubles) and the integer vectors of the same lanes.
+template <typename A>
+struct Lanes;
+template <>
+struct Lanes<float> {
+  static constexpr int kN = 8;
+  using V = float __attribute__((vector_size(32)));     // the values
+  using U = uint32_t __attribute__((vector_size(32)));  // their bits
+  using I = int32_t __attribute__((vector_size(32)));   // comparison masks
+  using W = uint32_t __attribute__((vector_size(32)));  // the generator's words
+  using J = int32_t __attribute__((vector_size(32)));   // int32 lanes
+  using B = uint32_t;
+  static constexpr int kMant = 23, kExpBias = 126;  // frexp's: m in [0.5, 1)
+};
+template <>
+struct Lanes<double> {
+  static constexpr int kN = 4;
+  using V = double __attribute__((vector_size(32)));
+  using U = uint64_t __attribute__((vector_size(32)));
+  using I = int64_t __attribute__((vector_size(32)));
+  using W = uint32_t __attribute__((vector_size(16)));
+  using J = int32_t __attribute__((vector_size(16)));
+  using B = uint64_t;
+  static constexpr int kMant = 52, kExpBias = 1022;
+};
+
+// Philox's state: one 32-bit word of 8 consecutive blocks per vector, two such vectors interleaved (for latency).
+constexpr int kPhiloxLanes = 8, kPhiloxVectors = 2;
+using w32v = uint32_t __attribute__((vector_size(4 * kPhiloxLanes)));
+
+// The high 32 bits of the lanes' 64-bit products a * b (even lanes, then the odd lanes shifted down, blended).
+// The kernels below are plain `inline` and flattened into one function per ISA, where these intrinsics inline.
+#if defined(__x86_64__) && defined(__GNUC__)
+inline __m128i mulhi_sse2(__m128i x, __m128i y) {
+  const __m128i even_hi = _mm_srli_epi64(_mm_mul_epu32(x, y), 32);
+  const __m128i odd_hi = _mm_mul_epu32(_mm_srli_epi64(x, 32), _mm_srli_epi64(y, 32));
+  const __m128i odd = _mm_set_epi32(-1, 0, -1, 0);
+  return _mm_or_si128(_mm_andnot_si128(odd, even_hi), _mm_and_si128(odd, odd_hi));
+}
+inline w32v mulhi_sse2(w32v a, w32v b) {
+  using q32v = uint32_t __attribute__((vector_size(16)));
+  const q32v a0 = __builtin_shufflevector(a, a, 0, 1, 2, 3), a1 = __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  const q32v b0 = __builtin_shufflevector(b, b, 0, 1, 2, 3), b1 = __builtin_shufflevector(b, b, 4, 5, 6, 7);
+  const q32v h0 = reinterpret_cast<q32v>(mulhi_sse2(reinterpret_cast<__m128i>(a0), reinterpret_cast<__m128i>(b0)));
+  const q32v h1 = reinterpret_cast<q32v>(mulhi_sse2(reinterpret_cast<__m128i>(a1), reinterpret_cast<__m128i>(b1)));
+  return __builtin_shufflevector(h0, h1, 0, 1, 2, 3, 4, 5, 6, 7);
+}
+__attribute__((target("avx2"))) inline w32v mulhi_avx2(w32v a, w32v b) {
+  const __m256i x = reinterpret_cast<__m256i>(a), y = reinterpret_cast<__m256i>(b);
+  const __m256i even_hi = _mm256_srli_epi64(_mm256_mul_epu32(x, y), 32);
+  const __m256i odd_hi = _mm256_mul_epu32(_mm256_srli_epi64(x, 32), _mm256_srli_epi64(y, 32));
+  return reinterpret_cast<w32v>(_mm256_blend_epi32(even_hi, odd_hi, 0xAA));
+}
+#endif
+template <Isa I>
+inline w32v mulhi(w32v a, w32v b) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if constexpr (I == Isa::Baseline) return mulhi_sse2(a, b);
+  return mulhi_avx2(a, b);  // AVX-512 too, on 256-bit vectors
+#else
+  w32v h;
+  for (int l = 0; l < kPhiloxLanes; ++l) h[l] = static_cast<uint32_t>((uint64_t(a[l]) * b[l]) >> 32);
+  return h;
+#endif
 }
 
-// A uint32 as A, exactly, through int32 conversions (vectorisable, unlike uint64 -> floating point without AVX-512).
-template <typename A>
-PFK_ALWAYS_INLINE A from_u32(uint32_t v) {
-  return A(static_cast<int32_t>(v ^ 0x80000000u)) + A(2147483648.0);
-}
-
-// Two normals from two 32-bit words (Box-Muller): sqrt(-2 ln u1) * (cos, sin)(2 pi u2).
-template <typename A>
-PFK_ALWAYS_INLINE void box_muller(uint32_t a, uint32_t b, A& z_cos, A& z_sin) {
-  using U = std::conditional_t<sizeof(A) == 4, uint32_t, uint64_t>;
-  constexpr int kBits = Normal<A>::kBits;
-  // u1 = n1 / 2^bits in (0, 1], n1 = (a >> (32 - bits)) + 1, converted exactly through int32 (vectorisable)
-  const A n1 = kBits < 32 ? A(static_cast<int32_t>(a >> (32 - kBits))) + A(1) : from_u32<A>(a) + A(1);
-  const A ln_u1 = log_positive<A, U>(n1 * A(1.0 / double(uint64_t(1) << kBits)));
-  const A r = std::sqrt(A(-2) * ln_u1);
-  const uint32_t n2 = b >> (32 - kBits);  // u2 = n2 / 2^bits in [0, 1): quadrant, then the angle within it
-  const uint32_t quadrant = n2 >> (kBits - 2);
-  const uint32_t f = n2 & ((1u << (kBits - 2)) - 1);
-  const uint32_t half = 1u << (kBits - 3);
-  const bool swap = f > half;
-  const uint32_t g = swap ? (1u << (kBits - 2)) - f : f;  // angle g / 2^(bits-2) * pi/2 in [0, pi/4]
-  const A x = A(static_cast<int32_t>(g)) * A(kHalfPi / double(1u << (kBits - 2)));
-  const A x2 = x * x;
-  // sin x = x * sum_j (-1)^j x^2j / (2j+1)!, cos x = sum_j (-1)^j x^2j / (2j)!, by Horner's rule in x^2
-  A ps = A(0), pc = A(0);
-  for (int j = Normal<A>::kSinTerms - 1; j >= 0; --j) ps = ps * x2 + kSinCoef<A>[j];
-  for (int j = Normal<A>::kCosTerms - 1; j >= 0; --j) pc = pc * x2 + kCosCoef<A>[j];
-  const A sx = x * ps;
-  const A s = swap ? pc : sx;  // sin and cos of the angle within the quadrant
-  const A c = swap ? sx : pc;
-  const bool odd = quadrant & 1u;  // quadrants 0-3: (sin, cos) = (s, c), (c, -s), (-s, -c), (-c, s)
-  const A sin_t = (odd ? c : s) * A(quadrant & 2u ? -1.0 : 1.0);
-  const A cos_t = (odd ? s : c) * A((quadrant + 1u) & 2u ? -1.0 : 1.0);
-  z_cos = r * cos_t;
-  z_sin = r * sin_t;
-}
-
-// Normals of one chunk of 64 blocks (256 elements), lane-major: z[lane * 64 + b].
-template <typename A>
-PFK_ALWAYS_INLINE void normal_chunk_body(uint64_t first_block, uint32_t k0, uint32_t k1, uint64_t stream, A* z) {
-  // The 64 blocks' counters side by side, one Philox round at a time (a loop over lanes the compiler vectorises).
-  uint32_t c0[kBlocks], c1[kBlocks], c2[kBlocks], c3[kBlocks];
-  for (int b = 0; b < kBlocks; ++b) {
-    const uint64_t block = first_block + static_cast<uint64_t>(b);
-    c0[b] = static_cast<uint32_t>(block), c1[b] = static_cast<uint32_t>(block >> 32);
-    c2[b] = static_cast<uint32_t>(stream), c3[b] = static_cast<uint32_t>(stream >> 32);
+// Philox4x32-10 of 16 consecutive blocks from first_block (a multiple of 16): their words to w[word][at + b].
+template <Isa I>
+inline void philox_blocks(uint64_t first_block, uint32_t k0, uint32_t k1, uint64_t stream, uint32_t (*w)[kBlocks],
+                          int at) {
+  constexpr int kV = kPhiloxVectors;
+  w32v iota;
+  for (int l = 0; l < kPhiloxLanes; ++l) iota[l] = static_cast<uint32_t>(l);
+  const w32v hi = w32v{} + static_cast<uint32_t>(first_block >> 32);  // shared: the low words do not wrap
+  const w32v s0 = w32v{} + static_cast<uint32_t>(stream), s1 = w32v{} + static_cast<uint32_t>(stream >> 32);
+  w32v c0[kV], c1[kV], c2[kV], c3[kV];
+  for (int v = 0; v < kV; ++v) {
+    c0[v] = iota + static_cast<uint32_t>(first_block + uint64_t(v * kPhiloxLanes));
+    c1[v] = hi, c2[v] = s0, c3[v] = s1;
   }
+  const w32v m0 = w32v{} + kPhiloxM0, m1 = w32v{} + kPhiloxM1;
   uint32_t key0 = k0, key1 = k1;
+#pragma GCC unroll 10
   for (int r = 0; r < 10; ++r) {
-    for (int b = 0; b < kBlocks; ++b) {
-      const uint64_t p0 = uint64_t(kPhiloxM0) * c0[b], p1 = uint64_t(kPhiloxM1) * c2[b];
-      const uint32_t n0 = static_cast<uint32_t>(p1 >> 32) ^ c1[b] ^ key0, n1 = static_cast<uint32_t>(p1);
-      const uint32_t n2 = static_cast<uint32_t>(p0 >> 32) ^ c3[b] ^ key1, n3 = static_cast<uint32_t>(p0);
-      c0[b] = n0, c1[b] = n1, c2[b] = n2, c3[b] = n3;
+    for (int v = 0; v < kV; ++v) {
+      const w32v h0 = mulhi<I>(c0[v], m0), h1 = mulhi<I>(c2[v], m1);
+      const w32v l0 = c0[v] * m0, l1 = c2[v] * m1;
+      c0[v] = h1 ^ c1[v] ^ key0, c1[v] = l1;
+      c2[v] = h0 ^ c3[v] ^ key1, c3[v] = l0;
     }
     key0 += kPhiloxW0;
     key1 += kPhiloxW1;
   }
-  for (int b = 0; b < kBlocks; ++b) box_muller<A>(c0[b], c1[b], z[b], z[kBlocks + b]);
-  for (int b = 0; b < kBlocks; ++b) box_muller<A>(c2[b], c3[b], z[2 * kBlocks + b], z[3 * kBlocks + b]);
+  for (int v = 0; v < kV; ++v) {
+    const int b = at + v * kPhiloxLanes;
+    std::memcpy(&w[0][b], &c0[v], sizeof(w32v));
+    std::memcpy(&w[1][b], &c1[v], sizeof(w32v));
+    std::memcpy(&w[2][b], &c2[v], sizeof(w32v));
+    std::memcpy(&w[3][b], &c3[v], sizeof(w32v));
+  }
+}
+
+// ln(v) for positive normal v: v = m * 2^e with m in [sqrt(1/2), sqrt(2)), ln m = 2 atanh(s), s = (m-1)/(m+1).
+template <typename A>
+inline typename Lanes<A>::V log_lanes(typename Lanes<A>::V v) {
+  using L = Lanes<A>;
+  using V = typename L::V;
+  using U = typename L::U;
+  using B = typename L::B;
+  const U bits = reinterpret_cast<U>(v);
+  V e = __builtin_convertvector(__builtin_convertvector(bits >> L::kMant, typename L::J) - L::kExpBias, V);
+  V m = reinterpret_cast<V>((bits & ((B(1) << L::kMant) - 1)) | (B(L::kExpBias) << L::kMant));
+  const auto low = m < A(kSqrtHalf);
+  m = low ? m + m : m;
+  e = low ? e - A(1) : e;
+  const V s = (m - A(1)) / (m + A(1));
+  const V s2 = s * s;
+  V t = V{} + kLogCoef<A>[Normal<A>::kLogTerms - 1];
+  for (int j = Normal<A>::kLogTerms - 2; j >= 0; --j) t = t * s2 + kLogCoef<A>[j];
+  return e * A(kLn2) + (s + s) * t;
 }
 
 template <typename A>
-PFK_ALWAYS_INLINE void noise_span_body(int64_t begin, int64_t end, A* x, int64_t stride, A std, uint32_t k0,
-                                       uint32_t k1, uint64_t stream) {
-  A z[kChunkElems];
+inline typename Lanes<A>::V sqrt_lanes(typename Lanes<A>::V v) {
+  typename Lanes<A>::V r;
+  for (int l = 0; l < Lanes<A>::kN; ++l) r[l] = std::sqrt(v[l]);  // one vector square root
+  return r;
+}
+
+// Two normals per lane from two words (Box-Muller): sqrt(-2 ln u1) * (cos, sin)(2 pi u2), u1 = (a' + 1) / 2^bits
+// in (0, 1] and u2 = b' / 2^bits in [0, 1) from the words' top bits a', b'; the angle's quadrant from b's top 2 bits,
+// sine and cosine by Horner's rule in x^2 on [0, pi/4] (the rest of the quadrant by symmetry).
+template <typename A>
+inline void box_muller_lanes(typename Lanes<A>::W a, typename Lanes<A>::W b, A* z_cos, A* z_sin) {
+  using L = Lanes<A>;
+  using V = typename L::V;
+  using U = typename L::U;
+  using J = typename L::J;
+  using IM = typename L::I;
+  constexpr int kBits = Normal<A>::kBits;
+  V n1;  // exactly, through int32 conversions
+  if constexpr (kBits < 32) {
+    n1 = __builtin_convertvector(reinterpret_cast<J>(a >> (32 - kBits)), V) + A(1);
+  } else {
+    n1 = (__builtin_convertvector(reinterpret_cast<J>(a ^ 0x80000000u), V) + A(2147483648.0)) + A(1);
+  }
+  const V r = sqrt_lanes<A>(A(-2) * log_lanes<A>(n1 * A(1.0 / double(uint64_t(1) << kBits))));
+  const J quadrant = reinterpret_cast<J>(b >> 30);
+  const J f = reinterpret_cast<J>(b >> (32 - kBits)) & ((1 << (kBits - 2)) - 1);
+  const J swap32 = f > (1 << (kBits - 3));
+  const J g = swap32 ? (1 << (kBits - 2)) - f : f;  // angle g / 2^(bits-2) * pi/2 in [0, pi/4]
+  const V x = __builtin_convertvector(g, V) * A(kHalfPi / double(1u << (kBits - 2)));
+  const V x2 = x * x;
+  V ps = V{} + kSinCoef<A>[Normal<A>::kSinTerms - 1];
+  for (int j = Normal<A>::kSinTerms - 2; j >= 0; --j) ps = ps * x2 + kSinCoef<A>[j];
+  V pc = V{} + kCosCoef<A>[Normal<A>::kCosTerms - 1];
+  for (int j = Normal<A>::kCosTerms - 2; j >= 0; --j) pc = pc * x2 + kCosCoef<A>[j];
+  const V sx = x * ps;
+  const IM swap = __builtin_convertvector(swap32, IM);
+  const V s = swap ? pc : sx;  // sine and cosine of the angle within the quadrant
+  const V c = swap ? sx : pc;
+  // quadrants 0-3: (sin, cos) = (s, c), (c, -s), (-s, -c), (-c, s); a sign is the sign bit flipped
+  const IM odd = __builtin_convertvector((quadrant & 1) != 0, IM);
+  constexpr typename L::B kSign = typename L::B(1) << (8 * sizeof(A) - 1);
+  const U sin_sign = reinterpret_cast<U>(__builtin_convertvector((quadrant & 2) != 0, IM)) & kSign;
+  const U cos_sign = reinterpret_cast<U>(__builtin_convertvector(((quadrant + 1) & 2) != 0, IM)) & kSign;
+  const V zc = r * reinterpret_cast<V>(reinterpret_cast<U>(odd ? s : c) ^ cos_sign);
+  const V zs = r * reinterpret_cast<V>(reinterpret_cast<U>(odd ? c : s) ^ sin_sign);
+  std::memcpy(z_cos, &zc, sizeof(V));
+  std::memcpy(z_sin, &zs, sizeof(V));
+}
+
+// Normals of one chunk of 64 blocks (256 elements), lane-major: z[lane * 64 + b], lanes 0 and 1 from the blocks'
+// words 0 and 1 (cos, sin), lanes 2 and 3 from words 2 and 3.
+template <typename A, Isa I>
+inline void normal_chunk(uint64_t first_block, uint32_t k0, uint32_t k1, uint64_t stream, A* z) {
+  alignas(32) uint32_t w[4][kBlocks];
+  for (int b = 0; b < kBlocks; b += kPhiloxVectors * kPhiloxLanes) {
+    philox_blocks<I>(first_block + uint64_t(b), k0, k1, stream, w, b);
+  }
+  using W = typename Lanes<A>::W;
+  for (int b = 0; b < kBlocks; b += Lanes<A>::kN) {
+    for (int h = 0; h < 2; ++h) {
+      W u, v;
+      std::memcpy(&u, &w[2 * h][b], sizeof(W));
+      std::memcpy(&v, &w[2 * h + 1][b], sizeof(W));
+      box_muller_lanes<A>(u, v, z + 2 * h * kBlocks + b, z + (2 * h + 1) * kBlocks + b);
+    }
+  }
+}
+
+template <typename A, Isa I>
+inline void noise_span_body(int64_t begin, int64_t end, A* x, int64_t stride, A std, uint32_t k0, uint32_t k1,
+                            uint64_t stream) {
+  alignas(32) A z[kChunkElems];
   for (int64_t at = begin; at < end; at += kChunkElems) {  // begin is a multiple of kChunkElems
-    normal_chunk_body<A>(static_cast<uint64_t>(at / kChunkElems) * kBlocks, k0, k1, stream, z);
+    normal_chunk<A, I>(static_cast<uint64_t>(at / kChunkElems) * kBlocks, k0, k1, stream, z);
     const int64_t n = std::min(kChunkElems, end - at);
     A* __restrict__ xs = x + at * stride;
     if (stride == 1) {
@@ -285,9 +408,41 @@ PFK_ALWAYS_INLINE void noise_span_body(int64_t begin, int64_t end, A* x, int64_t
   }
 }
 
-PFK_ISA_DISPATCH(template <typename A>, <A>, void, noise_span,
-                 (int64_t begin, int64_t end, A* x, int64_t stride, A std, uint32_t k0, uint32_t k1, uint64_t stream),
-                 (begin, end, x, stride, std, k0, k1, stream), noise_span_body)
+// One flattened function per ISA (PFK_ISA_DISPATCH's targets; flatten inlines the ISA-specific multiply).
+#define PFK_NOISE_PARAMS \
+  int64_t begin, int64_t end, A *x, int64_t stride, A std, uint32_t k0, uint32_t k1, uint64_t stream
+#define PFK_NOISE_ARGS begin, end, x, stride, std, k0, k1, stream
+template <typename A>
+__attribute__((flatten)) void noise_span_baseline(PFK_NOISE_PARAMS) {
+  noise_span_body<A, Isa::Baseline>(PFK_NOISE_ARGS);
+}
+#if defined(__x86_64__) && defined(__GNUC__)
+template <typename A>
+__attribute__((target("avx2"), flatten)) void noise_span_avx2(PFK_NOISE_PARAMS) {
+  noise_span_body<A, Isa::Avx2>(PFK_NOISE_ARGS);
+}
+template <typename A>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2"), flatten)) void noise_span_avx512(PFK_NOISE_PARAMS) {
+  noise_span_body<A, Isa::Avx512>(PFK_NOISE_ARGS);
+}
+#endif
+template <typename A>
+void noise_span(PFK_NOISE_PARAMS) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  switch (cpu_isa()) {
+    case Isa::Avx512:
+      return noise_span_avx512<A>(PFK_NOISE_ARGS);
+    case Isa::Avx2:
+      return noise_span_avx2<A>(PFK_NOISE_ARGS);
+    default:
+      break;
+  }
+#endif
+  noise_span_baseline<A>(PFK_NOISE_ARGS);
+}
+#undef PFK_NOISE_PARAMS
+#undef PFK_NOISE_ARGS
+#pragma GCC diagnostic pop
 
 constexpr int64_t kNoiseSpan = 64 * kChunkElems;  // elements per parallel chunk (a multiple of a generator chunk)
 
