@@ -10,13 +10,16 @@ Cases, each one step (gradient and update) on one model and batch, in float32:
 - ``opacus hooks``: Opacus 1.6's ``PrivacyEngine.make_private`` (per-sample gradients through hooks, DPOptimizer);
 - ``opacus ghost``: the same with ``grad_sample_mode="ghost"`` (ghost clipping: norms without per-sample gradients,
   then a second backward pass);
-- ``limit:non-private step``: the same model's plain gradient (``LocalModel.loss_and_grad``) and update.
+- ``limit:non-private step``: the same model's plain gradient (``LocalModel.loss_and_grad``) and update;
+- ``limit:non-private step + noise``: the same, plus the DP-SGD noise of the step (``DPSGD.add_noise_`` on the flat
+  gradient): what any DP-SGD step with this noise generator costs at least.
 
 Opacus replaces the LSTM by its DPLSTM (``ModuleValidator.fix``); its cases are left out when it is not installed.
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any
 
@@ -123,11 +126,16 @@ def cases(quick: bool = False, device: str = "cpu") -> list[Case]:
 
             return run
 
-        def plain(name: str = name, inputs: Any = inputs) -> Any:
+        def plain(name: str = name, inputs: Any = inputs, noise: bool = False) -> Any:
             a, local = inputs(), LocalModel(_model(name))
+            dp = DPSGD(CLIP, SIGMA, seed=0)
+            step = [0]
 
             def run() -> None:
+                step[0] += 1
                 local.loss_and_grad(a["x"], a["y"])
+                if noise:
+                    dp.add_noise_(local.flat.grad, (0, 0, step[0]), 1.0 / a["x"].shape[0])
                 local.flat.data.add_(local.flat.grad, alpha=-LR)
 
             return run
@@ -142,4 +150,5 @@ def cases(quick: bool = False, device: str = "cpu") -> list[Case]:
 
                 out.append(Case(group, f"opacus {mode}", opacus))
         out.append(Case(group, "limit:non-private step", plain))
+        out.append(Case(group, "limit:non-private step + noise", functools.partial(plain, noise=True)))
     return out
