@@ -160,6 +160,14 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
         help="model keyword argument, e.g. hidden=64,64 (repeatable)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--log",
+        type=_log_names,
+        default=None,
+        metavar="tensorboard|mlflow",
+        help="also log the metrics to TensorBoard (tensorboard/ in the run directory) or MLflow (its mlflow.db), or "
+        "both (tensorboard,mlflow); extras pyfedkern[tensorboard], pyfedkern[mlflow]",
+    )
 
 
 def _parse_value(text: str, example: Any) -> Any:
@@ -445,6 +453,7 @@ def cmd_compare(args: argparse.Namespace, extra: list[str]) -> int:
         params=params,
         target=args.target,
         progress=not args.no_progress,
+        callbacks=_loggers(args),
     )
     print(result.table.read_text())
     print(f"plot: {result.plot}\ntable: {result.table}")
@@ -540,14 +549,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="spread the rounds over N local processes (torch.distributed; at most the CPU cores, or one per GPU "
         "with --device cuda); under torchrun leave it out (default: one process)",
-    )
-    run.add_argument(
-        "--log",
-        type=_log_names,
-        default=None,
-        metavar="tensorboard|mlflow",
-        help="also log the metrics to TensorBoard (--out's tensorboard/) or MLflow (--out's mlflow.db), or both "
-        "(tensorboard,mlflow); extras pyfedkern[tensorboard], pyfedkern[mlflow]",
     )
     _add_common(run)
     run.set_defaults(parser=run, handler=cmd_run, takes_extra=True)

@@ -32,6 +32,7 @@ def compare(
     params: Mapping[str, Mapping[str, Any]] | None = None,
     target: float | None = None,
     progress: bool = False,
+    callbacks: Sequence[Any] = (),
 ) -> Comparison:
     """Run each algorithm with ``base``'s data, partition, model and seed into ``out_dir/<algorithm>``.
 
@@ -39,7 +40,9 @@ def compare(
     one resumed, so an interrupted comparison picks up where it stopped; a sub-run made with a different config
     raises ValueError before anything runs. One comparison at a time writes ``out_dir`` (it holds the directory's
     lock; another raises :class:`~pyfedkern.sim.results.DirectoryLocked` naming its PID). Writes ``compare.png``
-    (accuracy and loss against round) and ``compare.md`` (final/best accuracy and rounds to ``target``).
+    (accuracy and loss against round) and ``compare.md`` (final/best accuracy and rounds to ``target``). Each
+    sub-run that runs calls ``callbacks`` (:class:`~pyfedkern.sim.callbacks.Callback` instances, one after another
+    run: e.g. the loggers of :mod:`pyfedkern.sim.loggers`, each logging into its sub-run's directory).
     """
     if not algorithms:
         raise ValueError("algorithms is empty: name at least one algorithm")
@@ -64,7 +67,10 @@ def compare(
     with DirectoryLock(out, "comparison directory"):  # one comparison at a time writes out_dir
         for name, config in configs.items():
             check_reusable(config, out / name)  # every sub-run checked before any runs
-        metrics = {name: run_or_reuse(config, out / name, progress=progress) for name, config in configs.items()}
+        metrics = {
+            name: run_or_reuse(config, out / name, progress=progress, callbacks=callbacks)
+            for name, config in configs.items()
+        }
         summaries = {name: summarize(m, target) for name, m in metrics.items()}
         title = f"{base.dataset}, {base.partition}, {base.clients} clients, model {base.model}"
         plot = plot_curves(metrics, out / "compare.png", title=title)

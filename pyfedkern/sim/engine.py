@@ -834,10 +834,11 @@ def run_experiment(
     *,
     resume: bool = False,
     progress: bool = False,
+    callbacks: list[Callback] | tuple[Callback, ...] = (),
 ) -> list[dict[str, Any]]:
     """Build and run one experiment (see :meth:`Simulation.run`). With ``resume``, the config stored in
     ``out_dir`` must equal ``config``."""
-    return Simulation(config).run(out_dir, resume=resume, progress=progress)
+    return Simulation(config).run(out_dir, resume=resume, progress=progress, callbacks=callbacks)
 
 
 def check_resumable(config: ExperimentConfig, run_dir: str | Path, *, workers: int = 1) -> ResumePoint:
@@ -878,10 +879,17 @@ def check_reusable(config: ExperimentConfig, run_dir: str | Path) -> None:
             raise ValueError(f"{run_dir} holds a finished run of {done} rounds, more than the {config.rounds} asked")
 
 
-def run_or_reuse(config: ExperimentConfig, run_dir: str | Path, *, progress: bool = False) -> list[dict[str, Any]]:
+def run_or_reuse(
+    config: ExperimentConfig,
+    run_dir: str | Path,
+    *,
+    progress: bool = False,
+    callbacks: list[Callback] | tuple[Callback, ...] = (),
+) -> list[dict[str, Any]]:
     """The per-round metrics of ``config`` run in ``run_dir``: read back if that run finished (extended when
-    ``config`` has more rounds), resumed if it was interrupted, run otherwise; a run of another config, or of the
-    same config on other data or another model (its fingerprint), raises ValueError (never silently reused)."""
+    ``config`` has more rounds), resumed if it was interrupted, run otherwise (calling ``callbacks``); a run of
+    another config, or of the same config on other data or another model (its fingerprint), raises ValueError
+    (never silently reused)."""
     check_reusable(config, run_dir)
     if is_finished(run_dir) and read_config(run_dir)["rounds"] == config.rounds:
         sim = Simulation(config)
@@ -889,7 +897,7 @@ def run_or_reuse(config: ExperimentConfig, run_dir: str | Path, *, progress: boo
         check_frozen(run_dir, sim.frozen, "reuse")
         return read_metrics(run_dir)
     resume = (Path(run_dir) / "config.json").exists()  # a run there, of this config (checked), maybe not begun
-    return Simulation(config).run(run_dir, resume=resume, progress=progress)
+    return Simulation(config).run(run_dir, resume=resume, progress=progress, callbacks=callbacks)
 
 
 def load_config(out_dir: str | Path) -> ExperimentConfig:

@@ -221,3 +221,11 @@ def test_the_callbacks_section_of_the_docs_runs(tmp_path, monkeypatch):
     for block in blocks:
         exec(compile(block, "docs/experiments.md", "exec"), scope)
     assert _tensorboard_scalars(tmp_path / "runs/logged/tensorboard") == _by_field(read_metrics("runs/logged"))
+
+
+def test_compare_logs_each_sub_run_into_its_own_directory(tmp_path):
+    pytest.importorskip("tensorboard")
+    out = tmp_path / "cmp"
+    assert main(["compare", "--algorithms", "fedavg,fedprox", *FAST, "--out", str(out), "--log", "tensorboard"]) == 0
+    for name in ("fedavg", "fedprox"):
+        assert _tensorboard_scalars(out / name / "tensorboard") == _by_field(read_metrics(out / name))
