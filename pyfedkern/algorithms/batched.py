@@ -299,15 +299,27 @@ class BatchedTrainer:
         def objective(params: dict[str, torch.Tensor], *batch: torch.Tensor) -> torch.Tensor:
             return self.call(self.objective, params, batch)
 
+        # Two ways to the rows' gradients. "backward" vmaps only the forward and runs one plain backward of the rows'
+        # summed losses (row r's loss depends on row r's parameters only): it frees each layer's saved activations
+        # as it goes, so a row costs its activations and its parameters. "func" vmaps torch.func's grad, which keeps
+        # them all to the end of the backward (it differentiates with create_graph) but decomposes ops that have no
+        # batching rule of their own (LSTM) and lays out large weight gradients without a transposing copy. Mostly
+        # frozen models (adapters, a trained head), whose activations dwarf their rows, try "backward" first.
+        self._losses = vmap(objective, randomness="different")  # (params, xb, yb[, wb[, soft]]) -> [k]
+        self._soft_losses = vmap(lambda p, xb, yb, soft: objective(p, xb, yb, None, soft), randomness="different")
         step = grad_and_value(objective)
-        self._step = vmap(step, randomness="different")  # (params, xb, yb[, wb[, soft]])
+        self._step = vmap(step, randomness="different")
         self._soft_step = vmap(lambda p, xb, yb, soft: step(p, xb, yb, None, soft), randomness="different")
+        trained = sum(e.numel for e in self.entries)
+        frozen = sum(p.numel() for p in local.module.parameters() if not p.requires_grad)
+        #: the modes the first vmapped step tries, in order; :attr:`mode` the one that ran
+        self.modes = ("backward", "func") if frozen > trained else ("func", "backward")
+        self.mode: str | None = None
         chain = LinearChainGradients.applies(local)
         self.chain = (
             None if chain is None else LinearChainGradients(chain, {e.name: e for e in self.entries}, local.module)
         )
         self._activations: int | None = None
-        self._vmapped = False  # whether a vmapped step has run (the first one's failure: Unbatchable)
 
     def params(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
         """Each row's parameters as views, keyed "model.<name>" (a submodule named ``model`` holding the module)."""
@@ -345,18 +357,44 @@ class BatchedTrainer:
             return self.chain(rows, xb, yb, weights, soft, kd_weight)
         self.local.module.train()
         self.objective.kd_weight = kd_weight
-        try:
-            if soft is not None and weights is None:
-                grads, losses = self._soft_step(self.params(rows), xb, yb, soft)
-            else:
-                grads, losses = self._step(self.params(rows), *(t for t in (xb, yb, weights, soft) if t is not None))
-        except RuntimeError as err:
-            if self._vmapped or isinstance(err, torch.OutOfMemoryError):
-                raise
-            raise Unbatchable(f"{type(err).__name__}: {str(err).splitlines()[0].split('. ')[0]}") from err
-        self._vmapped = True
-        flat = torch.cat([grads[f"model.{e.name}"].reshape(rows.shape[0], -1) for e in self.entries], dim=1)
-        return flat, losses.detach()
+        batch = tuple(t for t in (xb, yb, weights, soft) if t is not None)
+        soft_only = soft is not None and weights is None
+        if self.mode is None:
+            grads, losses = self._first_step(rows, batch, soft_only)
+        else:
+            grads, losses = self._vmapped_gradients(rows, batch, soft_only)
+        return torch.cat([g.reshape(rows.shape[0], -1) for g in grads], dim=1), losses.detach()
+
+    def _vmapped_gradients(
+        self, rows: torch.Tensor, batch: tuple, soft_only: bool
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Each parameter's per-row gradients [k, *shape] and the losses [k], the :attr:`mode`'s way."""
+        if self.mode == "backward":
+            params = {name: view.detach().requires_grad_() for name, view in self.params(rows).items()}
+            with torch.enable_grad():
+                losses = (self._soft_losses if soft_only else self._losses)(params, *batch)
+                return list(torch.autograd.grad(losses.sum(), list(params.values()), materialize_grads=True)), losses
+        named, losses = (self._soft_step if soft_only else self._step)(self.params(rows), *batch)
+        return list(named.values()), losses
+
+    def _first_step(self, rows: torch.Tensor, batch: tuple, soft_only: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """:meth:`_vmapped_gradients` in the first of :attr:`modes` that runs, the random state restored after a
+        failed try (a resumed run makes the same draws); Unbatchable when neither runs."""
+        cuda = rows.device.type == "cuda"
+        for mode in self.modes:
+            state = torch.cuda.get_rng_state(rows.device) if cuda else torch.get_rng_state()
+            self.mode = mode
+            try:
+                return self._vmapped_gradients(rows, batch, soft_only)
+            except RuntimeError as err:
+                self.mode, error = None, err
+                if isinstance(err, torch.OutOfMemoryError):
+                    raise
+                if cuda:
+                    torch.cuda.set_rng_state(state, rows.device)
+                else:
+                    torch.set_rng_state(state)
+        raise Unbatchable(f"{type(error).__name__}: {str(error).splitlines()[0].split('. ')[0]}") from error
 
     def activations_per_sample(self, sample: torch.Tensor) -> int:
         """Elements of every layer's output for one sample (measured once with forward hooks): the memory scale of

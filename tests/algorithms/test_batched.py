@@ -106,3 +106,79 @@ def test_layer_chain_expands_nested_sequentials():
     layers = layer_chain(_nested_sequential())
     assert [type(layer) for layer in layers] == [nn.Flatten, nn.Linear, nn.ReLU, nn.Linear]
     assert layer_chain(build_model("cnn", (1, 8, 8), 5)) is None
+
+
+def _frozen_backbone_cnn() -> nn.Module:
+    model = build_model("cnn", (1, 8, 8), 5)
+    for p in list(model.parameters())[:-2]:  # all but the last layer's weight and bias
+        p.requires_grad_(False)
+    return model
+
+
+def _frozen_lstm() -> nn.Module:
+    class Text(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(500, 16)  # frozen, and larger than the trained layers
+            self.lstm = nn.LSTM(16, 16, batch_first=True)
+            self.head = nn.Linear(16, 5)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            dropped = nn.functional.dropout(self.embed(x), 0.3, self.training)  # draws before the LSTM fails
+            return self.head(self.lstm(dropped)[0][:, -1])
+
+    model = Text()
+    model.embed.requires_grad_(False)
+    return model
+
+
+def _inputs(module: nn.Module, k: int, batch: int, tokens: bool = False):
+    gen = torch.Generator().manual_seed(2)
+    local = LocalModel(module)
+    rows = local.flat.data.expand(k, -1) + 0.1 * torch.randn(k, local.dim, generator=gen, dtype=torch.float64)
+    if tokens:
+        xb = torch.randint(0, 7, (k, batch, 6), generator=gen)
+    else:
+        xb = torch.randn(k, batch, 1, 8, 8, generator=gen, dtype=torch.float64)
+    return local, rows.contiguous(), xb, torch.randint(0, 5, (k, batch), generator=gen)
+
+
+@pytest.mark.parametrize(
+    "factory, first",
+    [(lambda: build_model("cnn", (1, 8, 8), 5), "func"), (_frozen_backbone_cnn, "backward")],
+    ids=["cnn", "frozen backbone"],
+)
+@pytest.mark.parametrize("padded", [False, True])
+def test_both_vmapped_modes_give_the_same_gradients(factory, first, padded):
+    torch.manual_seed(0)
+    local, rows, xb, yb = _inputs(factory().double(), k=4, batch=3)
+    weights = padding_weights([3, 1, 2, 3], xb) if padded else None
+    trainer = BatchedTrainer(local)
+    assert trainer.modes[0] == first  # a mostly frozen model frees its activations during the backward
+    grads, losses = trainer.gradients(rows, xb, yb, weights)
+    assert trainer.mode == first
+    other = BatchedTrainer(local)
+    other.modes = other.modes[::-1]
+    expected_grads, expected_losses = other.gradients(rows, xb, yb, weights)
+    assert other.mode != first
+    torch.testing.assert_close(grads, expected_grads, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(losses, expected_losses, rtol=1e-12, atol=1e-14)
+    frozen = [p for p in local.module.parameters() if not p.requires_grad]
+    assert all(p.grad is None for p in frozen)
+
+
+def test_a_mode_that_cannot_run_falls_back_with_the_random_state_kept():
+    torch.manual_seed(0)
+    local, rows, xb, yb = _inputs(_frozen_lstm().double(), k=3, batch=4, tokens=True)
+    trainer = BatchedTrainer(local)
+    assert trainer.modes == ("backward", "func")  # the LSTM has no batching rule outside torch.func's grad
+    torch.manual_seed(5)
+    grads, losses = trainer.gradients(rows, xb, yb)
+    after_fallback = torch.get_rng_state()
+    assert trainer.mode == "func"
+    direct = BatchedTrainer(local)
+    direct.modes = ("func",)
+    torch.manual_seed(5)
+    expected_grads, expected_losses = direct.gradients(rows, xb, yb)
+    assert torch.equal(torch.get_rng_state(), after_fallback)  # the failed try's draws were given back
+    assert torch.equal(grads, expected_grads) and torch.equal(losses, expected_losses)  # the same dropout masks
