@@ -64,7 +64,8 @@ class Callback:
         """Before the first round this process runs (a resumed run's state is restored by then)."""
 
     def on_round_start(self, run: Run, t: int) -> None:
-        """Before training round ``t + 1`` (``t`` counts from 0, as :meth:`Algorithm.round` does)."""
+        """Before training round ``t + 1`` (``t`` counts from 0, as
+        :meth:`Algorithm.round <pyfedkern.algorithms.Algorithm.round>` does)."""
 
     def on_round_end(self, run: Run, record: dict[str, Any]) -> None:
         """After each new record: round 0's (the initial model, no training) in a run that starts anew, then every
