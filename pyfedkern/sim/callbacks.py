@@ -141,7 +141,7 @@ class Checkpoints(Callback):
         if run.out_dir is None or done == 0 or (done % cfg.checkpoint_every and done != cfg.rounds):
             return
         sim = run.simulation
-        state = sim._checkpoint(done)
+        state = sim.checkpoint_state(done)
         shards = sim.team.gather(state["algorithm"])  # every rank's state, on rank 0
         if run.writer is not None:
             run.writer.save_checkpoint({**state, "algorithm": shards[0] if sim.team.size == 1 else shards})

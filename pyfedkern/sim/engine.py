@@ -618,8 +618,10 @@ class Simulation(FLContext):
             self._restore(path, state)
         return start, metrics
 
-    def _checkpoint(self, rounds_done: int) -> dict[str, Any]:
-        """The state after ``rounds_done`` rounds, with the config it was made under (checked on resume)."""
+    def checkpoint_state(self, rounds_done: int) -> dict[str, Any]:
+        """What a checkpoint after ``rounds_done`` rounds holds (this rank's algorithm state among it), with the
+        config it was made under (checked on resume); the :class:`~pyfedkern.sim.callbacks.Checkpoints` callback
+        saves it."""
         return {
             "round": rounds_done,
             "config": self.config.to_dict(),
