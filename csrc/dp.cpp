@@ -427,9 +427,9 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx2"), flatten)) void noise_sp
 }
 #endif
 template <typename A>
-void noise_span(PFK_NOISE_PARAMS) {
+void noise_span(PFK_NOISE_PARAMS, Isa isa) {
 #if defined(__x86_64__) && defined(__GNUC__)
-  switch (cpu_isa()) {
+  switch (isa) {
     case Isa::Avx512:
       return noise_span_avx512<A>(PFK_NOISE_ARGS);
     case Isa::Avx2:
@@ -440,6 +440,37 @@ void noise_span(PFK_NOISE_PARAMS) {
 #endif
   noise_span_baseline<A>(PFK_NOISE_ARGS);
 }
+
+// Philox4x32-10's words of blocks first_block .. first_block + n - 1 to out[word * n + i], one function per ISA.
+template <Isa I>
+inline void philox_span_body(uint64_t first_block, int64_t n, uint32_t k0, uint32_t k1, uint64_t stream,
+                             uint32_t* out) {
+  alignas(32) uint32_t w[4][kBlocks];
+  const uint64_t skip = first_block % kBlocks;  // chunks of 64 blocks from a multiple of 64
+  for (int64_t done = 0; done < n;) {
+    const uint64_t chunk = first_block - skip + uint64_t(done) + (done ? skip : 0);
+    for (int b = 0; b < kBlocks; b += kPhiloxVectors * kPhiloxLanes) philox_blocks<I>(chunk + b, k0, k1, stream, w, b);
+    const int64_t from = done ? 0 : int64_t(skip), count = std::min<int64_t>(kBlocks - from, n - done);
+    for (int k = 0; k < 4; ++k) std::memcpy(out + k * n + done, &w[k][from], sizeof(uint32_t) * count);
+    done += count;
+  }
+}
+__attribute__((flatten)) void philox_span_baseline(uint64_t first_block, int64_t n, uint32_t k0, uint32_t k1,
+                                                   uint64_t stream, uint32_t* out) {
+  philox_span_body<Isa::Baseline>(first_block, n, k0, k1, stream, out);
+}
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("avx2"), flatten)) void philox_span_avx2(uint64_t first_block, int64_t n, uint32_t k0,
+                                                               uint32_t k1, uint64_t stream, uint32_t* out) {
+  philox_span_body<Isa::Avx2>(first_block, n, k0, k1, stream, out);
+}
+#endif
+void philox_span(uint64_t first_block, int64_t n, uint32_t k0, uint32_t k1, uint64_t stream, uint32_t* out) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (cpu_isa() != Isa::Baseline) return philox_span_avx2(first_block, n, k0, k1, stream, out);
+#endif
+  philox_span_baseline(first_block, n, k0, k1, stream, out);
+}
 #undef PFK_NOISE_PARAMS
 #undef PFK_NOISE_ARGS
 #pragma GCC diagnostic pop
@@ -447,28 +478,50 @@ void noise_span(PFK_NOISE_PARAMS) {
 constexpr int64_t kNoiseSpan = 64 * kChunkElems;  // elements per parallel chunk (a multiple of a generator chunk)
 
 template <typename A>
-void gaussian_noise_typed(int64_t d, void* x, int64_t stride, double std, uint64_t seed, uint64_t stream) {
+void gaussian_noise_typed(int64_t d, void* x, int64_t stride, double std, uint64_t seed, uint64_t stream, Isa isa) {
   A* xs = static_cast<A*>(x);
   const uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
   parallel_chunks(d, kNoiseSpan, 16 * d, [&](int64_t, int64_t begin, int64_t end) {
-    noise_span<A>(begin, end, xs, stride, A(std), k0, k1, stream);
+    noise_span<A>(begin, end, xs, stride, A(std), k0, k1, stream, isa);
   });
 }
 
+// The ISA named by `name` ("" for the CPU's best), refused when this CPU lacks it.
+Isa isa_from_name(const std::string& name) {
+  if (name.empty()) return cpu_isa();
+  const Isa isa = name == "baseline" ? Isa::Baseline
+                  : name == "avx2"   ? Isa::Avx2
+                  : name == "avx512"
+                      ? Isa::Avx512
+                      : throw ArgumentError("isa must be '', 'baseline', 'avx2' or 'avx512', got '" + name + "'");
+  if (static_cast<int>(isa) > static_cast<int>(cpu_isa())) throw ArgumentError("isa " + name + ": not on this CPU");
+  return isa;
+}
+
 void gaussian_noise(const std::string& dtype_name, int64_t d, uintptr_t x, int64_t stride, double std, uint64_t seed,
-                    uint64_t stream) {
+                    uint64_t stream, const std::string& isa_name) {
   const DType dtype = dtype_from_name(dtype_name);
   if (d < 1) throw ArgumentError("gaussian_noise: d must be >= 1");
   if (x == 0) throw ArgumentError("gaussian_noise: x is a null pointer");
   if (!std::isfinite(std) || std < 0) throw ArgumentError("gaussian_noise: std must be finite and >= 0");
+  const Isa isa = isa_from_name(isa_name);
   switch (dtype) {
     case DType::F32:
-      return gaussian_noise_typed<float>(d, reinterpret_cast<void*>(x), stride, std, seed, stream);
+      return gaussian_noise_typed<float>(d, reinterpret_cast<void*>(x), stride, std, seed, stream, isa);
     case DType::F64:
-      return gaussian_noise_typed<double>(d, reinterpret_cast<void*>(x), stride, std, seed, stream);
+      return gaussian_noise_typed<double>(d, reinterpret_cast<void*>(x), stride, std, seed, stream, isa);
     default:
       throw ArgumentError("gaussian_noise: x must be float32 or float64");
   }
+}
+
+void philox4x32_10(uint64_t seed, uint64_t stream, uint64_t first_block,
+                   py::array_t<uint32_t, py::array::c_style>& out) {
+  if (out.ndim() != 2 || out.shape(0) != 4 || out.shape(1) < 1) throw ArgumentError("out must be [4, n], n >= 1");
+  uint32_t* o = out.mutable_data();
+  const int64_t n = out.shape(1);
+  py::gil_scoped_release release;
+  philox_span(first_block, n, static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32), stream, o);
 }
 
 }  // namespace
@@ -481,9 +534,13 @@ void bind_dp(py::module_& m) {
         "out = sum_k min(1, clip / ||row_k - center||) (row_k - center) (center 0: no center); the norms go to "
         "`norms` (float64, one per row). CPU only.");
   m.def("gaussian_noise", &gaussian_noise, py::arg("dtype"), py::arg("d"), py::arg("x"), py::arg("stride"),
-        py::arg("std"), py::arg("seed"), py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
+        py::arg("std"), py::arg("seed"), py::arg("stream"), py::arg("isa") = "",
+        py::call_guard<py::gil_scoped_release>(),
         "x += std * z, z standard normal from Philox4x32-10 (key: seed; counter: block, stream) and Box-Muller. "
-        "CPU only.");
+        "CPU only. isa: '' (the CPU's best) or a vector ISA this CPU has ('baseline', 'avx2', 'avx512'), for tests.");
+  m.def("philox4x32_10", &philox4x32_10, py::arg("seed"), py::arg("stream"), py::arg("first_block"), py::arg("out"),
+        "out[word, i] = word `word` of Philox4x32-10 block first_block + i (key: seed; counter: block, stream), "
+        "out a [4, n] uint32 array: gaussian_noise's raw bits (for tests and the benchmark's limit).");
 }
 
 }  // namespace pfk

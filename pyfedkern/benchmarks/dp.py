@@ -1,8 +1,8 @@
 """Benchmark cases of the DP ops and of a central-DP round.
 
 - ``gaussian_noise d=...``: ``ops.gaussian_noise_(x, σ, seed, round)`` (x += σ·z in one pass) against what torch
-  code writes, ``x.add_(buf.normal_(), alpha=σ)``, and torch's ``normal_`` alone (filling a buffer); the limit is a
-  copy of the same floats.
+  code writes, ``x.add_(buf.normal_(), alpha=σ)``, and torch's ``normal_`` alone (filling a buffer); the limits are
+  a copy of the same floats and (CPU) the generator's Philox4x32-10 alone, one 32-bit word per float.
 - ``clip_accumulate K=... d=...``: the clipped sum of K update rows around the global model against the torch idiom
   (norms of X − x, clip factors, their weighted sum); the limit is a sum of the stack.
 - ``central_dp_round fedavg m=1000 synthetic(1,1) logreg``: one FedAvg round of 1,000 clients, all taking part
@@ -13,9 +13,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import torch
 
 from pyfedkern import ops
+from pyfedkern._runtime import native
 from pyfedkern.benchmarks import engine
 from pyfedkern.benchmarks.common import Case, InputCache, fmt_size
 
@@ -65,13 +67,20 @@ def _noise_cases(cache: InputCache, d: int, device: str) -> list[Case]:
         x, buf = a["x"], a["buf"].to(device)
         return lambda: buf.copy_(x)
 
+    def limit_philox():
+        words = np.empty((4, -(-d // 4)), np.uint32)
+        return lambda: native().philox4x32_10(1234, 5, 0, words)
+
     nbytes = 2 * 4 * d
-    return [
+    out = [
         Case(group, "pyfedkern", ours, bytes_moved=nbytes, device=device),
         Case(group, "torch normal_+add_", torch_normal_add, bytes_moved=nbytes, device=device),
         Case(group, "torch normal_", torch_normal, bytes_moved=4 * d, device=device),
         Case(group, "limit:copy", limit_copy, bytes_moved=nbytes, device=device),
     ]
+    if device == "cpu":
+        out.append(Case(group, "limit:philox", limit_philox, bytes_moved=4 * d, device=device))
+    return out
 
 
 def _clip_cases(cache: InputCache, k: int, d: int, device: str) -> list[Case]:
