@@ -8,13 +8,13 @@ computed), the per-sample norms come from each layer's (input, output gradient) 
 gradient sum is one product of the clip-weighted output gradients with the input (the product a plain backward
 computes).
 
-Supported layers: Linear, Conv1d, Conv2d (groups 1, zero padding), Embedding, LayerNorm, GroupNorm, and LSTM (one
-direction, no projection: torch's LSTM kernel forward, and a backward through time that also yields each layer's
+Supported layers: Linear, Conv1d, Conv2d (groups 1, zero padding), Embedding, LayerNorm, GroupNorm, LSTM and GRU
+(one direction, no projection: torch's kernel forward, and a backward through time that also yields each layer's
 gate pre-activation gradients, from which its weights are book-kept like a Linear's over time steps; on the batched
-path, per-sample gradients row by row). A module of any other kind that holds trainable parameters (attention, GRU, a
-bare ``nn.Parameter``) is handled with ``torch.func`` (per-sample gradients of that module alone, vmap over grad; RNNs
-one sample at a time, as torch's fused RNN kernels run slowly under vmap), named once in a log line. BatchNorm in
-training mode mixes samples and is refused.
+path, per-sample gradients row by row). A module of any other kind that holds trainable parameters (attention, a
+bidirectional RNN, a bare ``nn.Parameter``) is handled with ``torch.func`` (per-sample gradients of that module
+alone, vmap over grad; RNNs one sample at a time, as torch's fused RNN kernels run slowly under vmap), named once in
+a log line. BatchNorm in training mode mixes samples and is refused.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def _native(module: nn.Module) -> bool:
         return module.groups == 1 and module.padding_mode == "zeros"
     if isinstance(module, nn.Embedding):
         return not module.sparse and not module.scale_grad_by_freq
-    return isinstance(module, NATIVE) or _book_kept_lstm(module)
+    return isinstance(module, NATIVE) or _book_kept_rnn(module)
 
 
 @dataclass
@@ -130,7 +130,7 @@ def _capture(
     """Forward with hooks and one backward to the units' outputs: ((unit capture, output gradients) for each unit
     that took part, Σ_n ℓ_n detached)."""
     captured: dict[int, _Captured] = {}
-    lstms = {id(u): [] for u in found if _book_kept_lstm(u.module)}  # each layer's (input, h_{t-1}, gate probe)
+    rnns = {id(u): [] for u in found if _book_kept_rnn(u.module)}  # each layer's (input, h_{t-1}, gate probes)
 
     def hook(unit: _Unit) -> Callable:
         def capture(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
@@ -139,9 +139,9 @@ def _capture(
                     f"dpsgd: layer {unit.name or 'model'} was called more than once in one forward pass (shared "
                     "weights are not supported)"
                 )
-            if id(unit) in lstms:
-                layers = lstms[id(unit)]
-                probes = [get_gradient_edge(probe) for _, _, probe in layers]
+            if id(unit) in rnns:
+                layers = rnns[id(unit)]
+                probes = [get_gradient_edge(probe) for _, _, own in layers for probe in own]
                 captured[id(unit)] = _Captured(unit, tuple((a, h) for a, h, _ in layers), {}, probes)
                 return
             leaves = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
@@ -154,8 +154,8 @@ def _capture(
 
     handles = [u.module.register_forward_hook(hook(u), with_kwargs=True) for u in found]
     for u in found:
-        if id(u) in lstms:
-            u.module.forward = functools.partial(_lstm_forward, u.module, lstms[id(u)])
+        if id(u) in rnns:
+            u.module.forward = functools.partial(_rnn_forward, u.module, rnns[id(u)])
     try:
         with torch.enable_grad():
             out = model(x)
@@ -166,7 +166,7 @@ def _capture(
         for h in handles:
             h.remove()
         for u in found:
-            if id(u) in lstms:
+            if id(u) in rnns:
                 del u.module.forward  # the class's forward again
     taken = [c for u in found if (c := captured.get(id(u))) is not None]
     targets = [(i, j, e) for i, c in enumerate(taken) for j, e in enumerate(c.outputs) if e is not None]
@@ -197,9 +197,9 @@ class _Layer:
         self.unit, self.rows = cap.unit, rows
         module = cap.unit.module
         self._per_sample: dict[str, torch.Tensor] | None = None  # fallback, LayerNorm, GroupNorm
-        self._lstm: list[tuple[list[str], torch.Tensor | None, torch.Tensor, list[str]]] | None = None
+        self._rnn: list[tuple[list[str], torch.Tensor | None, torch.Tensor, list[str]]] | None = None
         self.a = self.g = None
-        if rows is not None and (cap.unit.fallback or isinstance(module, nn.LSTM)):
+        if rows is not None and (cap.unit.fallback or isinstance(module, nn.RNNBase)):
             prefix = f"{cap.unit.name}." if cap.unit.name else ""
             parts = []
             for r in range(rows):
@@ -210,8 +210,8 @@ class _Layer:
         if cap.unit.fallback:
             self._per_sample = _fallback_grads(cap, grads)
             return
-        if isinstance(module, nn.LSTM):
-            self._lstm = _lstm_layers(cap.unit, cap.args, grads)
+        if isinstance(module, nn.RNNBase):
+            self._rnn = _rnn_layers(cap.unit, cap.args, grads)
             return
         self.a, self.g = cap.args[0], grads[0]
         if rows is not None:  # the samples of every row as one batch
@@ -230,9 +230,9 @@ class _Layer:
             values = list(self._per_sample.values())
             B = values[0].shape[0]
             return torch.stack([v.reshape(B, -1).square().sum(1) for v in values]).sum(0)
-        if self._lstm is not None:
+        if self._rnn is not None:
             sq = 0
-            for weights, a, dz, biases in self._lstm:
+            for weights, a, dz, biases in self._rnn:
                 if weights:
                     meta = nn.Linear(a.shape[-1], dz.shape[-1], bias=False, device="meta")
                     sq = sq + per_sample_grad_norms(meta, a, dz, squared=True)
@@ -255,8 +255,8 @@ class _Layer:
             for n, v in self._per_sample.items():
                 out[n] = torch.einsum("kb,kb...->k...", f.to(v.dtype), v.reshape(k, -1, *v.shape[1:]))
             return out if self.rows is not None else {n: v[0] for n, v in out.items()}
-        if self._lstm is not None:
-            for weights, a, dz, biases in self._lstm:
+        if self._rnn is not None:
+            for weights, a, dz, biases in self._rnn:
                 gc = (dz * factors.to(dz.dtype)[:, None, None]).flatten(0, 1)
                 if weights:
                     product = gc.T @ a.flatten(0, 1)
@@ -507,9 +507,9 @@ def _rnn_zero_state(module: nn.RNNBase, x: torch.Tensor) -> Any:
     return (h, x.new_zeros(layers, B, module.hidden_size)) if isinstance(module, nn.LSTM) else h
 
 
-def _book_kept_lstm(module: nn.Module) -> bool:
-    """Whether an LSTM's per-sample norms come from its gate gradients (one direction, no projection)."""
-    return isinstance(module, nn.LSTM) and not module.bidirectional and not module.proj_size
+def _book_kept_rnn(module: nn.Module) -> bool:
+    """Whether an LSTM's or GRU's per-sample norms come from its gate gradients (one direction, no projection)."""
+    return isinstance(module, (nn.LSTM, nn.GRU)) and not module.bidirectional and not module.proj_size
 
 
 class _LSTMLayer(torch.autograd.Function):
@@ -576,11 +576,66 @@ class _LSTMLayer(torch.autograd.Function):
         return dx, dh0, dc0, flat.transpose(0, 1), dw_ih, dw_hh, db, db
 
 
-def _lstm_forward(module: nn.LSTM, records: list, x: torch.Tensor, hx: Any = None) -> Any:
-    """``module``'s forward, layer by layer through :class:`_LSTMLayer`; appends (layer input [B, T, I], its
-    h_{t-1} sequence [B, T, H], the zero probe of its gate gradients) of each layer to ``records``."""
+class _GRULayer(torch.autograd.Function):
+    """One GRU layer whose backward also returns its gates' pre-activation gradients, as :class:`_LSTMLayer` does.
+
+    forward(x [B, T, I], h0 [B, H], probe_ih, probe_hh [B, T, 3H], w_ih, w_hh, b_ih, b_hh) → (y [B, T, H], h_T),
+    torch's GRU kernel: with A_t = W_ih x_t + b_ih and C_t = W_hh h_{t-1} + b_hh (r, z, n parts), r = σ(A_r + C_r),
+    z = σ(A_z + C_z), n = tanh(A_n + r·C_n), h_t = (1 − z)·n + z·h_{t-1}. The zero probes stand for offsets of A and
+    C: their gradients are ∂L/∂A and ∂L/∂C [B, T, 3H] (the per-sample gradient of W_ih is Σ_t ∂L/∂A_t ⊗ x_t, of W_hh
+    Σ_t ∂L/∂C_t ⊗ h_{t-1}). Every gate is recomputed at once from y in the backward; only its loop runs over time.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, h0: torch.Tensor, probe_ih: torch.Tensor, probe_hh: torch.Tensor, *weights: Any
+    ) -> tuple:
+        used = [w for w in weights if w is not None]
+        y, h = torch.gru(x, h0[None], used, len(used) == 4, 1, 0.0, False, False, True)
+        ctx.save_for_backward(x, h0, y, *weights)
+        return y, h[0]
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor | None, dh_last: torch.Tensor | None) -> tuple:
+        x, h0, y, w_ih, w_hh, b_ih, b_hh = ctx.saved_tensors
+        B, T, H = y.shape
+        xt = x.transpose(0, 1)
+        h_prev = torch.cat([h0[None], y.transpose(0, 1)[:-1]])
+        a, c = torch.matmul(xt, w_ih.T), torch.matmul(h_prev, w_hh.T)
+        if b_ih is not None:
+            a, c = a + b_ih, c + b_hh
+        a, c = a.view(T, B, 3, H), c.view(T, B, 3, H)
+        rz = torch.sigmoid(a[:, :, :2] + c[:, :, :2])
+        r, z = rz.unbind(2)
+        n = torch.tanh(a[:, :, 2] + r * c[:, :, 2])
+        k_n = (1 - z) * (1 - n.square())  # dh_t → ∂L/∂A_n
+        k_a = torch.stack([k_n * c[:, :, 2] * r * (1 - r), (h_prev - n) * z * (1 - z), k_n], 2)  # dh_t → ∂L/∂A
+        k_c = torch.stack([k_a[:, :, 0], k_a[:, :, 1], k_n * r], 2)  # dh_t → ∂L/∂C
+        da, dc = torch.empty_like(k_a), torch.empty_like(k_c)
+        dyt = dy.transpose(0, 1) if dy is not None else torch.zeros_like(h_prev)
+        dh = dyt[T - 1] + dh_last if dh_last is not None else dyt[T - 1]
+        for t in reversed(range(T)):
+            torch.mul(k_a[t], dh[:, None], out=da[t])
+            torch.mul(k_c[t], dh[:, None], out=dc[t])
+            dh = torch.addmm(dh * z[t], dc[t].view(B, 3 * H), w_hh)  # ∂L/∂h_{t-1} through step t
+            if t:
+                dh += dyt[t - 1]
+        da, dc = da.view(T, B, 3 * H), dc.view(T, B, 3 * H)
+        needs = ctx.needs_input_grad
+        dx = torch.matmul(da, w_ih).transpose(0, 1) if needs[0] else None
+        dw_ih = da.flatten(0, 1).T @ xt.flatten(0, 1) if needs[4] else None
+        dw_hh = dc.flatten(0, 1).T @ h_prev.flatten(0, 1) if needs[5] else None
+        db_ih = da.sum((0, 1)) if b_ih is not None and needs[6] else None
+        db_hh = dc.sum((0, 1)) if b_hh is not None and needs[7] else None
+        return dx, dh, da.transpose(0, 1), dc.transpose(0, 1), dw_ih, dw_hh, db_ih, db_hh
+
+
+def _rnn_forward(module: nn.RNNBase, records: list, x: torch.Tensor, hx: Any = None) -> Any:
+    """A book-kept LSTM's or GRU's forward, layer by layer through :class:`_LSTMLayer` / :class:`_GRULayer`; appends
+    (layer input [B, T, I], its h_{t-1} sequence [B, T, H], its zero gate probes) of each layer to ``records``."""
     if isinstance(x, nn.utils.rnn.PackedSequence):
-        raise TypeError("dpsgd: an LSTM called on a PackedSequence is not supported")
+        raise TypeError(f"dpsgd: a {type(module).__name__} called on a PackedSequence is not supported")
+    lstm = isinstance(module, nn.LSTM)
     batched = x.dim() == 3
     if not batched:
         x = x.unsqueeze(0 if module.batch_first else 1)
@@ -588,45 +643,52 @@ def _lstm_forward(module: nn.LSTM, records: list, x: torch.Tensor, hx: Any = Non
         x = x.transpose(0, 1)
     B, T, H = x.shape[0], x.shape[1], module.hidden_size
     if hx is None:
-        h0 = c0 = x.new_zeros(module.num_layers, B, H)
+        states = [x.new_zeros(module.num_layers, B, H)] * (2 if lstm else 1)
     else:
-        h0, c0 = (s if batched else s.unsqueeze(1) for s in hx)
-    hs, cs = [], []
+        states = [s if batched else s.unsqueeze(1) for s in (hx if lstm else (hx,))]
+    finals: list[list[torch.Tensor]] = [[] for _ in states]
     for layer in range(module.num_layers):
         if layer and module.dropout and module.training:
             x = F.dropout(x, module.dropout, training=True)
         names = ("weight_ih", "weight_hh", "bias_ih", "bias_hh")
         weights = [None if w is None else w.detach() for w in (getattr(module, f"{n}_l{layer}", None) for n in names)]
-        probe = x.new_zeros(()).expand(B, T, 4 * H).requires_grad_()
-        y, h, c = _LSTMLayer.apply(x, h0[layer], c0[layer], probe, *weights)
-        records.append((x.detach(), torch.cat([h0[layer][:, None], y[:, :-1]], 1).detach(), probe))
-        hs.append(h)
-        cs.append(c)
+        probes = [x.new_zeros(()).expand(B, T, (4 if lstm else 3) * H).requires_grad_() for _ in range(2 - lstm)]
+        y, *last = (_LSTMLayer if lstm else _GRULayer).apply(x, *(s[layer] for s in states), *probes, *weights)
+        records.append((x.detach(), torch.cat([states[0][layer][:, None], y[:, :-1]], 1).detach(), probes))
+        for kept, state in zip(finals, last, strict=True):
+            kept.append(state)
         x = y
-    h, c = torch.stack(hs), torch.stack(cs)
+    out = [torch.stack(kept) for kept in finals]
     if not module.batch_first:
         x = x.transpose(0, 1)
     if not batched:
-        x, h, c = x.squeeze(0 if module.batch_first else 1), h.squeeze(1), c.squeeze(1)
-    return x, (h, c)
+        x, out = x.squeeze(0 if module.batch_first else 1), [v.squeeze(1) for v in out]
+    return x, tuple(out) if lstm else out[0]
 
 
-def _lstm_layers(
+def _rnn_layers(
     unit: _Unit, records: tuple, grads: list[torch.Tensor | None]
 ) -> list[tuple[list[str], torch.Tensor | None, torch.Tensor, list[str]]]:
-    """For each layer of a book-kept LSTM whose gates got a gradient: (its trainable weights' names, their inputs
-    side by side [B, T, I + H] (x_t for W_ih, h_{t-1} for W_hh; None without trainable weights), ∂L/∂Z [B, T, 4H],
-    its trainable biases' names). One weight gradient per sample is then a Linear's over T positions."""
+    """The book-kept products of an LSTM's or GRU's layers whose gates got a gradient: (trainable weights' names,
+    their inputs side by side [B, T, ·] (x_t for W_ih, h_{t-1} for W_hh; None without trainable weights), the gate
+    gradient they share [B, T, G·H], trainable biases' names). Each is then book-kept like a Linear over T steps: an
+    LSTM's W_ih and W_hh share ∂L/∂Z (one product), a GRU's take ∂L/∂A and ∂L/∂C."""
     trainable = {n for n, _ in unit.params}
+    shared = isinstance(unit.module, nn.LSTM)
+    per_layer = len(grads) // len(records)
     out = []
-    for layer, ((x, h_prev), dz) in enumerate(zip(records, grads, strict=True)):
-        if dz is None:
-            continue
-        names = [f"weight_ih_l{layer}", f"weight_hh_l{layer}"]
-        inputs = [v for n, v in zip(names, (x, h_prev), strict=True) if n in trainable]
-        a = torch.cat(inputs, -1) if len(inputs) > 1 else (inputs[0] if inputs else None)
-        biases = [n for n in (f"bias_ih_l{layer}", f"bias_hh_l{layer}") if n in trainable]
-        out.append(([n for n in names if n in trainable], a, dz, biases))
+    for layer, (x, h_prev) in enumerate(records):
+        own = grads[layer * per_layer : (layer + 1) * per_layer]
+        groups = [("ih", "hh")] if shared else [("ih",), ("hh",)]
+        for kinds, g in zip(groups, own, strict=True):
+            if g is None:
+                continue
+            inputs = {"ih": x, "hh": h_prev}
+            weights = [f"weight_{k}_l{layer}" for k in kinds if f"weight_{k}_l{layer}" in trainable]
+            parts = [inputs[w.split("_")[1]] for w in weights]
+            a = torch.cat(parts, -1) if len(parts) > 1 else (parts[0] if parts else None)
+            biases = [f"bias_{k}_l{layer}" for k in kinds if f"bias_{k}_l{layer}" in trainable]
+            out.append((weights, a, g, biases))
     return out
 
 

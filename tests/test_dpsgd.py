@@ -3,6 +3,7 @@ per-sample loop), the noise stream, and misuse."""
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import pytest
@@ -61,7 +62,7 @@ class _Recurrent(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(9, 4)
         self.rnn = cell(4, 5, 2, batch_first=True)
-        self.out = nn.Linear(5, 3)
+        self.out = nn.Linear(5 * (1 + self.rnn.bidirectional), 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h, _ = self.rnn(self.embed(x))
@@ -115,10 +116,13 @@ def test_embedding_padding_row_has_no_gradient():
     assert not sums[0][0].any()
 
 
-@pytest.mark.parametrize("cell", [nn.LSTM, nn.GRU])
+@pytest.mark.parametrize("cell", [nn.LSTM, nn.GRU, "bidirectional"])
 def test_recurrent_layers_equal_per_sample_loop(cell, caplog):
-    """LSTM (book-kept from its gate gradients) and GRU (torch.func, named in a log line) equal one backward per
-    sample."""
+    """LSTM and GRU (book-kept from their gate gradients) and a bidirectional GRU (torch.func, named in a log line)
+    equal one backward per sample."""
+    bidirectional = cell == "bidirectional"
+    if bidirectional:
+        cell = functools.partial(nn.GRU, bidirectional=True)
     torch.manual_seed(1)
     model = _Recurrent(cell).double()
     x, y = _tokens(5, 6, 9, 2), torch.randint(0, 3, (5,))
@@ -126,8 +130,8 @@ def test_recurrent_layers_equal_per_sample_loop(cell, caplog):
         sums, _, _ = DPSGD(0.1, 0.0).clipped_sum(model, F.cross_entropy, x, y)
     for got, want in zip(sums, _clip_reference(_loop_per_sample(model, x, y), 0.1), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
-    logged = any("torch.func" in r.message and cell.__name__ in r.message for r in caplog.records)
-    assert logged == (cell is nn.GRU)
+    logged = any("torch.func" in r.message and "GRU" in r.message for r in caplog.records)
+    assert logged == bidirectional
 
 
 def test_lstm_clipped_sum_equals_opacus_dplstm():
@@ -176,37 +180,76 @@ def test_batched_lstm_equals_the_loop():
         torch.testing.assert_close(norms[r], loop_norms, rtol=1e-10, atol=1e-12)
 
 
-class _LSTMVariants(nn.Module):
-    """An LSTM fed a given state, its final state used, time-major or batch-first, with or without biases."""
+class _RNNVariants(nn.Module):
+    """An LSTM or GRU fed a given state, its final state used, time-major or batch-first, with or without biases."""
 
-    def __init__(self, batch_first: bool, bias: bool, layers: int) -> None:
+    def __init__(self, cell: type, batch_first: bool, bias: bool, layers: int) -> None:
         super().__init__()
-        self.rnn = nn.LSTM(3, 4, layers, batch_first=batch_first, bias=bias)
-        self.state = nn.Linear(3, 2 * layers * 4)
-        self.out = nn.Linear(4 + 2 * 4, 2)
+        self.rnn = cell(3, 4, layers, batch_first=batch_first, bias=bias)
+        self.states = 2 if cell is nn.LSTM else 1
+        self.state = nn.Linear(3, self.states * layers * 4)
+        self.out = nn.Linear(4 + self.states * 4, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, layers = x.shape[0], self.rnn.num_layers
-        h0, c0 = torch.tanh(self.state(x[:, 0])).reshape(B, 2, layers, 4).permute(1, 2, 0, 3).contiguous()
+        given = torch.tanh(self.state(x[:, 0])).reshape(B, self.states, layers, 4).permute(1, 2, 0, 3).contiguous()
         seq = x if self.rnn.batch_first else x.transpose(0, 1)
-        y, (h, c) = self.rnn(seq, (h0, c0))
+        y, final = self.rnn(seq, tuple(given) if self.states == 2 else given[0])
         last = y[:, -1] if self.rnn.batch_first else y[-1]
-        return self.out(torch.cat([last, h[-1], c[0]], 1))
+        finals = [final[0][-1], final[1][0]] if self.states == 2 else [final[-1]]
+        return self.out(torch.cat([last, *finals], 1))
 
 
+@pytest.mark.parametrize("cell", [nn.LSTM, nn.GRU])
 @pytest.mark.parametrize("batch_first,bias,layers", [(True, True, 1), (False, False, 2), (False, True, 3)])
-def test_lstm_variants_equal_per_sample_loop(batch_first, bias, layers):
+def test_rnn_variants_equal_per_sample_loop(cell, batch_first, bias, layers):
     """Given initial states, the final states' gradients, time-major input, no biases, a frozen weight: the
-    book-kept LSTM equals one backward per sample."""
+    book-kept LSTM / GRU equals one backward per sample."""
     torch.manual_seed(7)
-    model = _LSTMVariants(batch_first, bias, layers).double()
+    model = _RNNVariants(cell, batch_first, bias, layers).double()
     model.rnn.weight_hh_l0.requires_grad_(False)
     x, y = torch.randn(5, 6, 3, dtype=torch.float64), torch.randint(0, 2, (5,))
     sums, _, total = DPSGD(0.2, 0.0).clipped_sum(model, F.cross_entropy, x, y)
     for got, want in zip(sums, _clip_reference(_loop_per_sample(model, x, y), 0.2), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(total, F.cross_entropy(model(x), y, reduction="sum"))
-    assert type(model.rnn).forward is nn.LSTM.forward and "forward" not in vars(model.rnn)
+    assert "forward" not in vars(model.rnn)  # the class's own forward again
+
+
+def test_gru_layer_gradients_equal_autograd_of_its_cells():
+    """_GRULayer's backward: ∂L/∂(x, h0, weights) equal torch's GRU's, and ∂L/∂(probes) equal the gradients of the
+    input and hidden projections A_t, C_t of the same layer written cell by cell."""
+    from pyfedkern.dpsgd import _GRULayer
+
+    torch.manual_seed(10)
+    B, T, I, H = 3, 5, 4, 6
+    gru = nn.GRU(I, H, batch_first=True).double()
+    weights = [gru.weight_ih_l0, gru.weight_hh_l0, gru.bias_ih_l0, gru.bias_hh_l0]
+    x = torch.randn(B, T, I, dtype=torch.float64, requires_grad=True)
+    h0 = torch.randn(B, H, dtype=torch.float64, requires_grad=True)
+    probes = [torch.zeros(B, T, 3 * H, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    wy, wh = torch.randn(B, T, H, dtype=torch.float64), torch.randn(B, H, dtype=torch.float64)
+    y, h = _GRULayer.apply(x, h0, *probes, *weights)
+    got = torch.autograd.grad((y * wy).sum() + (h * wh).sum(), [x, h0, *weights, *probes])
+    y2, h2 = gru(x, h0[None])
+    torch.testing.assert_close(y, y2, rtol=1e-12, atol=1e-12)
+    want = torch.autograd.grad((y2 * wy).sum() + (h2[0] * wh).sum(), [x, h0, *weights])
+    for a, b in zip(got[:-2], want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    w_ih, w_hh, b_ih, b_hh = (w.detach() for w in weights)
+    a_all = (x.detach() @ w_ih.T + b_ih).requires_grad_()
+    hh, outs = h0.detach(), []
+    probe_c = torch.zeros(B, T, 3 * H, dtype=torch.float64, requires_grad=True)
+    for t in range(T):
+        ar, az, an = a_all[:, t].chunk(3, 1)
+        cr, cz, cn = (hh @ w_hh.T + b_hh + probe_c[:, t]).chunk(3, 1)
+        r, z = torch.sigmoid(ar + cr), torch.sigmoid(az + cz)
+        n = torch.tanh(an + r * cn)
+        hh = (1 - z) * n + z * hh
+        outs.append(hh)
+    da, dc = torch.autograd.grad((torch.stack(outs, 1) * wy).sum() + (hh * wh).sum(), [a_all, probe_c])
+    torch.testing.assert_close(got[-2], da, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(got[-1], dc, rtol=1e-10, atol=1e-12)
 
 
 def test_lstm_layer_gradients_equal_autograd_of_its_cells():
