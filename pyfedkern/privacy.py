@@ -123,25 +123,47 @@ def noise_multiplier(epsilon: float, delta: float, steps: int, sampling_rate: fl
 
 
 class EpsilonSchedule:
-    """ε after t = 1, 2, ... rounds of one run, cheaply: the RDP accountant composes one round once and converts t
-    times its RDP curve (``dp-accounting``'s ``compute_epsilon``); the PLD accountant is asked afresh each time."""
+    """ε after t = 1, 2, ... rounds of one run, cheaply and with the numbers :func:`epsilon` gives: the RDP
+    accountant composes one round once and converts t times its RDP curve (``dp-accounting``'s
+    ``compute_epsilon``); the PLD accountant's one-round privacy loss distribution (seconds to discretise at small
+    sampling rates) is built once and self-composed t times, as the accountant itself composes. Each t's ε is
+    computed once (a resumed or re-logged round asks again)."""
 
     def __init__(self, noise_multiplier: float, delta: float, sampling_rate: float, accountant: str) -> None:
         self.args = (noise_multiplier, delta, sampling_rate, accountant)
         self._rdp: tuple[np.ndarray, np.ndarray] | None = None
-        if accountant == "rdp" and noise_multiplier > 0:
+        self._pld: Any = None
+        self._spent: dict[int, float] = {0: 0.0}
+        if noise_multiplier > 0 and accountant == "rdp":
             acc = _accountant("rdp")
             acc.compose(_event(noise_multiplier, sampling_rate, 1))
             self._rdp = (np.asarray(acc._orders, dtype=np.float64), np.asarray(acc._rdp, dtype=np.float64))
+        elif noise_multiplier > 0 and sampling_rate < 1:  # (q = 1: the accountant's closed form, no discretisation)
+            acc = _accountant("pld")
+            self._interval = acc._value_discretization_interval
+            self._pld = _dp_accounting().pld.privacy_loss_distribution.from_gaussian_mechanism(
+                standard_deviation=noise_multiplier,
+                value_discretization_interval=self._interval,
+                sampling_prob=sampling_rate,
+                neighboring_relation=acc.neighboring_relation,
+            )
 
     def __call__(self, rounds: int) -> float:
+        if rounds not in self._spent:
+            self._spent[rounds] = self._compute(rounds)
+        return self._spent[rounds]
+
+    def _compute(self, rounds: int) -> float:
         sigma, delta, q, accountant = self.args
-        if rounds == 0:
-            return 0.0
-        if self._rdp is None:
-            return epsilon(sigma, delta, rounds, q, accountant)
-        orders, curve = self._rdp
-        return float(_dp_accounting().rdp.rdp_privacy_accountant.compute_epsilon(orders, rounds * curve, delta)[0])
+        if self._rdp is not None:
+            orders, curve = self._rdp
+            rdp = _dp_accounting().rdp.rdp_privacy_accountant
+            return float(rdp.compute_epsilon(orders, rounds * curve, delta)[0])
+        if self._pld is not None:  # PLDAccountant.compose: identity ∘ (one round)^t
+            identity = _dp_accounting().pld.privacy_loss_distribution.identity(self._interval)
+            whole = identity.compose(self._pld.self_compose(rounds))
+            return float(whole.get_epsilon_for_delta(delta))
+        return epsilon(sigma, delta, rounds, q, accountant)
 
 
 @dataclass

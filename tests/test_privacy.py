@@ -51,6 +51,14 @@ def test_epsilon_equals_dp_accounting_pld_and_sigma_spends_the_budget():
     assert _direct_epsilon(sigma * 0.99, 1e-5, 50, 0.05, "rdp") > 2.0
 
 
+def test_pld_schedule_equals_the_accountant_exactly():
+    """The schedule's cached one-round PLD, self-composed, gives dp-accounting's PLDAccountant's ε bit for bit."""
+    schedule = privacy.EpsilonSchedule(1.0, 1e-5, 0.1, "pld")
+    for t in (1, 6):
+        assert schedule(t) == _direct_epsilon(1.0, 1e-5, t, 0.1, "pld")
+    assert schedule(0) == 0.0
+
+
 def test_a_budget_allowing_less_noise_than_the_floor_gets_the_floor():
     assert privacy.noise_multiplier(1e6, 1e-5, 2, 0.01) == privacy.LOWEST_SIGMA
     assert privacy.epsilon(privacy.LOWEST_SIGMA, 1e-5, 2, 0.01) <= 1e6
