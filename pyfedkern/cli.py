@@ -539,7 +539,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run one FL experiment", allow_abbrev=False)
-    run.add_argument("--algorithm", default="fedavg", help="algorithm name (default: fedavg)")
+    run.add_argument(
+        "--algorithm", default="fedavg", help="algorithm name, or your package.module:Class (default: fedavg)"
+    )
     run.add_argument("--out", default=None, help="directory for config, metrics, checkpoints and summary")
     run.add_argument("--resume", action="store_true", help="continue the interrupted run in --out")
     run.add_argument("--help-algorithm", action="store_true", help="list the algorithm's parameters and exit")

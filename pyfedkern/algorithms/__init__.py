@@ -21,6 +21,7 @@ from pyfedkern.algorithms.base import (
     weighted_average,
 )
 from pyfedkern.algorithms.local import LocalModel
+from pyfedkern.data.spec import import_object, is_reference
 
 ALGORITHMS: dict[str, str] = {
     "fedavg": "pyfedkern.algorithms.fedavg:FedAvg",
@@ -48,22 +49,40 @@ ALGORITHMS: dict[str, str] = {
 
 
 def algorithm_class(name: str) -> type[Algorithm]:
-    """The class registered under ``name``; ValueError listing the valid names otherwise."""
+    """The class registered under ``name``, or the user's :class:`Algorithm` subclass a ``package.module:Class``
+    reference names; ValueError listing the valid names, or naming what is wrong with the reference, otherwise."""
+    if isinstance(name, str) and is_reference(name):
+        cls = import_object(name, "algorithm")
+        if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
+            raise ValueError(
+                f"algorithm {name!r}: {name.partition(':')[2]} is not a subclass of pyfedkern.algorithms.Algorithm"
+            )
+        return cls
     key = name.strip().lower() if isinstance(name, str) else name
     if key not in ALGORITHMS:
-        raise ValueError(f"unknown algorithm {name!r}; valid choices: {', '.join(sorted(ALGORITHMS))}")
+        raise ValueError(
+            f"unknown algorithm {name!r}; valid choices: {', '.join(sorted(ALGORITHMS))}, or package.module:Class"
+        )
     module, _, attr = ALGORITHMS[key].partition(":")
     return getattr(importlib.import_module(module), attr)
 
 
-def make_algorithm(name: str, **params: Any) -> Algorithm:
-    """An instance of the algorithm ``name`` with hyper-parameters ``params`` (unknown ones are an error)."""
-    cls = algorithm_class(name)
+def algorithm_name(cls: type[Algorithm]) -> str:
+    """What a config names ``cls`` by: its registered name, or ``package.module:Class`` for a user's class."""
+    reference = f"{cls.__module__}:{cls.__qualname__}"
+    return next((name for name, path in ALGORITHMS.items() if path == reference), reference)
+
+
+def make_algorithm(name: str | type[Algorithm], **params: Any) -> Algorithm:
+    """An instance of the algorithm ``name`` (see :func:`algorithm_class`; or the class itself) with
+    hyper-parameters ``params`` (unknown ones are an error)."""
+    cls = name if isinstance(name, type) else algorithm_class(name)
     valid = cls.hyperparameters()
     unknown = sorted(set(params) - set(valid))
     if unknown:
         choices = ", ".join(sorted(valid)) or "none"
-        raise ValueError(f"algorithm {name!r} has no parameter(s) {', '.join(unknown)}; its parameters: {choices}")
+        label = algorithm_name(cls) if isinstance(name, type) else name
+        raise ValueError(f"algorithm {label!r} has no parameter(s) {', '.join(unknown)}; its parameters: {choices}")
     return cls(**params)
 
 
@@ -79,6 +98,7 @@ __all__ = [
     "RoundStats",
     "RoundSums",
     "algorithm_class",
+    "algorithm_name",
     "local_sgd",
     "make_algorithm",
     "weighted_average",

@@ -1,9 +1,12 @@
-"""Parsing of the strings used on the command line: ``name:arg,arg`` (``dirichlet:0.3``, ``synthetic:1,1``) and
-booleans."""
+"""Parsing of the strings used on the command line: ``name:arg,arg`` (``dirichlet:0.3``, ``synthetic:1,1``),
+booleans, and ``package.module:attr`` references to a user's own code."""
 
 from __future__ import annotations
 
+import importlib
+import re
 from collections.abc import Iterable
+from typing import Any
 
 _FLAGS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
@@ -34,3 +37,34 @@ def parse_spec(text: str, *, what: str, choices: Iterable[str]) -> tuple[str, li
             except ValueError:
                 raise ValueError(f"{what} {text!r}: argument {piece.strip()!r} is not a number") from None
     return name, args
+
+
+_DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+
+
+def is_reference(name: str) -> bool:
+    """Whether a model, dataset or algorithm name is a ``package.module:attr`` reference, not a built-in (``cnn``,
+    ``synthetic:1,1``)."""
+    module, sep, attr = name.partition(":")
+    return bool(sep) and _DOTTED.fullmatch(module) is not None and _DOTTED.fullmatch(attr) is not None
+
+
+def import_object(reference: str, what: str) -> Any:
+    """The callable ``attr`` of ``module`` named by ``"module:attr"`` (``attr`` may be dotted); ValueError naming
+    ``what`` when it does not import or is not callable (the import's own error as the cause)."""
+    module_name, sep, attr = reference.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"{what} {reference!r}: expected 'package.module:attr'")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except Exception as err:  # whatever importing the user's module raises
+        raise ValueError(
+            f"{what} {reference!r}: cannot import module {module_name!r} ({type(err).__name__}: {err})"
+        ) from err
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"{what} {reference!r}: module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"{what} {reference!r}: {attr} is a {type(obj).__name__}, not callable")
+    return obj

@@ -59,6 +59,7 @@ import torch
 
 from pyfedkern import ops
 from pyfedkern.algorithms.context import FLContext
+from pyfedkern.data.spec import is_reference
 from pyfedkern.flat import FlatLayout, pack, unpack
 from pyfedkern.ops import robust as robust_ops
 
@@ -1330,14 +1331,19 @@ def client_train(config: Any, cid: int, server_round: int, content: RecordDict, 
     "num-examples" (the partition's size) and "local-loss" (the mean loss of the local steps, NaN without steps).
 
     ``state`` is the node's persistent ``Context.state``: FedPBC keeps the client's model there, FedSpeed its h_i.
+    A user's algorithm (``package.module:Class``) runs its ``client_update`` from the received model, set up afresh
+    each round (no per-client state is kept), and uploads its message's vectors; its server step is the strategy's.
     For "dynamic" the host's update runs in the session's context (LR restarted at ``session-start``), or, in
     footprint round ``footprint-round`` of ``session``, in the footprint context (constant LR, its own minibatches).
     """
     from pyfedkern.algorithms.base import local_sgd
     from pyfedkern.sim.engine import _cpu_threads, threads_for_work
 
-    if config.algorithm not in CLIENT_ALGORITHMS:
-        raise ValueError(f"algorithm {config.algorithm!r} has no Flower client; choose one of {CLIENT_ALGORITHMS}")
+    if config.algorithm not in CLIENT_ALGORITHMS and not is_reference(config.algorithm):
+        raise ValueError(
+            f"algorithm {config.algorithm!r} has no Flower client; choose one of {CLIENT_ALGORITHMS}, or your own "
+            "package.module:Class"
+        )
     sim = _simulation(config)
     if not 0 <= cid < sim.num_clients:
         raise ValueError(f"partition-id must be in [0, {sim.num_clients}), got {cid}")

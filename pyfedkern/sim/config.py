@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pyfedkern.data.spec import parse_spec
+from pyfedkern.data.spec import is_reference, parse_spec
 
 LR_SCHEDULES = ("const", "exp", "invsqrt")
 DTYPES = ("float32", "float64")  # of the model and the float data (float64 for checks to rounding)
@@ -24,7 +24,6 @@ INT64_MAX = 2**63 - 1  # the largest count or seed (they become int64 in NumPy, 
 #: Copies of the model a run holds at the least (the model, the global model, a client's model and its gradient).
 MODEL_COPIES = 4
 BATCH_ORDERS = ("reshuffle", "fixed")
-_DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 
 
 @dataclass
@@ -273,13 +272,6 @@ def check_dp(config: ExperimentConfig, algorithm: type) -> None:
 
 def _real(value: Any, ok: Callable[[float], bool]) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, float)) and ok(float(value))
-
-
-def is_reference(name: str) -> bool:
-    """Whether a model or dataset name is a ``package.module:factory`` reference, not a built-in (``cnn``,
-    ``synthetic:1,1``)."""
-    module, sep, attr = name.partition(":")
-    return bool(sep) and _DOTTED.fullmatch(module) is not None and _DOTTED.fullmatch(attr) is not None
 
 
 def check_client_count(clients: int, samples: int, dataset: str) -> None:

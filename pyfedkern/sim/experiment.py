@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from pyfedkern.algorithms import Algorithm, make_algorithm
+from pyfedkern.algorithms import Algorithm, algorithm_name, make_algorithm
 from pyfedkern.data.dataset import Dataset
 from pyfedkern.sim.callbacks import Callback, check_callbacks
 from pyfedkern.sim.config import ExperimentConfig
@@ -43,7 +43,9 @@ class Experiment:
             ``pyfedkern partition --help``), a list of index lists (client i holds ``train`` samples
             ``clients[i]``), or one client id per training sample.
         num_clients: the number of clients of a partition spec (default 20; ``"natural"``: all of them).
-        algorithm: an algorithm name (``"fedavg"``) or instance (``FedProx(mu=0.01)``).
+        algorithm: an algorithm name (``"fedavg"``, or ``"package.module:Class"`` for a user's own), an
+            :class:`~pyfedkern.algorithms.Algorithm` subclass (made with ``algorithm_params``), or an instance
+            (``FedProx(mu=0.01)``).
         loss: ``loss(output, target)`` → the batch's mean loss (default: cross-entropy, or a built-in model's own).
         penalty: ``penalty(model)`` → a scalar added to the training objective (default: none).
         predict: ``predict(output)`` → int64 [B] classes for accuracy (default: argmax over dim 1).
@@ -69,7 +71,7 @@ class Experiment:
         *,
         clients: Any = "dirichlet:0.3",
         num_clients: int | None = None,
-        algorithm: str | Algorithm = "fedavg",
+        algorithm: str | type[Algorithm] | Algorithm = "fedavg",
         loss: Callable | None = None,
         penalty: Callable | None = None,
         predict: Callable | None = None,
@@ -91,10 +93,12 @@ class Experiment:
         if not isinstance(allow_overlap, bool):
             raise TypeError(f"allow_overlap must be True or False, got {allow_overlap!r}")
         spec = model_spec(model, loss=loss, penalty=penalty, predict=predict)
-        if isinstance(algorithm, str):
+        if isinstance(algorithm, str) or (isinstance(algorithm, type) and issubclass(algorithm, Algorithm)):
             algorithm = make_algorithm(algorithm, **settings.pop("algorithm_params", {}))
         elif not isinstance(algorithm, Algorithm):
-            raise TypeError(f"algorithm must be a name or an Algorithm instance, got {type(algorithm).__name__}")
+            raise TypeError(
+                f"algorithm must be a name, an Algorithm subclass or instance, got {type(algorithm).__name__}"
+            )
         elif "algorithm_params" in settings:
             raise TypeError("algorithm_params goes with an algorithm name; an instance carries its own parameters")
         if isinstance(train, Dataset):
@@ -123,7 +127,7 @@ class Experiment:
             allow_overlap=allow_overlap,
         )
         config = ExperimentConfig(
-            algorithm=algorithm.name,
+            algorithm=algorithm_name(type(algorithm)),
             algorithm_params=_parameters(algorithm),
             model=spec.name,
             dataset=data.name,

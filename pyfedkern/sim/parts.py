@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import importlib
 import inspect
 import numbers
 from collections.abc import Callable, Sequence
@@ -23,7 +22,8 @@ from torch import nn
 
 from pyfedkern import models
 from pyfedkern.data import datasets, partitions
-from pyfedkern.sim.config import check_client_count, is_reference
+from pyfedkern.data.spec import import_object, is_reference
+from pyfedkern.sim.config import check_client_count
 
 if TYPE_CHECKING:
     from pyfedkern.algorithms import LocalModel
@@ -78,27 +78,6 @@ def load_data(dataset: str, root: str | None = None, normalize: str = "standard"
         data = datasets.load_dataset(dataset, root, normalize=normalize)
     check_data(data)
     return data
-
-
-def import_object(reference: str, what: str) -> Callable[..., Any]:
-    """The callable ``attr`` of ``module`` named by ``"module:attr"`` (``attr`` may be dotted); ValueError naming
-    ``what`` when it does not import or is not callable (the import's own error as the cause)."""
-    module_name, sep, attr = reference.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"{what} {reference!r}: expected 'package.module:factory'")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except Exception as err:  # whatever importing the user's module raises
-        raise ValueError(
-            f"{what} {reference!r}: cannot import module {module_name!r} ({type(err).__name__}: {err})"
-        ) from err
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"{what} {reference!r}: module {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise ValueError(f"{what} {reference!r}: {attr} is a {type(obj).__name__}, not callable")
-    return obj
 
 
 def call_factory(factory: Callable[..., Any], what: str, **offered: Any) -> Any:
