@@ -75,7 +75,7 @@ def array_simulation(
     """The engine (an :class:`~pyfedkern.Experiment`'s simulation) running FedAvg on in-memory arrays: client c owns
     the ``sizes[c]`` samples after those of clients 0..c-1 of x [n, ...] and y [n]; ``per_round`` clients a round,
     pfl's fixed batch order, no evaluation before the rounds, the module's dtype. ``batched`` None lets the engine
-    choose the path (:func:`~pyfedkern.algorithms.batched.choose_path`)."""
+    choose the path (:func:`~pyfedkern.algorithms.paths.choose_path`)."""
     from pyfedkern.sim.experiment import Experiment
 
     bounds = np.concatenate([[0], np.cumsum(sizes)]).tolist()

@@ -38,9 +38,9 @@ class ExperimentConfig:
     batched: True: train a round's participants as batched steps (:mod:`pyfedkern.algorithms.batched`; models with
     buffers such as BatchNorm always use the per-client loop); False: a loop over clients (same results to
     rounding); None: the engine takes the faster of the two for the model, device and chunk size
-    (:func:`~pyfedkern.algorithms.batched.choose_path`). channels_last: whether the per-client loop feeds image
+    (:func:`~pyfedkern.algorithms.paths.choose_path`). channels_last: whether the per-client loop feeds image
     batches ([B, C, H, W]) to the model in torch's channels-last memory format (same results to rounding; None: the
-    faster of the two layouts for the model, measured once, :func:`~pyfedkern.algorithms.batched.choose_layout`;
+    faster of the two layouts for the model, measured once, :func:`~pyfedkern.algorithms.paths.choose_layout`;
     batched steps and other inputs keep the contiguous layout). client_chunk: train at most this many participants at
     once (None: as many as fit a share of the free memory; chunking changes only the order of the server's sums).
     dtype: of the model parameters and the float data, "float32" or "float64".

@@ -31,14 +31,9 @@ from pyfedkern import models
 from pyfedkern.algorithms import Algorithm, LocalModel, make_algorithm
 from pyfedkern.algorithms.attacks import parse_attack
 from pyfedkern.algorithms.base import check_robust
-from pyfedkern.algorithms.batched import (
-    can_batch,
-    choose_layout,
-    choose_path,
-    free_memory,
-    is_image_batch,
-)
+from pyfedkern.algorithms.batched import can_batch, free_memory
 from pyfedkern.algorithms.context import FLContext, Team, padding_weights
+from pyfedkern.algorithms.paths import choose_layout, choose_path, is_image_batch
 from pyfedkern.algorithms.robust import parse_aggregator
 from pyfedkern.dpsgd import DPSGD
 from pyfedkern.ops import seeded_permutations
@@ -196,7 +191,7 @@ class Simulation(FLContext):
     @property
     def batched(self) -> bool:
         """Whether a round's participants train batched: ``config.batched``, or when that is None the faster path
-        for this model, device and chunk size (:func:`~pyfedkern.algorithms.batched.choose_path`), chosen at the
+        for this model, device and chunk size (:func:`~pyfedkern.algorithms.paths.choose_path`), chosen at the
         first read (under the run's thread count) and logged."""
         if self._batched is None:
             rows = max(1, round(self.config.fraction * self.num_clients))
@@ -219,7 +214,7 @@ class Simulation(FLContext):
     @property
     def channels_last(self) -> bool:
         """Whether the per-client loop feeds image batches channels-last: ``config.channels_last``, or when that is
-        None the faster layout for this model (:func:`~pyfedkern.algorithms.batched.choose_layout`; never on the
+        None the faster layout for this model (:func:`~pyfedkern.algorithms.paths.choose_layout`; never on the
         batched path), chosen at the first read and logged."""
         if self._channels_last is None:
             self._channels_last = False

@@ -1,5 +1,5 @@
 """Batched local training of conv nets and sequence models against the per-client loop, and the engine's choice
-between the two paths (:func:`pyfedkern.algorithms.batched.choose_path`)."""
+between the two paths (:func:`pyfedkern.algorithms.paths.choose_path`)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ import torch
 from torch import nn
 
 from pyfedkern import models
-from pyfedkern.algorithms import batched
-from pyfedkern.algorithms.batched import BatchedLocal, choose_path, faster_path
+from pyfedkern.algorithms import paths
+from pyfedkern.algorithms.batched import BatchedLocal
 from pyfedkern.algorithms.fedavg import FedAvg
+from pyfedkern.algorithms.paths import choose_path, faster_path
 from pyfedkern.benchmarks.engine_models import array_simulation, shakespeare_shaped
 from pyfedkern.sim.engine import ExperimentConfig, Simulation, _cpu_threads
 
@@ -133,8 +134,8 @@ def test_measuring_the_paths_of_an_lstm_warns_of_nothing(fresh_choices):
 
 @pytest.fixture
 def fresh_choices(monkeypatch):
-    monkeypatch.setattr(batched, "_CHOICES", {})
-    monkeypatch.setattr(batched, "_LAYOUTS", {})
+    monkeypatch.setattr(paths, "_CHOICES", {})
+    monkeypatch.setattr(paths, "_LAYOUTS", {})
 
 
 @pytest.mark.parametrize("loop_faster", [True, False])
@@ -145,7 +146,7 @@ def test_choose_path_follows_its_measurement_once_per_model_structure(loop_faste
         calls.append(xb.shape[0])
         return {"batched": 2.0, "loop": 1.0} if loop_faster else {"batched": 1.0, "loop": 2.0}
 
-    monkeypatch.setattr(batched, "_measure_paths", measured)
+    monkeypatch.setattr(paths, "_measure_paths", measured)
     first = choose_path(_context("user-cnn", None), rows=50)
     again = choose_path(_context("user-cnn", None), rows=50)  # another simulation of the same model: no measurement
     assert first == again
@@ -157,7 +158,7 @@ def test_choose_path_follows_its_measurement_once_per_model_structure(loop_faste
 
 
 def test_rules_decide_without_measuring(monkeypatch, fresh_choices):
-    monkeypatch.setattr(batched, "_measure_paths", lambda *args: pytest.fail("measured"))
+    monkeypatch.setattr(paths, "_measure_paths", lambda *args: pytest.fail("measured"))
     x, y = _images((2, 8, 8), 4)
     mlp = array_simulation(
         models.build_model("mlp", (2, 8, 8), 4).double(), x, y, SIZES, per_round=5, batch_size=4, lr=0.1
@@ -180,12 +181,12 @@ def test_measuring_leaves_the_model_and_the_random_state_unchanged(fresh_choices
     torch.manual_seed(7)
     expected = torch.rand(3)
     torch.manual_seed(7)
-    seconds = batched._measure_paths(ctx, *batch)
+    seconds = paths._measure_paths(ctx, *batch)
     assert set(seconds) == {"batched", "loop"} and all(s > 0 for s in seconds.values())
     assert torch.equal(torch.rand(3), expected)  # dropout's draws during the measurement were undone
     assert torch.equal(ctx.local.flat.data, before)
     torch.manual_seed(7)
-    assert torch.equal(batched._probe_batch(ctx, 5)[0], batch[0])  # the measurements' batch, drawn without seeding
+    assert torch.equal(paths._probe_batch(ctx, 5)[0], batch[0])  # the measurements' batch, drawn without seeding
     assert torch.equal(torch.rand(3), expected)
 
 
@@ -194,7 +195,7 @@ def test_the_engine_takes_the_chosen_path_logs_it_once_and_can_be_forced(monkeyp
         dataset="digits", partition="iid", clients=4, rounds=2, batch_size=32, model="cnn",
         model_params={"channels": 2, "hidden": 8}, dtype="float64", seed=2, batched=None,
     )  # fmt: skip
-    monkeypatch.setattr(batched, "_measure_paths", lambda *args: {"batched": 3.0, "loop": 1.0})
+    monkeypatch.setattr(paths, "_measure_paths", lambda *args: {"batched": 3.0, "loop": 1.0})
     built = []
     init = BatchedLocal.__init__
     monkeypatch.setattr(BatchedLocal, "__init__", lambda self, *a, **k: (built.append(1), init(self, *a, **k))[1])
@@ -215,20 +216,20 @@ def test_a_resumed_run_keeps_the_path_it_was_taking(monkeypatch, fresh_choices, 
         dataset="digits", partition="iid", clients=4, rounds=3, batch_size=32, model="cnn",
         model_params={"channels": 2, "hidden": 8}, seed=2, batched=None, checkpoint_every=1,
     )  # fmt: skip
-    monkeypatch.setattr(batched, "_measure_paths", lambda *args: {"batched": 3.0, "loop": 1.0})
+    monkeypatch.setattr(paths, "_measure_paths", lambda *args: {"batched": 3.0, "loop": 1.0})
     sim = Simulation(config)
     sim.run(tmp_path / "run")
-    assert sim._checkpoint(1)["batched"] is False
-    monkeypatch.setattr(batched, "_CHOICES", {})
-    monkeypatch.setattr(batched, "_LAYOUTS", {})
-    monkeypatch.setattr(batched, "_measure_paths", lambda *args: pytest.fail("measured again"))
-    monkeypatch.setattr(batched, "_timed_alternately", lambda *args: pytest.fail("measured again"))
+    assert sim.checkpoint_state(1)["batched"] is False
+    monkeypatch.setattr(paths, "_CHOICES", {})
+    monkeypatch.setattr(paths, "_LAYOUTS", {})
+    monkeypatch.setattr(paths, "_measure_paths", lambda *args: pytest.fail("measured again"))
+    monkeypatch.setattr(paths, "_timed_alternately", lambda *args: pytest.fail("measured again"))
     resumed = Simulation(config)
     resumed.algorithm.setup(resumed, resumed.initial_vector)
-    resumed._restore(tmp_path / "checkpoint", sim._checkpoint(1))
+    resumed._restore(tmp_path / "checkpoint", sim.checkpoint_state(1))
     assert resumed.batched is False
     assert resumed.channels_last is sim.channels_last  # and its layout, not measured again
-    resumed._restore(tmp_path / "checkpoint", {**sim._checkpoint(1), "channels_last": not sim.channels_last})
+    resumed._restore(tmp_path / "checkpoint", {**sim.checkpoint_state(1), "channels_last": not sim.channels_last})
     assert resumed.channels_last is not sim.channels_last
 
 
@@ -256,7 +257,7 @@ def test_the_loop_takes_the_faster_image_layout_once_and_trains_alike(
         timings.append(sorted(calls))
         return {"channels_last": channels_last_seconds, "contiguous": 1.0}
 
-    monkeypatch.setattr(batched, "_timed_alternately", timed)
+    monkeypatch.setattr(paths, "_timed_alternately", timed)
     with caplog.at_level(logging.INFO, logger="pyfedkern"):
         auto = _three_channel_loop(None)
         assert auto.channels_last is channels_last_faster
@@ -284,11 +285,11 @@ def test_the_loop_takes_the_faster_image_layout_once_and_trains_alike(
 
 
 def test_the_layout_is_measured_only_for_image_batches_in_the_loop(monkeypatch, fresh_choices):
-    monkeypatch.setattr(batched, "_timed_alternately", lambda *a: pytest.fail("measured"))
+    monkeypatch.setattr(paths, "_timed_alternately", lambda *a: pytest.fail("measured"))
     x, y = _tokens(6, 7)
     text = array_simulation(TASKS["lstm"][0]().double(), x, y, SIZES, per_round=3, batch_size=4, lr=0.1, batched=False)
     assert text.channels_last is False
-    assert batched.choose_layout(text, 3).seconds is None
+    assert paths.choose_layout(text, 3).seconds is None
     gray = Simulation(ExperimentConfig(dataset="digits", clients=4, model="cnn", batched=False))  # one channel
     assert gray.channels_last is False
     images = _three_channel_loop(None)
@@ -300,9 +301,9 @@ def test_the_layout_is_measured_only_for_image_batches_in_the_loop(monkeypatch, 
 def test_the_layout_measurement_times_both_layouts_and_restores_the_model(fresh_choices):
     sim = _three_channel_loop(None)
     before = sim.local.flat.data.clone()
-    choice = batched.choose_layout(sim, 3)
+    choice = paths.choose_layout(sim, 3)
     assert set(choice.seconds) == {"contiguous", "channels_last"} and all(s > 0 for s in choice.seconds.values())
-    faster = choice.seconds["channels_last"] < batched.LAYOUT_MARGIN * choice.seconds["contiguous"]
+    faster = choice.seconds["channels_last"] < paths.LAYOUT_MARGIN * choice.seconds["contiguous"]
     assert choice.channels_last is faster  # channels-last only when clearly faster
     assert torch.equal(sim.local.flat.data, before)
 

@@ -25,7 +25,7 @@ import pyfedkern
 from pyfedkern import Experiment
 from pyfedkern.algorithms import ALGORITHMS, ClientStore, algorithm_class
 from pyfedkern.algorithms.base import owned_clients
-from pyfedkern.algorithms.batched import LayoutChoice, PathChoice
+from pyfedkern.algorithms.paths import LayoutChoice, PathChoice
 from pyfedkern.sim import distributed, engine
 from pyfedkern.sim.distributed import Team, place_clients, share_path_choice
 from pyfedkern.sim.engine import WORK_PER_THREAD, ExperimentConfig, Simulation, threads_for_work
