@@ -71,11 +71,13 @@ def array_simulation(
     local_epochs: float = 1.0,
     batched: bool | None = None,
     seed: int = 0,
+    **options: Any,
 ) -> Simulation:
     """The engine (an :class:`~pyfedkern.Experiment`'s simulation) running FedAvg on in-memory arrays: client c owns
     the ``sizes[c]`` samples after those of clients 0..c-1 of x [n, ...] and y [n]; ``per_round`` clients a round,
     pfl's fixed batch order, no evaluation before the rounds, the module's dtype. ``batched`` None lets the engine
-    choose the path (:func:`~pyfedkern.algorithms.paths.choose_path`)."""
+    choose the path (:func:`~pyfedkern.algorithms.paths.choose_path`); ``options``: more :class:`Experiment`
+    keywords (e.g. central DP's)."""
     from pyfedkern.sim.experiment import Experiment
 
     bounds = np.concatenate([[0], np.cumsum(sizes)]).tolist()
@@ -95,6 +97,7 @@ def array_simulation(
         eval_initial=False,
         batch_order="fixed",
         dtype="float64" if dtype == torch.float64 else "float32",
+        **options,
     ).simulation
 
 
@@ -151,8 +154,8 @@ def task(name: str, quick: bool) -> tuple[Callable[[], nn.Module], tuple[torch.T
     return factory, data, settings
 
 
-def task_simulation(name: str, quick: bool, batched: bool | None) -> Simulation:
-    """The engine on task ``name`` (:func:`task`, :func:`array_simulation`)."""
+def task_simulation(name: str, quick: bool, batched: bool | None, **options: Any) -> Simulation:
+    """The engine on task ``name`` (:func:`task`, :func:`array_simulation` with ``options``)."""
     factory, data, settings = task(name, quick)
     return array_simulation(
         factory(),
@@ -161,6 +164,7 @@ def task_simulation(name: str, quick: bool, batched: bool | None) -> Simulation:
         batch_size=settings["batch"],
         lr=settings["lr"],
         batched=batched,
+        **options,
     )
 
 
@@ -222,9 +226,11 @@ class PflRounds:
     ``FederatedAveraging``, ``PyTorchModel`` with local SGD and central SGD of step 1 (plain model averaging); one
     local epoch of the task's batch size (pfl's fixed batch order), no evaluation. :meth:`round` runs the next
     central iteration on the given users (pyfedkern's participants of the same round, so that both train on the
-    same amount of data)."""
+    same amount of data). ``dp`` (clip, σ, noise cohort): pfl's central DP, its ``GaussianMechanism`` (clip, noise
+    σ·clip·cohort/noise cohort on the sum, as ``GaussianMechanism.from_privacy_accountant`` sets it) applied
+    centrally (``CentrallyAppliedPrivacyMechanism``, a postprocessor of the backend)."""
 
-    def __init__(self, name: str, quick: bool) -> None:
+    def __init__(self, name: str, quick: bool, dp: tuple[float, float, int] | None = None) -> None:
         from dataclasses import replace
 
         from pfl.aggregate.simulate import SimulatedBackend
@@ -233,6 +239,7 @@ class PflRounds:
         from pfl.data.federated_dataset import FederatedDataset
         from pfl.hyperparam import NNTrainHyperParams
         from pfl.model.pytorch import PyTorchModel
+        from pfl.privacy import CentrallyAppliedPrivacyMechanism, GaussianMechanism
 
         factory, (x, y, sizes), settings = task(name, quick)
         module = _PflModule(factory())
@@ -244,7 +251,12 @@ class PflRounds:
 
         self._queue: collections.deque[int] = collections.deque()
         users = FederatedDataset(user, self._queue.popleft)
-        self._backend = SimulatedBackend(training_data=users, val_data=users)
+        postprocessors = []
+        if dp is not None:
+            clip, sigma, noise_cohort = dp
+            mechanism = GaussianMechanism(clip, sigma * settings["per_round"] / noise_cohort)
+            postprocessors.append(CentrallyAppliedPrivacyMechanism(mechanism))
+        self._backend = SimulatedBackend(training_data=users, val_data=users, postprocessors=postprocessors)
         self._model = PyTorchModel(
             module, local_optimizer_create=torch.optim.SGD, central_optimizer=torch.optim.SGD(module.parameters(), 1.0)
         )
@@ -269,12 +281,14 @@ class PflRounds:
         return self._model.pytorch_model
 
 
-def pfl_rounds(name: str, quick: bool, threads: int) -> Callable[[], nn.Module]:
-    """A callable running the next pfl round (:class:`PflRounds`) of task ``name`` with ``threads`` CPU threads, on
-    the participants pyfedkern's engine draws for that round."""
+def pfl_rounds(
+    name: str, quick: bool, threads: int, dp: tuple[float, float, int] | None = None
+) -> Callable[[], nn.Module]:
+    """A callable running the next pfl round (:class:`PflRounds`, with central ``dp`` when given) of task ``name``
+    with ``threads`` CPU threads, on the participants pyfedkern's engine draws for that round."""
     from pyfedkern.sim.engine import _cpu_threads
 
-    rounds = PflRounds(name, quick)
+    rounds = PflRounds(name, quick, dp)
     participants = task_simulation(name, quick, False).sample_clients
     count = itertools.count()
 
