@@ -408,7 +408,7 @@ inline void noise_span_body(int64_t begin, int64_t end, A* x, int64_t stride, A 
   }
 }
 
-// One flattened function per ISA (PFK_ISA_DISPATCH's targets; flatten inlines the ISA-specific multiply).
+// One flattened function per ISA (simd.h's targets; flatten inlines the ISA-specific multiply into each).
 #define PFK_NOISE_PARAMS \
   int64_t begin, int64_t end, A *x, int64_t stride, A std, uint32_t k0, uint32_t k1, uint64_t stream
 #define PFK_NOISE_ARGS begin, end, x, stride, std, k0, k1, stream
@@ -448,7 +448,7 @@ inline void philox_span_body(uint64_t first_block, int64_t n, uint32_t k0, uint3
   alignas(32) uint32_t w[4][kBlocks];
   const uint64_t skip = first_block % kBlocks;  // chunks of 64 blocks from a multiple of 64
   for (int64_t done = 0; done < n;) {
-    const uint64_t chunk = first_block - skip + uint64_t(done) + (done ? skip : 0);
+    const uint64_t chunk = done ? first_block + uint64_t(done) : first_block - skip;
     for (int b = 0; b < kBlocks; b += kPhiloxVectors * kPhiloxLanes) philox_blocks<I>(chunk + b, k0, k1, stream, w, b);
     const int64_t from = done ? 0 : int64_t(skip), count = std::min<int64_t>(kBlocks - from, n - done);
     for (int k = 0; k < 4; ++k) std::memcpy(out + k * n + done, &w[k][from], sizeof(uint32_t) * count);
