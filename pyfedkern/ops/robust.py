@@ -289,10 +289,11 @@ def _raw_gram(x: Any) -> np.ndarray:
     work = torch.float64 if x.dtype == torch.float64 else torch.float32
     K, d = x.shape
     c = max(256, _RAW_GRAM_CHUNK_ELEMENTS // K)
-    g = torch.zeros(K, K, dtype=torch.float64, device=x.device)
+    g = None
     for lo in range(0, d, c):
         part = x[:, lo : lo + c].to(work)
-        g += part @ part.T
+        product = (part @ part.T).double()
+        g = product if g is None else g.add_(product)
     return g.cpu().numpy()
 
 
@@ -308,13 +309,14 @@ def _squared_distances(op: str, updates: Any, rows: RowSet) -> tuple[np.ndarray,
     g = _raw_gram(_torch_view(stack))
     if not np.isfinite(g).all():
         raise _nonfinite(op, updates, rows)
+    diag = np.diag(g)
     r = g.sum(1) / rows.count
-    centred = np.diag(g) - 2.0 * r + r.sum() / rows.count  # ‖x_k − μ‖², up to the rounding of g
-    if np.diag(g).max() > 4.0 * centred.max():
+    centred = diag - 2.0 * r + r.sum() / rows.count  # ‖x_k − μ‖², up to the rounding of g
+    if diag.max() > 4.0 * centred.max():
         g = np.asarray(_torch_view(_gram_batch(rows.first.lib, stack[None])[0]).cpu().numpy(), dtype=np.float64)
         if not np.isfinite(g).all():
             raise _nonfinite(op, updates, rows)
-    diag = np.diag(g)
+        diag = np.diag(g)
     dist = np.maximum(diag[:, None] + diag[None, :] - 2.0 * g, 0.0)
     np.fill_diagonal(dist, 0.0)
     bound = tie_rel_tol(rows.first.dtype, rows.d) * 2.0 * (diag[:, None] + diag[None, :])
@@ -330,8 +332,8 @@ def _scores(dist: np.ndarray, bound: np.ndarray, f: int) -> tuple[np.ndarray, np
         return np.zeros(n), np.zeros(n)
     masked = dist + np.diag(np.full(n, np.inf))
     order = np.argsort(masked, axis=1, kind="stable")[:, :near]
-    picked = np.take_along_axis(dist, order, axis=1)
-    return np.cumsum(picked, axis=1)[:, -1], np.take_along_axis(bound, order, axis=1).sum(1)
+    row = np.arange(n)[:, None]
+    return np.cumsum(dist[row, order], axis=1)[:, -1], bound[row, order].sum(1)
 
 
 def _lowest(scores: np.ndarray, bound: np.ndarray, candidates: np.ndarray) -> int:
