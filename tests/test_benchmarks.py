@@ -192,6 +192,28 @@ def test_engine_models_cases_compute_the_same_rounds():
         np.testing.assert_allclose(value, ours, rtol=1e-4, atol=1e-5, err_msg=name)
 
 
+def test_central_dp_round_cases_alternate_and_pfl_adds_its_noise():
+    """Each central-DP round case's untimed step is its partner's round (the same two runs, alternating); pfl's DP
+    case adds N(0, (σ·C/N')²) per coordinate to the mean, measured against its clip-only round on the same users."""
+    from pyfedkern.benchmarks import dp, engine_models
+
+    cases = [c for c in dp.cases(quick=True) if c.group.startswith("central_dp_round")]
+    pfl = {"pfl 0.6 central DP", "pfl 0.6 plain"} if engine_models.pfl_available() else set()
+    for group in dict.fromkeys(c.group for c in cases):
+        pair = [c for c in cases if c.group == group]
+        names = {c.name for c in pair}
+        assert names == {"pyfedkern central DP", "pyfedkern plain"} | (pfl if "cifar" in group else set()), group
+        for a, b in zip(pair[::2], pair[1::2], strict=True):
+            assert a.before is b.make and b.before is a.make
+    if not pfl:
+        return
+    clip, sigma, noise_cohort = dp.PFL_DP
+    noised = torch.nn.utils.parameters_to_vector(engine_models.pfl_rounds("cifar", True, 1, dp.PFL_DP)().parameters())
+    clipped = engine_models.pfl_rounds("cifar", True, 1, (clip, 0.0, noise_cohort))().parameters()
+    std = (noised - torch.nn.utils.parameters_to_vector(clipped)).detach().double().std().item()
+    assert std == pytest.approx(sigma * clip / noise_cohort, rel=0.05)
+
+
 def test_worker_rounds_raise_a_failing_worker_s_error_instead_of_waiting(tmp_path, monkeypatch):
     """A worker process that fails (here: building its simulation, or a plain process building its callable) makes
     the round raise, naming the rank."""
