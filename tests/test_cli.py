@@ -24,8 +24,9 @@ from pyfedkern.benchmarks import FAMILIES
 from pyfedkern.cli import main
 from pyfedkern.data.partitions import PARTITIONS
 from pyfedkern.reproduce import REPRODUCTIONS, SUMMARIES
+from pyfedkern.sim.checkpoints import load_config
 from pyfedkern.sim.config import ExperimentConfig
-from pyfedkern.sim.engine import Simulation, load_config
+from pyfedkern.sim.engine import Simulation
 from pyfedkern.sim.results import read_metrics
 
 # every partition as `--help` writes it (name, or name:arguments)

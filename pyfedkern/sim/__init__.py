@@ -6,15 +6,16 @@
   ...); it is saved as a run directory's ``config.json``.
 - :class:`~pyfedkern.sim.engine.Simulation` builds the data, the partition and the model from a config and runs the
   rounds; :func:`~pyfedkern.sim.engine.run_experiment` and :func:`~pyfedkern.sim.engine.run_or_reuse` run one into a
-  run directory (checkpoints, metrics, resume), and :func:`~pyfedkern.sim.engine.load_config` reads a run
-  directory's config back.
+  run directory (checkpoints, metrics, resume), and :func:`~pyfedkern.sim.checkpoints.load_config` reads a
+  run directory's config back.
 - :func:`pyfedkern.sim.compare.compare` runs several algorithms on the same split and seed
   (:class:`~pyfedkern.sim.compare.Comparison`); :func:`~pyfedkern.sim.results.read_metrics`,
   :func:`~pyfedkern.sim.results.summarize`, :func:`~pyfedkern.sim.plots.plot_curves` and
   :func:`~pyfedkern.sim.plots.summary_table` read, condense, plot and tabulate the results.
 
-The names are imported from the submodules (``pyfedkern.sim.config``, ``.experiment``, ``.engine``, ``.compare``,
-``.results``, ``.plots``) on first use, so that ``import pyfedkern.sim.config`` stays cheap (no torch).
+The names are imported from the submodules (``pyfedkern.sim.config``, ``.experiment``, ``.engine``,
+``.checkpoints``, ``.compare``, ``.results``, ``.plots``) on first use, so that ``import pyfedkern.sim.config``
+stays cheap (no torch).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ _SOURCES = {
     "Experiment": "experiment",
     "ExperimentConfig": "config",
     "Simulation": "engine",
-    "load_config": "engine",
+    "load_config": "checkpoints",
     "run_experiment": "engine",
     "run_or_reuse": "engine",
     "Comparison": "compare",

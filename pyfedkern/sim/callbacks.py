@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from pyfedkern.sim.checkpoints import checkpoint_state
 from pyfedkern.sim.results import RunWriter
 
 logger = logging.getLogger("pyfedkern")
@@ -141,7 +142,7 @@ class Checkpoints(Callback):
         if run.out_dir is None or done == 0 or (done % cfg.checkpoint_every and done != cfg.rounds):
             return
         sim = run.simulation
-        state = sim.checkpoint_state(done)
+        state = checkpoint_state(sim, done)
         shards = sim.team.gather(state["algorithm"])  # every rank's state, on rank 0
         if run.writer is not None:
             run.writer.save_checkpoint({**state, "algorithm": shards[0] if sim.team.size == 1 else shards})

@@ -8,8 +8,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from pyfedkern.sim.checkpoints import check_reusable
 from pyfedkern.sim.config import ExperimentConfig
-from pyfedkern.sim.engine import check_reusable, run_or_reuse
+from pyfedkern.sim.engine import run_or_reuse
 from pyfedkern.sim.plots import plot_curves, summary_table
 from pyfedkern.sim.results import DirectoryLock, summarize
 

@@ -18,6 +18,7 @@ from pyfedkern.algorithms.batched import BatchedLocal
 from pyfedkern.algorithms.fedavg import FedAvg
 from pyfedkern.algorithms.paths import choose_path, faster_path
 from pyfedkern.benchmarks.engine_models import array_simulation, shakespeare_shaped
+from pyfedkern.sim import checkpoints
 from pyfedkern.sim.engine import ExperimentConfig, Simulation, _cpu_threads
 
 SIZES = np.array([7, 3, 12, 5, 9], dtype=np.int64)  # unequal: rows stop at different steps, batches are padded
@@ -219,17 +220,18 @@ def test_a_resumed_run_keeps_the_path_it_was_taking(monkeypatch, fresh_choices, 
     monkeypatch.setattr(paths, "_measure_paths", lambda *args: {"batched": 3.0, "loop": 1.0})
     sim = Simulation(config)
     sim.run(tmp_path / "run")
-    assert sim.checkpoint_state(1)["batched"] is False
+    state = checkpoints.checkpoint_state(sim, 1)
+    assert state["batched"] is False
     monkeypatch.setattr(paths, "_CHOICES", {})
     monkeypatch.setattr(paths, "_LAYOUTS", {})
     monkeypatch.setattr(paths, "_measure_paths", lambda *args: pytest.fail("measured again"))
     monkeypatch.setattr(paths, "_timed_alternately", lambda *args: pytest.fail("measured again"))
     resumed = Simulation(config)
     resumed.algorithm.setup(resumed, resumed.initial_vector)
-    resumed._restore(tmp_path / "checkpoint", sim.checkpoint_state(1))
+    checkpoints.restore(resumed, tmp_path / "checkpoint", state)
     assert resumed.batched is False
     assert resumed.channels_last is sim.channels_last  # and its layout, not measured again
-    resumed._restore(tmp_path / "checkpoint", {**sim.checkpoint_state(1), "channels_last": not sim.channels_last})
+    checkpoints.restore(resumed, tmp_path / "checkpoint", {**state, "channels_last": not sim.channels_last})
     assert resumed.channels_last is not sim.channels_last
 
 

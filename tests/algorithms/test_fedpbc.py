@@ -19,8 +19,9 @@ from pyfedkern.algorithms.fedpbc import FedAU
 from pyfedkern.cli import main
 from pyfedkern.links import LinkModel, group_link_probs
 from pyfedkern.reproduce.pbc_quadratic import fedavg_limit, quadratic_targets, simulate_quadratic
+from pyfedkern.sim.checkpoints import load_config
 from pyfedkern.sim.config import ExperimentConfig
-from pyfedkern.sim.engine import Simulation, load_config
+from pyfedkern.sim.engine import Simulation
 
 LINK_METHODS = ["fedpbc", "fedavg-links", "fedavg-all", "fedavg-known-p", "fedau", "mifa"]
 

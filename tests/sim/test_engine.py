@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from pyfedkern.data import datasets
+from pyfedkern.sim.checkpoints import load_config
 from pyfedkern.sim.config import ExperimentConfig, device_problems, parse_lr_schedule
-from pyfedkern.sim.engine import Simulation, load_config
+from pyfedkern.sim.engine import Simulation
 from pyfedkern.sim.results import read_metrics
 
 SMALL = ExperimentConfig(clients=4, rounds=4, model="logreg", partition="iid", batch_size=64, checkpoint_every=2)

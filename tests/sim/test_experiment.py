@@ -20,6 +20,7 @@ from pyfedkern import Experiment, models
 from pyfedkern.algorithms import ALGORITHMS
 from pyfedkern.cli import main
 from pyfedkern.data.datasets import load_dataset
+from pyfedkern.sim import checkpoints
 from pyfedkern.sim.config import ExperimentConfig
 from pyfedkern.sim.engine import Simulation
 
@@ -293,8 +294,9 @@ def test_initial_and_train_evaluations_can_be_skipped_or_subsampled():
     assert lean[0] == {"round": 0}
     assert "train_loss" not in lean[-1] and lean[-1]["test_loss"] == full[-1]["test_loss"]
     sub = Experiment(*parts, **base, eval_test_max=10)
-    assert sub.simulation.x_test.shape[0] == 10
-    assert torch.equal(sub.simulation.x_test, Experiment(*parts, **base, eval_test_max=10).simulation.x_test)
+    assert sub.simulation.evaluator.x_test.shape[0] == 10
+    again = Experiment(*parts, **base, eval_test_max=10).simulation
+    assert torch.equal(sub.simulation.evaluator.x_test, again.evaluator.x_test)
 
 
 def test_clients_sampled_with_replacement():
@@ -614,12 +616,12 @@ def test_a_resumed_run_of_a_batchnorm_model_continues_as_the_uninterrupted_one(t
     assert [m["test_loss"] for m in resumed] == [m["test_loss"] for m in full]
     sim = experiment(3).simulation
     sim.algorithm.setup(sim, sim.initial_vector)
-    state = sim._checkpoint(2)
+    state = checkpoints.checkpoint_state(sim, 2)
     assert set(state["buffers"]) == {"1.running_mean", "1.running_var", "1.num_batches_tracked"}
     other = experiment(3, norm=lambda n: nn.LayerNorm(n)).simulation  # no buffers
     refused = r"c\.pt: its model buffers \(1\.running_mean, .*\) do not fit the model's \(none\)"
     with pytest.raises(ValueError, match=refused):
-        other._restore(tmp_path / "c.pt", state)
+        checkpoints.restore(other, tmp_path / "c.pt", state)
 
 
 def test_a_client_s_dropout_does_not_depend_on_the_clients_trained_before_it():

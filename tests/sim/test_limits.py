@@ -43,9 +43,9 @@ def test_the_data_estimate_covers_what_the_run_holds(dtype):
     sim = engine.Simulation(config)
     data = datasets.load_dataset(config.dataset)
     held = sum(a.nbytes for a in (data.x_train, data.x_test, data.y_train, data.y_test, data.client_ids))
-    held += sim._all_x.nbytes
+    held += sim.planner.x.nbytes
     if dtype == "float64":  # the converted copies of the whole set
-        held += sim.x_test.nbytes + sim._all_x.nbytes
+        held += sim.evaluator.x_test.nbytes + sim.planner.x.nbytes
     with pytest.raises(ValueError, match="needs about"):  # never less than what is held
         check_data_memory(config, held - 1)
     check_data_memory(config, 3 * held)  # nor far more

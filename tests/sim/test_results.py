@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 import torch
 
+from pyfedkern.sim.checkpoints import check_resumable, load_config
 from pyfedkern.sim.config import ExperimentConfig
-from pyfedkern.sim.engine import Simulation, check_resumable, load_config
+from pyfedkern.sim.engine import Simulation
 from pyfedkern.sim.results import DirectoryLocked, RunWriter, check_new_run_dir, read_config, read_metrics
 
 # rounds 1-4 recorded, checkpoints of rounds 3 and 4 kept (the newest two), round 5 still to run

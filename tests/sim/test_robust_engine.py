@@ -11,8 +11,9 @@ import torch
 
 from pyfedkern.algorithms import Algorithm, ClientUpdates
 from pyfedkern.cli import main
+from pyfedkern.sim.checkpoints import load_config
 from pyfedkern.sim.config import ExperimentConfig
-from pyfedkern.sim.engine import Simulation, _cpu_threads, load_config
+from pyfedkern.sim.engine import Simulation, _cpu_threads
 from pyfedkern.sim.results import read_metrics
 
 BASE = ExperimentConfig(
