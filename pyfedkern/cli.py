@@ -29,7 +29,7 @@ from pyfedkern.benchmarks import FAMILIES
 from pyfedkern.data.spec import parse_flag
 from pyfedkern.reproduce import REPRODUCTIONS, SUMMARIES
 from pyfedkern.sim import config as sim_config
-from pyfedkern.sim.config import LAUNCHED_BY_WORKERS, ExperimentConfig
+from pyfedkern.sim.config import LAUNCHED_BY_WORKERS, OPTIONS, ExperimentConfig, Option
 
 
 def _flag(text: str) -> bool:
@@ -50,89 +50,8 @@ def _flag_or_auto(text: str) -> bool | None:
         raise argparse.ArgumentTypeError(f"expected true, false or auto, got {text!r}") from None
 
 
-_DATASETS_HELP = (
-    "digits (bundled) | synthetic:α,β[,N[,dim[,classes]]] (Li et al.'s synthetic(α,β): N clients, default 30, each "
-    "with its own model; dim 60, 10 classes by default) | synthetic-iid[:N[,dim[,classes]]] (one model for all N "
-    "clients) | quadratic:m,d | mnist | cifar10 | leaf (LEAF's JSON files; from --data-root) | your "
-    "package.module:factory. With --partition natural --clients N each client holds its own samples"
-)
-_PARTITIONS_HELP = (
-    "iid | dirichlet:α | dirichlet-equal:α (equal sizes) | shards:k | quantity:α | noise:σ (IID plus input noise) | "
-    "bherd1 | bherd2 | bherd3 | groups:o,α | natural (the dataset's own clients: synthetic, synthetic-iid, quadratic)"
-)
-
-# (config field, flag, type, help) of the options shared by `run` and `compare`.
-_COMMON = [
-    ("dataset", "--dataset", str, _DATASETS_HELP),
-    ("data_root", "--data-root", str, "directory holding the MNIST / CIFAR-10 files"),
-    ("normalize", "--normalize", str, "none | unit | standard (per-channel, train statistics)"),
-    ("partition", "--partition", str, _PARTITIONS_HELP),
-    ("clients", "--clients", int, "number of clients"),
-    ("model", "--model", str, "svm | logreg | mlp | cnn | resnet18 | quadratic, or your package.module:factory"),
-    ("rounds", "--rounds", int, "communication rounds"),
-    ("fraction", "--fraction", float, "fraction of clients sampled each round, in (0, 1]"),
-    ("batch_size", "--batch-size", int, "local minibatch size"),
-    ("local_epochs", "--local-epochs", float, "local epochs per round"),
-    ("local_steps", "--local-steps", int, "local steps per round (overrides --local-epochs)"),
-    ("lr", "--lr", float, "local learning rate"),
-    ("lr_schedule", "--lr-schedule", str, "const | exp:γ | invsqrt:c (per round)"),
-    ("momentum", "--momentum", float, "local SGD momentum"),
-    ("weight_decay", "--weight-decay", float, "local weight decay"),
-    ("eval_every", "--eval-every", int, "evaluate the global model every n rounds"),
-    ("eval_initial", "--eval-initial", _flag, "evaluate the initial model (round 0)"),
-    ("eval_test_max", "--eval-test-max", int, "evaluate on at most n test samples (a fixed seeded subset)"),
-    ("eval_train_max", "--eval-train-max", int, "measure train loss on at most n training samples (0: skip)"),
-    ("sample_with_replacement", "--sample-with-replacement", _flag, "draw each round's clients with replacement"),
-    ("batch_order", "--batch-order", str, "reshuffle | fixed (each client keeps one batch order across rounds)"),
-    ("seed", "--seed", int, "random seed (data split, sampling, init)"),
-    ("device", "--device", str, "cpu | cuda | cuda:N"),
-    ("checkpoint_every", "--checkpoint-every", int, "save a checkpoint every n rounds"),
-    (
-        "threads",
-        "--threads",
-        int,
-        "CPU threads for torch and pyfedkern, at most the machine's CPUs (none: from the work of a training step)",
-    ),
-    (
-        "batched",
-        "--batched",
-        _flag_or_auto,
-        "true: train each round's participants as batched steps; false: a loop over clients; auto (default): the "
-        "faster of the two for the model, measured once",
-    ),
-    (
-        "channels_last",
-        "--channels-last",
-        _flag_or_auto,
-        "true: the per-client loop feeds image batches channels-last; false: contiguous; auto (default): the faster "
-        "layout for the model, measured once",
-    ),
-    ("client_chunk", "--client-chunk", int, "train at most this many participants at once (none: fit free memory)"),
-    ("dtype", "--dtype", str, "float32 | float64 (model and data)"),
-    (
-        "aggregator",
-        "--aggregator",
-        str,
-        "the server's rule for the uploaded models: mean | median | trimmed:β | krum:f | multikrum:f,m | bulyan:f | "
-        "geomed | cclip:τ[,iters] (docs/robust.md)",
-    ),
-    (
-        "attack",
-        "--attack",
-        str,
-        "Byzantine clients: signflip:p | gaussian:p[,σ] | scale:p[,s] | alie:p[,z] | ipm:p[,ε], p the fraction of "
-        "each round's clients",
-    ),
-    ("dp", "--dp", str, "differential privacy: central (user-level) | local (DP-SGD, record-level); docs/privacy.md"),
-    ("dp_epsilon", "--dp-epsilon", float, "DP budget ε over the run (σ solved from it); or give --dp-noise-multiplier"),
-    ("dp_delta", "--dp-delta", float, "DP δ, in (0, 1/population)"),
-    ("dp_clip", "--dp-clip", float, "DP clip C (ℓ2) of each client's update (central) or sample's gradient (local)"),
-    ("dp_noise_multiplier", "--dp-noise-multiplier", float, "DP noise multiplier σ (ε is reported); or --dp-epsilon"),
-    ("dp_adaptive_clip", "--dp-adaptive-clip", float, "adapt the clip to this quantile of the update norms"),
-    ("dp_population", "--dp-population", int, "clients the cohorts are drawn from, for accounting (none: --clients)"),
-    ("dp_noise_cohort", "--dp-noise-cohort", int, "add the noise of a cohort of N (pfl's noise_cohort_size)"),
-    ("dp_accountant", "--dp-accountant", str, "rdp | pld (dp-accounting's)"),
-]
+#: The config options that `run` and `compare` take as ``--name VALUE`` (the others have their own rules).
+_COMMON = [o for o in OPTIONS.values() if o.parsed]
 
 
 class CliError(Exception):
@@ -146,18 +65,22 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n")
 
 
+def _add_option(parser: argparse.ArgumentParser, option: Option, help_text: str | None = None) -> None:
+    """``--name VALUE`` for a config option, parsed by its kind (``help_text``: in place of the option's help)."""
+    if option.kind == "bool":
+        kind = _flag_or_auto if option.optional else _flag
+    else:
+        kind = {"int": int, "float": float, "str": str}[option.kind]
+    help_text = f"{help_text or option.help} (default: {option.default})"
+    parser.add_argument(option.flag, dest=option.name, type=kind, default=option.default, help=help_text)
+
+
 def _add_common(parser: argparse.ArgumentParser) -> None:
-    defaults = {f.name: f.default for f in dataclasses.fields(ExperimentConfig) if f.default is not dataclasses.MISSING}
-    for name, flag, kind, help_text in _COMMON:
-        default = defaults.get(name)
-        parser.add_argument(flag, dest=name, type=kind, default=default, help=f"{help_text} (default: {default})")
-    parser.add_argument("--parity", action="store_true", help="even/odd binary task (BHerd's SVM)")
+    for option in _COMMON:
+        _add_option(parser, option)
+    parser.add_argument("--parity", action="store_true", help=OPTIONS["parity"].help)
     parser.add_argument(
-        "--model-param",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="model keyword argument, e.g. hidden=64,64 (repeatable)",
+        "--model-param", action="append", default=[], metavar="KEY=VALUE", help=OPTIONS["model_params"].help
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
@@ -295,7 +218,7 @@ def _given_params(args: argparse.Namespace, extra: Sequence[str], algorithms: Se
 
 
 def _base_config(args: argparse.Namespace) -> ExperimentConfig:
-    values = {name: getattr(args, name) for name, *_ in _COMMON}
+    values = {o.name: getattr(args, o.name) for o in _COMMON}
     return ExperimentConfig(**values, parity=args.parity, model_params=_model_params(args.model_param))
 
 
@@ -308,7 +231,7 @@ def _resume_config(args: argparse.Namespace, extra: list[str]):
 
     stored = load_config(args.out)
     asked = dataclasses.replace(_base_config(args), algorithm=args.algorithm)
-    options = [(name, flag) for name, flag, *_ in _COMMON]
+    options = [(o.name, o.flag) for o in _COMMON]
     options += [("algorithm", "--algorithm"), ("parity", "--parity"), ("model_params", "--model-param")]
     free = {name: getattr(asked, name) for name, flag in options if name in RESUME_FREE_FIELDS and flag in args.flags}
     clashes = []
@@ -539,9 +462,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run one FL experiment", allow_abbrev=False)
-    run.add_argument(
-        "--algorithm", default="fedavg", help="algorithm name, or your package.module:Class (default: fedavg)"
-    )
+    algorithm = OPTIONS["algorithm"]
+    run.add_argument("--algorithm", default=algorithm.default, help=f"{algorithm.help} (default: {algorithm.default})")
     run.add_argument("--out", default=None, help="directory for config, metrics, checkpoints and summary")
     run.add_argument("--resume", action="store_true", help="continue the interrupted run in --out")
     run.add_argument("--help-algorithm", action="store_true", help="list the algorithm's parameters and exit")
@@ -565,11 +487,9 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.set_defaults(parser=cmp, handler=cmd_compare, takes_extra=True)
 
     part = sub.add_parser("partition", allow_abbrev=False, help="print (and plot) how a partition splits a dataset")
-    part.add_argument("--dataset", default="digits", help=f"{_DATASETS_HELP} (default: digits)")
-    part.add_argument("--data-root", default=None, help="directory holding the MNIST / CIFAR-10 files")
-    part.add_argument("--partition", default="dirichlet:0.3", help=f"{_PARTITIONS_HELP} (default: dirichlet:0.3)")
-    part.add_argument("--clients", type=int, default=20, help="number of clients (default: 20)")
-    part.add_argument("--seed", type=int, default=0, help="random seed of the split (default: 0)")
+    for name in ("dataset", "data_root", "partition", "clients"):
+        _add_option(part, OPTIONS[name])
+    _add_option(part, OPTIONS["seed"], "random seed of the split")
     part.add_argument("--plot", default=None, help="write a PNG of the per-client class counts")
     part.set_defaults(parser=part, handler=cmd_partition)
 

@@ -61,9 +61,10 @@ def choose_path(ctx: FLContext, rows: int) -> PathChoice:
     takes the batched path (its hand-written backward is many times faster than the loop). Any other model is
     measured: one local step (gradient and update) of min(rows, :data:`PROBE_ROWS`) clients on their first minibatch
     of round 0, batched and looped (``_measure_paths``); the faster wins (:func:`faster_path`), the loop when the
-    batched step fails (:class:`Unbatchable`: a model ``vmap`` cannot run). The measurement leaves the model's
-    parameters and torch's random state as it found them, and is kept for the process, per model structure, device,
-    dtype, rows, batch shape and thread count, so every simulation of that model in the process takes the same path.
+    batched step fails (:class:`~pyfedkern.algorithms.batched.Unbatchable`: a model ``vmap`` cannot run). The
+    measurement leaves the model's parameters and torch's random state as it found them, and is kept for the process,
+    per model structure, device, dtype, rows, batch shape and thread count, so every simulation of that model in the
+    process takes the same path.
     """
     local = ctx.local
     if not can_batch(local):

@@ -41,7 +41,6 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without flwr
     raise ImportError('pyfedkern.integrations.flower needs Flower: pip install "flwr>=1.20"') from exc
 
-import dataclasses
 import functools
 import io
 import json
@@ -1258,32 +1257,22 @@ CLIENT_ALGORITHMS = ("fedavg", "fedprox", "bherd", "fedpbc", "fedspeed", "dynami
 def config_from_run_config(run_config: dict[str, Any]) -> Any:
     """An :class:`~pyfedkern.sim.config.ExperimentConfig` from a Flower run config.
 
-    Keys are ExperimentConfig fields with ``-`` for ``_`` (``local-steps``, ``lr-schedule``, ...);
-    ``algorithm-params`` and ``model-params`` are JSON objects; ``local-steps = 0`` (and ``client-chunk = 0``) means
-    unset; other keys are ignored (they belong to the app). ``aggregator`` chooses the server's strategy
+    Keys are the options of :data:`~pyfedkern.sim.config.OPTIONS` with ``-`` for ``_`` (``local-steps``,
+    ``lr-schedule``, ...); ``algorithm-params`` and ``model-params`` are JSON objects; an option that may be None
+    is None for ``""`` or ``"none"`` (any case), and a count that may be None (``local-steps``, ``client-chunk``,
+    ...) for 0; other keys are ignored (they belong to the app). ``aggregator`` chooses the server's strategy
     (:func:`robust_strategy`); ``attack`` is refused (the simulator's Byzantine clients).
     """
-    from pyfedkern.sim.config import ExperimentConfig
+    from pyfedkern.sim.config import OPTIONS, ExperimentConfig
 
-    names = {f.name for f in dataclasses.fields(ExperimentConfig)}
     values: dict[str, Any] = {}
     for key, value in run_config.items():
-        name = key.replace("-", "_")
-        if name not in names:
-            continue
-        if name in ("algorithm_params", "model_params") and isinstance(value, str):
-            try:
-                value = json.loads(value) if value.strip() else {}
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{key} must be JSON, got {value!r} ({err})") from None
-        if name in ("local_steps", "threads", "data_root", "client_chunk") and value in (0, ""):
-            value = None
-        if name.startswith("dp") and name != "dp_accountant" and value in ("", "none"):  # unset
-            value = None
-        values[name] = value
+        option = OPTIONS.get(key.replace("-", "_"))
+        if option is not None:
+            values[option.name] = _run_config_value(option, key, value)
     config = ExperimentConfig(**values)
     config.validate()
-    if config.attack is not None and config.attack.strip().lower() != "none":
+    if config.attack is not None:
         raise ValueError(
             f"attack {config.attack!r} is a simulator setting: Flower runs have no Byzantine clients (remove it from "
             "the run config)"
@@ -1304,6 +1293,18 @@ _SIMULATIONS: dict[str, Any] = {}
 def _simulation(config: Any) -> Any:
     """The (cached) simulation of ``config`` used as the client's FLContext (data, model, random streams)."""
     from pyfedkern.sim.engine import Simulation
+
+def _run_config_value(option: Any, key: str, value: Any) -> Any:
+    """A run config's ``value`` of ``option`` (a :class:`~pyfedkern.sim.config.Option`) as the config field's."""
+    if option.kind == "dict" and isinstance(value, str):
+        try:
+            return json.loads(value) if value.strip() else {}
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{key} must be JSON, got {value!r} ({err})") from None
+    text = isinstance(value, str) and value.strip().lower() in ("", "none")
+    unset = text or (option.kind == "int" and value == 0 and not isinstance(value, bool))
+    return None if option.optional and unset else value
+
 
     key = json.dumps(config.to_dict(), sort_keys=True)
     if key not in _SIMULATIONS:

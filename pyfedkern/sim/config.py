@@ -26,6 +26,29 @@ MODEL_COPIES = 4
 BATCH_ORDERS = ("reshuffle", "fixed")
 
 
+DATASETS_HELP = (
+    "digits (bundled) | synthetic:α,β[,N[,dim[,classes]]] (Li et al.'s synthetic(α,β): N clients, default 30, each "
+    "with its own model; dim 60, 10 classes by default) | synthetic-iid[:N[,dim[,classes]]] (one model for all N "
+    "clients) | quadratic:m,d | mnist | cifar10 | leaf (LEAF's JSON files; from --data-root) | your "
+    "package.module:factory. With --partition natural --clients N each client holds its own samples"
+)
+PARTITIONS_HELP = (
+    "iid | dirichlet:α | dirichlet-equal:α (equal sizes) | shards:k | quantity:α | noise:σ (IID plus input noise) | "
+    "bherd1 | bherd2 | bherd3 | groups:o,α | natural (the dataset's own clients: synthetic, synthetic-iid, quadratic)"
+)
+
+
+def option(default: Any, help: str, *, flag: str | None = None) -> Any:
+    """A field of :class:`ExperimentConfig` declared as a run option: its default and help text (see :func:`about`)."""
+    return field(default=default, metadata=about(help, flag))
+
+
+def about(help: str, flag: str | None = None) -> dict[str, Any]:
+    """The metadata of a run option's field: its help text and ``flag``, how the command line gives an option it
+    parses itself (None: ``--name-with-dashes VALUE``, parsed by the field's type)."""
+    return {"help": help, "flag": flag}
+
+
 @dataclass
 class ExperimentConfig:
     """Everything that defines an experiment; saved as config.json next to its results.
@@ -62,50 +85,94 @@ class ExperimentConfig:
     dp_noise_multiplier, and dp_accountant.
     """
 
-    algorithm: str = "fedavg"
-    algorithm_params: dict[str, Any] = field(default_factory=dict)
-    dataset: str = "digits"
-    data_root: str | None = None
-    normalize: str = "standard"
-    parity: bool = False
-    partition: str = "dirichlet:0.3"
-    clients: int = 20
-    model: str = "mlp"
-    model_params: dict[str, Any] = field(default_factory=dict)
-    rounds: int = 50
-    fraction: float = 1.0
-    batch_size: int = 32
-    local_epochs: float = 1.0
-    local_steps: int | None = None
-    lr: float = 0.1
-    lr_schedule: str = "const"
-    momentum: float = 0.0
-    weight_decay: float = 0.0
-    eval_every: int = 1
-    eval_train_max: int = 10_000
-    seed: int = 0
-    device: str = "cpu"
-    checkpoint_every: int = 10
-    threads: int | None = None
-    batched: bool | None = None
-    channels_last: bool | None = None
-    client_chunk: int | None = None
-    dtype: str = "float32"
-    eval_initial: bool = True
-    eval_test_max: int | None = None
-    sample_with_replacement: bool = False
-    batch_order: str = "reshuffle"
-    aggregator: str = "mean"
-    attack: str | None = None
-    dp: str | None = None
-    dp_epsilon: float | None = None
-    dp_delta: float | None = None
-    dp_clip: float | None = None
-    dp_noise_multiplier: float | None = None
-    dp_adaptive_clip: float | None = None
-    dp_population: int | None = None
-    dp_noise_cohort: int | None = None
-    dp_accountant: str = "rdp"
+    algorithm: str = option(
+        "fedavg",
+        "algorithm name (`pyfedkern run --algorithm NAME --help-algorithm` lists its parameters), or your "
+        "package.module:Class",
+        flag="--algorithm",
+    )
+    algorithm_params: dict[str, Any] = field(
+        default_factory=dict, metadata=about("the algorithm's hyper-parameters (its dataclass fields)", "--NAME VALUE")
+    )
+    dataset: str = option("digits", DATASETS_HELP)
+    data_root: str | None = option(None, "directory holding the MNIST / CIFAR-10 files")
+    normalize: str = option("standard", "none | unit | standard (per-channel, train statistics)")
+    parity: bool = option(False, "even/odd binary task (BHerd's SVM)", flag="--parity")
+    partition: str = option("dirichlet:0.3", PARTITIONS_HELP)
+    clients: int = option(20, "number of clients")
+    model: str = option("mlp", "svm | logreg | mlp | cnn | resnet18 | quadratic, or your package.module:factory")
+    model_params: dict[str, Any] = field(
+        default_factory=dict,
+        metadata=about("model keyword arguments, e.g. hidden=64,64 (repeatable)", "--model-param KEY=VALUE"),
+    )
+    rounds: int = option(50, "communication rounds")
+    fraction: float = option(1.0, "fraction of clients sampled each round, in (0, 1]")
+    batch_size: int = option(32, "local minibatch size")
+    local_epochs: float = option(1.0, "local epochs per round")
+    local_steps: int | None = option(None, "local steps per round (overrides --local-epochs)")
+    lr: float = option(0.1, "local learning rate")
+    lr_schedule: str = option("const", "const | exp:γ | invsqrt:c (per round)")
+    momentum: float = option(0.0, "local SGD momentum")
+    weight_decay: float = option(0.0, "local weight decay")
+    eval_every: int = option(1, "evaluate the global model every n rounds")
+    eval_train_max: int = option(10_000, "measure train loss on at most n training samples (0: skip)")
+    seed: int = option(0, "random seed (data split, sampling, init)")
+    device: str = option("cpu", "cpu | cuda | cuda:N")
+    checkpoint_every: int = option(10, "save a checkpoint every n rounds")
+    threads: int | None = option(
+        None, "CPU threads for torch and pyfedkern, at most the machine's CPUs (none: from the work of a training step)"
+    )
+    batched: bool | None = option(
+        None,
+        "true: train each round's participants as batched steps; false: a loop over clients; auto (default): the "
+        "faster of the two for the model, measured once",
+    )
+    channels_last: bool | None = option(
+        None,
+        "true: the per-client loop feeds image batches channels-last; false: contiguous; auto (default): the faster "
+        "layout for the model, measured once",
+    )
+    client_chunk: int | None = option(None, "train at most this many participants at once (none: fit free memory)")
+    dtype: str = option("float32", "float32 | float64 (model and data)")
+    eval_initial: bool = option(
+        True, 'evaluate the initial model (round 0; without it round 0\'s record is {"round": 0})'
+    )
+    eval_test_max: int | None = option(None, "evaluate on at most n test samples (a fixed seeded subset)")
+    sample_with_replacement: bool = option(
+        False,
+        "draw each round's clients with replacement (a client drawn twice trains twice from the same model and counts "
+        "twice)",
+    )
+    batch_order: str = option(
+        "reshuffle",
+        "reshuffle (a new order each epoch, unless the algorithm asks for a fixed one) | fixed (each client keeps one "
+        "batch order across rounds, pfl's default)",
+    )
+    aggregator: str = option(
+        "mean",
+        "the server's rule for the uploaded models: mean | median | trimmed:β | krum:f | multikrum:f,m | bulyan:f | "
+        "geomed | cclip:τ[,iters] (docs/robust.md)",
+    )
+    attack: str | None = option(
+        None,
+        "Byzantine clients: signflip:p | gaussian:p[,σ] | scale:p[,s] | alie:p[,z] | ipm:p[,ε], p the fraction of "
+        "each round's clients",
+    )
+    dp: str | None = option(
+        None, "differential privacy: central (user-level) | local (DP-SGD, record-level); docs/privacy.md"
+    )
+    dp_epsilon: float | None = option(
+        None, "DP budget ε over the run (σ solved from it); or give --dp-noise-multiplier"
+    )
+    dp_delta: float | None = option(None, "DP δ, in (0, 1/population)")
+    dp_clip: float | None = option(
+        None, "DP clip C (ℓ2) of each client's update (central) or sample's gradient (local)"
+    )
+    dp_noise_multiplier: float | None = option(None, "DP noise multiplier σ (ε is reported); or --dp-epsilon")
+    dp_adaptive_clip: float | None = option(None, "adapt the clip to this quantile of the update norms")
+    dp_population: int | None = option(None, "clients the cohorts are drawn from, for accounting (none: --clients)")
+    dp_noise_cohort: int | None = option(None, "add the noise of a cohort of N (pfl's noise_cohort_size)")
+    dp_accountant: str = option("rdp", "rdp | pld (dp-accounting's)")
 
     def validate(self) -> None:
         """Raise ValueError for invalid settings, before any work starts (no data is loaded).
@@ -212,6 +279,53 @@ class ExperimentConfig:
         if unknown:
             raise ValueError(f"unknown config field(s): {', '.join(unknown)}")
         return cls(**data)
+
+
+@dataclass(frozen=True)
+class Option:
+    """A run option: an :class:`ExperimentConfig` field as :func:`option` declared it. ``kind``: its type's name
+    ("str", "int", "float", "bool" or "dict"); ``optional``: whether None is a value (unset, or the program
+    decides); ``flag``: the command line's spelling; ``parsed``: whether the command line parses it by its kind
+    (``--name-with-dashes VALUE``) rather than by its own rule (``--parity``, ``--model-param KEY=VALUE``)."""
+
+    name: str
+    kind: str
+    optional: bool
+    default: Any
+    help: str
+    flag: str
+    parsed: bool
+
+    @property
+    def key(self) -> str:
+        """The option's key in a Flower run config: the name with ``-`` for ``_``."""
+        return self.name.replace("_", "-")
+
+
+def _options() -> dict[str, Option]:
+    out = {}
+    for f in dataclasses.fields(ExperimentConfig):
+        kind, _, none = str(f.type).partition(" | ")
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        own = f.metadata["flag"]
+        flag = own or f"--{f.name.replace('_', '-')}"
+        out[f.name] = Option(f.name, kind.partition("[")[0], none == "None", default, f.metadata["help"], flag, not own)
+    return out
+
+
+#: Every run option by name, in the order of :class:`ExperimentConfig`'s fields: the command line's ``run`` and
+#: ``compare`` options, :class:`~pyfedkern.sim.experiment.Experiment`'s keywords and a Flower run config's keys.
+OPTIONS = _options()
+
+
+def options_table() -> str:
+    """The Markdown table of :data:`OPTIONS` that docs/experiments.md holds (tests/sim/test_options.py checks)."""
+    rows = ["| option | command line | default | what |", "|---|---|---|---|"]
+    for o in OPTIONS.values():
+        what = o.help.replace("|", "\\|")
+        default = "none" if o.default is None else o.default
+        rows.append(f"| `{o.name}` | `{o.flag}` | `{default}` | {what} |")
+    return "\n".join(rows) + "\n"
 
 
 DP_MODES = ("central", "local")

@@ -9,7 +9,6 @@ details and examples.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -20,7 +19,7 @@ import numpy as np
 from pyfedkern.algorithms import Algorithm, algorithm_name, make_algorithm
 from pyfedkern.data.dataset import Dataset
 from pyfedkern.sim.callbacks import Callback, check_callbacks
-from pyfedkern.sim.config import ExperimentConfig
+from pyfedkern.sim.config import OPTIONS, ExperimentConfig
 from pyfedkern.sim.engine import Simulation
 from pyfedkern.sim.parts import Evaluate, Parts, as_dataset, check_data, from_arrays, model_spec, split
 
@@ -56,11 +55,9 @@ class Experiment:
         name: the data's name in config.json.
         callbacks: :class:`~pyfedkern.sim.callbacks.Callback` instances each run calls after the engine's own
             (e.g. the loggers :class:`~pyfedkern.sim.loggers.TensorBoard` and :class:`~pyfedkern.sim.loggers.MLflow`).
-        **settings: the run settings of :class:`~pyfedkern.sim.config.ExperimentConfig` (rounds, fraction,
-            batch_size, local_epochs, lr, seed, eval_every, eval_initial, sample_with_replacement, batch_order,
-            checkpoint_every, batched, channels_last, dtype, device, aggregator, attack, and DP's dp (central|local),
-            dp_epsilon, dp_delta, dp_clip, dp_noise_multiplier, dp_adaptive_clip, dp_population, dp_noise_cohort,
-            dp_accountant, ...).
+        **settings: the run options of :data:`~pyfedkern.sim.config.OPTIONS` (rounds, fraction, batch_size, lr,
+            seed, dtype, dp, ...; docs/experiments.md tabulates them) but those set by the arguments above (model,
+            model_params, dataset, data_root, normalize, parity, partition, clients) and ``algorithm``.
     """
 
     def __init__(
@@ -82,7 +79,7 @@ class Experiment:
         callbacks: list[Callback] | tuple[Callback, ...] = (),
         **settings: Any,
     ) -> None:
-        known = {f.name for f in dataclasses.fields(ExperimentConfig)} - set(_FROM_PARTS) - {"algorithm"}
+        known = set(OPTIONS) - set(_FROM_PARTS) - {"algorithm"}
         unknown = sorted(set(settings) - known)
         if unknown:
             raise TypeError(f"unknown setting(s) {', '.join(unknown)}; valid settings: {', '.join(sorted(known))}")
