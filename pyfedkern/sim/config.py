@@ -244,8 +244,7 @@ class ExperimentConfig:
         for name in ("local_steps", "threads", "client_chunk", "eval_test_max"):
             if getattr(self, name) is not None:
                 positive_int(name, getattr(self, name))
-        if isinstance(self.seed, bool) or not (isinstance(self.seed, int) and 0 <= self.seed <= INT64_MAX):
-            raise ValueError(f"seed must be an integer from 0 to 2^63 - 1, got {self.seed!r}")
+        check_seed(self.seed)
         if not (0 < finite("fraction", self.fraction) <= 1):
             raise ValueError(f"fraction must be in (0, 1], got {self.fraction}")
         for name in ("local_epochs", "lr"):
@@ -386,6 +385,12 @@ def check_dp(config: ExperimentConfig, algorithm: type) -> None:
 
 def _real(value: Any, ok: Callable[[float], bool]) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, float)) and ok(float(value))
+
+
+def check_seed(seed: Any) -> None:
+    """ValueError unless ``seed`` is an integer from 0 to 2^63 - 1 (a run's seed; also checked before a split)."""
+    if isinstance(seed, bool) or not (isinstance(seed, int) and 0 <= seed <= INT64_MAX):
+        raise ValueError(f"seed must be an integer from 0 to 2^63 - 1, got {seed!r}")
 
 
 def check_client_count(clients: int, samples: int, dataset: str) -> None:

@@ -19,7 +19,7 @@ import numpy as np
 from pyfedkern.algorithms import Algorithm, algorithm_name, make_algorithm
 from pyfedkern.data.dataset import Dataset
 from pyfedkern.sim.callbacks import Callback, check_callbacks
-from pyfedkern.sim.config import OPTIONS, ExperimentConfig
+from pyfedkern.sim.config import OPTIONS, ExperimentConfig, check_seed
 from pyfedkern.sim.engine import Simulation
 from pyfedkern.sim.parts import Evaluate, Parts, as_dataset, check_data, from_arrays, model_spec, split
 
@@ -113,8 +113,7 @@ class Experiment:
                 raise ValueError("clients='natural' needs a Dataset with client_ids (e.g. from pyfedkern.data.leaf)")
             num_clients = len(set(data.client_ids.tolist())) if natural else ExperimentConfig.clients
         seed = settings.get("seed", ExperimentConfig.seed)
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
+        check_seed(seed)  # before the split draws from it
         partition, public = split(
             data,
             clients,

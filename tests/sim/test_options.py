@@ -71,3 +71,12 @@ def test_a_flower_run_config_takes_every_option_by_key():
     assert (config.lr, config.algorithm_params, config.batched) == (0.5, {"mu": 0.1}, False)
     plain = {o.key: o.default for o in OPTIONS.values() if o.default is not None and o.kind != "dict"}
     assert config_from_run_config(plain) == ExperimentConfig()
+
+
+@pytest.mark.parametrize("seed", [-1, 2**63, True, 1.5])
+def test_experiment_and_the_config_refuse_a_seed_alike(seed):
+    message = f"seed must be an integer from 0 to 2\\^63 - 1, got {seed!r}"
+    with pytest.raises(ValueError, match=message):
+        Experiment("mlp", ([[0.0]] * 4, [0, 1, 0, 1]), ([[0.0]], [0]), clients="iid", num_clients=2, seed=seed)
+    with pytest.raises(ValueError, match=message):
+        ExperimentConfig(seed=seed).validate_settings()
