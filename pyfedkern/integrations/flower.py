@@ -613,7 +613,20 @@ class FedAvg(_FlowerFedAvg):
         running, metrics = self.stream_train(server_round, replies)
         if running.count == 0 or running.total <= 0:
             return None, None
+        self._check_names(running)
         return _record(running.mean()), self._metrics(metrics)
+
+    def _check_names(self, running: _RunningMean) -> None:
+        """ValueError unless the replies hold the arrays the round sent (:meth:`configure_train`'s), no more, no
+        fewer: a client that uploads its frozen layers, or drops some, would otherwise change the global model's
+        arrays."""
+        if self._global is None:
+            return
+        sent, got = list(self._global.keys()), list(running.shapes)
+        if extra := [name for name in got if name not in self._global]:
+            raise ValueError(f"the replies have arrays {extra} that the round's model has not (it sent {sent})")
+        if missing := [name for name in sent if name not in running.shapes]:
+            raise ValueError(f"the replies lack arrays {missing} of the round's model (it sent {sent})")
 
     def _private_round(
         self, server_round: int, replies: Iterable[Message]
@@ -900,6 +913,7 @@ class _RobustFedAvg(FedAvg):
         running, metrics = self.stream_train(server_round, list(replies))
         if running.count == 0:
             return None, None
+        self._check_names(running)
         arrays, chosen = self.combine(running)
         if arrays is None:
             return None, None
@@ -1280,6 +1294,18 @@ def config_from_run_config(run_config: dict[str, Any]) -> Any:
     return config
 
 
+def _run_config_value(option: Any, key: str, value: Any) -> Any:
+    """A run config's ``value`` of ``option`` (a :class:`~pyfedkern.sim.config.Option`) as the config field's."""
+    if option.kind == "dict" and isinstance(value, str):
+        try:
+            return json.loads(value) if value.strip() else {}
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{key} must be JSON, got {value!r} ({err})") from None
+    text = isinstance(value, str) and value.strip().lower() in ("", "none")
+    unset = text or (option.kind == "int" and value == 0 and not isinstance(value, bool))
+    return None if option.optional and unset else value
+
+
 def initial_arrays(config: Any) -> ArrayRecord:
     """The initial global model of ``config`` (as the simulation's): one array per trainable tensor, keyed by its
     parameter name (:func:`vector_arrays`); frozen parameters and buffers are not sent."""
@@ -1293,18 +1319,6 @@ _SIMULATIONS: dict[str, Any] = {}
 def _simulation(config: Any) -> Any:
     """The (cached) simulation of ``config`` used as the client's FLContext (data, model, random streams)."""
     from pyfedkern.sim.engine import Simulation
-
-def _run_config_value(option: Any, key: str, value: Any) -> Any:
-    """A run config's ``value`` of ``option`` (a :class:`~pyfedkern.sim.config.Option`) as the config field's."""
-    if option.kind == "dict" and isinstance(value, str):
-        try:
-            return json.loads(value) if value.strip() else {}
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{key} must be JSON, got {value!r} ({err})") from None
-    text = isinstance(value, str) and value.strip().lower() in ("", "none")
-    unset = text or (option.kind == "int" and value == 0 and not isinstance(value, bool))
-    return None if option.optional and unset else value
-
 
     key = json.dumps(config.to_dict(), sort_keys=True)
     if key not in _SIMULATIONS:

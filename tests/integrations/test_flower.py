@@ -416,6 +416,41 @@ def test_fedavg_counts_errors_and_timeouts_as_failures():
     assert strategy.history[-1].failed == [2, 3]
 
 
+@pytest.mark.parametrize("strategy", [pf.FedAvg, pf.FedMedian], ids=["fedavg", "fedmedian"])
+@pytest.mark.parametrize(
+    ("uploaded", "message"),
+    [
+        ({"head": np.ones(3, np.float32), "backbone": np.ones(2, np.float32)}, r"arrays \['backbone'\] that the round"),
+        ({"other": np.ones(3, np.float32)}, r"arrays \['other'\] that the round"),
+    ],
+    ids=["a frozen layer too", "another name"],
+)
+def test_replies_must_hold_the_arrays_the_round_sent(strategy, uploaded, message):
+    """A client uploading arrays the round did not send (its frozen backbone, say) is refused by name, instead of
+    the arrays joining the global model."""
+
+    def handler(node, msg):
+        return _reply(uploaded, 1)
+
+    ours = strategy(min_available_nodes=1, min_train_nodes=1)
+    grid = pf.ArrivalGrid(FakeGrid([1, 2], handler), poll_interval=0.01)
+    ours._grid = grid
+    x0 = ArrayRecord({"head": Array(np.zeros(3, np.float32))})
+    replies = list(grid.send_and_receive(ours.configure_train(1, x0, ConfigRecord(), grid), timeout=1))
+    with pytest.raises(ValueError, match=message):
+        ours.aggregate_train(1, replies)
+
+
+def test_replies_lacking_an_array_the_round_sent_are_refused():
+    strategy = pf.FedAvg(min_available_nodes=1, min_train_nodes=1)
+    grid = pf.ArrivalGrid(FakeGrid([1], lambda node, msg: _reply({"a": np.ones(2)}, 1)), poll_interval=0.01)
+    strategy._grid = grid
+    x0 = ArrayRecord({"a": Array(np.zeros(2)), "b": Array(np.zeros(2))})
+    replies = list(grid.send_and_receive(strategy.configure_train(1, x0, ConfigRecord(), grid), timeout=1))
+    with pytest.raises(ValueError, match=r"lack arrays \['b'\] of the round's model"):
+        strategy.aggregate_train(1, replies)
+
+
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
 def test_fedavg_leaves_out_a_reply_holding_nan_or_inf_as_failed(bad):
     def handler(node, msg):
