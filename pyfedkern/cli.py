@@ -226,7 +226,7 @@ def _resume_config(args: argparse.Namespace, extra: list[str]):
     """The config stored in --out, checked to agree with every option given on the command line besides it but
     --rounds (more rounds extend the run), --checkpoint-every and --data-root, which replace the stored values."""
     from pyfedkern.algorithms import make_algorithm
-    from pyfedkern.sim.engine import load_config
+    from pyfedkern.sim.checkpoints import load_config
     from pyfedkern.sim.results import RESUME_FREE_FIELDS
 
     stored = load_config(args.out)
@@ -281,7 +281,8 @@ def _help_algorithm(name: str) -> int:
 
 def cmd_run(args: argparse.Namespace, extra: list[str]) -> int:
     from pyfedkern.sim import distributed
-    from pyfedkern.sim.engine import Simulation, check_resumable
+    from pyfedkern.sim.checkpoints import check_resumable
+    from pyfedkern.sim.engine import Simulation
     from pyfedkern.sim.results import check_new_run_dir
 
     _check_out(args.out)
