@@ -1,12 +1,16 @@
 """A user's own algorithm, a class in this file: FedAvgM (FedAvg with server momentum, Hsu et al. 2019) loaded by
 reference (``--algorithm package.module:Class``) from the CLI and a Flower run config, and given as a class to
-Experiment; its loop and batched rounds agree in float64, and bad references are one-line errors."""
+Experiment; its loop and batched rounds, and two worker processes and one, agree in float64, and bad references are
+one-line errors."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -105,6 +109,25 @@ def test_the_cli_runs_it_by_reference(tmp_path, capsys):
     assert stored["algorithm"] == REFERENCE and stored["algorithm_params"] == {"server_momentum": 0.5}
     assert main(["run", "--algorithm", REFERENCE, "--help-algorithm"]) == 0
     assert "--server-momentum (default: 0.9)" in capsys.readouterr().out
+
+
+def test_two_workers_run_it_as_one_process(tmp_path):
+    root = Path(__file__).resolve().parents[2]  # the module imports as tests.algorithms.test_user_algorithm from here
+    argv = [sys.executable, "-m", "pyfedkern", "run", "--algorithm", "tests.algorithms.test_user_algorithm:FedAvgM"]
+    argv += ["--server-momentum", "0.5", "--rounds", "2", "--clients", "4", "--dtype", "float64", "--batched", "false"]
+    argv += ["--eval-train-max", "50", "--threads", "1", "--no-progress"]
+    metrics = {}
+    for workers in (1, 2):
+        out = tmp_path / str(workers)
+        run = subprocess.run(
+            [*argv, "--workers", str(workers), "--out", str(out)], cwd=root, capture_output=True, text=True, timeout=600
+        )
+        assert run.returncode == 0, run.stderr
+        metrics[workers] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics[2]) == len(metrics[1]) == 3
+    for one, two in zip(metrics[1], metrics[2], strict=True):
+        for key in ("test_loss", "test_acc", "train_loss"):
+            assert two[key] == pytest.approx(one[key], rel=1e-12, abs=1e-12)
 
 
 @pytest.mark.parametrize(
