@@ -1,6 +1,6 @@
 """Peak host memory of one warm call of each benchmark case, each case in a fresh process (a markdown table).
 
-Usage: python bench/peak_memory.py FAMILY [GROUP_PREFIX] > bench/results/NAME.md
+Usage: python bench/peak_memory.py [--allocated] FAMILY [GROUP_PREFIX] > bench/results/NAME.md
 
 What is measured, the same way for every case (pyfedkern, its peers and the ``limit:`` floor):
 
@@ -15,6 +15,10 @@ What is measured, the same way for every case (pyfedkern, its peers and the ``li
 3. The case's own inputs and model are built, the resident high-water mark is reset (/proc/self/clear_refs) and the
    case is called once: the reported peak is VmHWM after the call minus VmRSS just before it, i.e. the call's own
    working set at its peak (inputs and model excluded). Linux, CPU only.
+
+With ``--allocated`` step 3 reports instead the peak of the bytes torch's CPU allocator has handed out during the
+call minus those at its start (torch.profiler's memory events): the tensors the call holds at once, to the byte,
+blind to what malloc keeps or maps (buffers under 64 KiB stay in malloc's heap, so the resident size can miss them).
 """
 
 import argparse
@@ -26,6 +30,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
 
@@ -36,7 +41,7 @@ def _status_kib(field: str) -> int:
     return int(line.split()[1])
 
 
-def _measure(family: str, index: int) -> dict:
+def _measure(family: str, index: int, allocated: bool) -> dict:
     module = importlib.import_module(f"pyfedkern.benchmarks.{family}")
     case = module.cases(quick=False, device="cpu")[index]
     op = case.group.split()[0]
@@ -45,12 +50,30 @@ def _measure(family: str, index: int) -> dict:
             warm.timed()()
     fn = case.timed()
     gc.collect()
+    if allocated:
+        return {"group": case.group, "name": case.name, "peak_mib": _allocated_peak(fn) / 2**20}
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current resident size
     before = _status_kib("VmRSS")
     fn()
     peak = _status_kib("VmHWM")
     return {"group": case.group, "name": case.name, "peak_mib": max(0, peak - before) / 1024}
+
+
+def _allocated_peak(fn) -> int:
+    """Bytes: the most that torch's CPU allocator had handed out at once during ``fn()``, above its start."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    with tempfile.NamedTemporaryFile(suffix=".json") as trace:
+        prof.export_chrome_trace(trace.name)
+        events = json.load(open(trace.name))["traceEvents"]
+    memory = sorted((e["ts"], e["args"]) for e in events if e.get("name") == "[memory]")
+    if not memory:
+        return 0
+    start = memory[0][1]["Total Allocated"] - memory[0][1]["Bytes"]
+    return max(0, max(args["Total Allocated"] for _, args in memory) - start)
 
 
 def _cpu_name() -> str:
@@ -62,17 +85,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("family")
     parser.add_argument("group_prefix", nargs="?", default="")
+    parser.add_argument("--allocated", action="store_true", help="the allocator's peak, not the resident size")
     parser.add_argument("--index", type=int, default=None, help=argparse.SUPPRESS)  # child-process mode
     args = parser.parse_args()
     if args.index is not None:
-        print(json.dumps(_measure(args.family, args.index)))
+        print(json.dumps(_measure(args.family, args.index, args.allocated)))
         return
     cases = importlib.import_module(f"pyfedkern.benchmarks.{args.family}").cases(quick=False, device="cpu")
     rows = []
     env = {**os.environ, **MALLOC_ENV}
     for i, case in enumerate(cases):
         if case.group.startswith(args.group_prefix):
-            cmd = [sys.executable, __file__, args.family, "--index", str(i)]
+            cmd = [sys.executable, __file__, args.family, "--index", str(i)] + ["--allocated"] * args.allocated
             rows.append(json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout))
     malloc = " ".join(f"{k}={v}" for k, v in MALLOC_ENV.items())
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -80,7 +104,8 @@ def main() -> None:
     print(f"- date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}")
     print(f"- commit: {commit}")
     print(f"- machine: {_cpu_name()}, {os.cpu_count()} logical CPUs, {platform.system()} {platform.release()}")
-    print(f"- python {platform.python_version()}; method: bench/peak_memory.py (warm call; {malloc})\n")
+    method = "torch's allocated bytes, --allocated" if args.allocated else malloc
+    print(f"- python {platform.python_version()}; method: bench/peak_memory.py (warm call; {method})\n")
     for group in dict.fromkeys(r["group"] for r in rows):
         members = [r for r in rows if r["group"] == group]
         ours = next(r["peak_mib"] for r in members if r["name"].startswith("pyfedkern"))

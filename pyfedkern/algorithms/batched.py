@@ -310,7 +310,7 @@ class BatchedTrainer:
         self._soft_step = vmap(lambda p, xb, yb, soft: step(p, xb, yb, None, soft), randomness="different")
         trained = sum(e.numel for e in self.entries)
         frozen = sum(p.numel() for p in local.module.parameters() if not p.requires_grad)
-        #: the modes the first vmapped step tries, in order; :attr:`mode` the one that ran
+        #: the modes the first vmapped step tries, in order; ``mode`` the one that ran (None before the first step)
         self.modes = ("backward", "func") if frozen > trained else ("func", "backward")
         self.mode: str | None = None
         chain = LinearChainGradients.applies(local)
@@ -366,7 +366,7 @@ class BatchedTrainer:
     def _vmapped_gradients(
         self, rows: torch.Tensor, batch: tuple, soft_only: bool
     ) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """Each parameter's per-row gradients [k, *shape] and the losses [k], the :attr:`mode`'s way."""
+        """Each parameter's per-row gradients [k, *shape] and the losses [k], the way of ``mode``."""
         if self.mode == "backward":
             params = {name: view.detach().requires_grad_() for name, view in self.params(rows).items()}
             with torch.enable_grad():
@@ -376,7 +376,7 @@ class BatchedTrainer:
         return list(named.values()), losses
 
     def _first_step(self, rows: torch.Tensor, batch: tuple, soft_only: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """:meth:`_vmapped_gradients` in the first of :attr:`modes` that runs, the random state restored after a
+        """``_vmapped_gradients`` in the first of ``modes`` that runs, the random state restored after a
         failed try (a resumed run makes the same draws); Unbatchable when neither runs."""
         cuda = rows.device.type == "cuda"
         for mode in self.modes:

@@ -183,9 +183,10 @@ def cases(quick: bool = False, device: str = "cpu") -> list[Case]:
 def chunk_cases() -> list[Case]:
     """``trainable_chunk bert-512 chunk=c m=8 cpu`` for c = 1, 2, 4, 8: one batched FedAvg round of 8 clients (one
     sequence of 16 tokens each, one step) training c clients at once, "pyfedkern" the LoRA adapters of
-    :func:`lora_bert_512`, "head only" :func:`head_bert_512`. Their peaks against c (bench/peak_memory.py) give the
-    memory a chunk row adds: the LoRA slope minus the head-only slope is what the adapters' row costs beyond the
-    activations, to be compared with the adapters' and the model's sizes (``info``)."""
+    :func:`lora_bert_512`, "head only" :func:`head_bert_512`, and "limit:plain step" one plain torch gradient of the
+    LoRA model on c sequences (:func:`plain_step`: the activations alone). Their peaks against c
+    (``bench/peak_memory.py --allocated``) give the memory a chunk row adds: the LoRA slope minus the plain step's
+    is what a row costs beyond its activations, to be compared with the adapters' and the model's sizes (``info``)."""
     rng = np.random.default_rng(0)
     data = (rng.integers(0, VOCAB, size=(8, LENGTH)), rng.integers(0, 2, 8))
     models = {"pyfedkern": lora_bert_512, "head only": head_bert_512}
@@ -196,4 +197,22 @@ def chunk_cases() -> list[Case]:
         for label, factory in models.items():
             make = functools.partial(fedavg_round, factory, data, 8, 1, True, chunk)
             out.append(Case(group, label, make, info=sizes[label], rounds=3))
+        make = functools.partial(plain_step, lora_bert_512, data, chunk)
+        out.append(Case(group, "limit:plain step", make, info=sizes["pyfedkern"], rounds=3))
     return out
+
+
+def plain_step(factory: Callable[[int], nn.Module], data: tuple, batch: int) -> Callable[[], tuple]:
+    """A callable computing one plain torch loss and gradient (no federation, one thread) of ``factory``'s model on
+    the first ``batch`` samples of ``data``: the activations a batch of that many sequences needs."""
+    from pyfedkern.sim.engine import _cpu_threads
+
+    module = factory(2)
+    x, y = (torch.as_tensor(a[:batch]) for a in data)
+    trained = [p for p in module.parameters() if p.requires_grad]
+
+    def run() -> tuple:
+        with _cpu_threads(1):
+            return torch.autograd.grad(nn.functional.cross_entropy(module(x), y), trained)
+
+    return run
