@@ -188,7 +188,7 @@ class Algorithm:
     #: algorithm refuses central DP (``central_dp``).
     dp_upload: ClassVar[str | None] = None
     #: Whether local DP-SGD (``ctx.dpsgd``) privatises the algorithm's local training: its only data-dependent
-    #: quantity is one minibatch gradient a step, taken by :func:`local_sgd` or
+    #: quantity is one minibatch gradient a step, taken by :func:`~pyfedkern.algorithms.local_sgd` or
     #: :meth:`~pyfedkern.algorithms.batched.BatchedLocal.sgd_` (everything else it computes is post-processing).
     #: False: refused with local DP (``check_local_dp``).
     local_dp: ClassVar[bool] = False
