@@ -6,11 +6,11 @@ one-line errors."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import subprocess
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
@@ -112,15 +112,22 @@ def test_the_cli_runs_it_by_reference(tmp_path, capsys):
 
 
 def test_two_workers_run_it_as_one_process(tmp_path):
-    root = Path(__file__).resolve().parents[2]  # the module imports as tests.algorithms.test_user_algorithm from here
-    argv = [sys.executable, "-m", "pyfedkern", "run", "--algorithm", "tests.algorithms.test_user_algorithm:FedAvgM"]
+    # The class in a module of its own, run from outside the checkout: `python -m` puts the working directory first
+    # on sys.path, and the source tree has no compiled extension.
+    source = "import torch\nfrom dataclasses import dataclass\nfrom pyfedkern.algorithms.fedavg import FedAvg\n\n\n"
+    (tmp_path / "user_fedavgm.py").write_text(source + inspect.getsource(FedAvgM))
+    argv = [sys.executable, "-m", "pyfedkern", "run", "--algorithm", "user_fedavgm:FedAvgM"]
     argv += ["--server-momentum", "0.5", "--rounds", "2", "--clients", "4", "--dtype", "float64", "--batched", "false"]
     argv += ["--eval-train-max", "50", "--threads", "1", "--no-progress"]
     metrics = {}
     for workers in (1, 2):
         out = tmp_path / str(workers)
         run = subprocess.run(
-            [*argv, "--workers", str(workers), "--out", str(out)], cwd=root, capture_output=True, text=True, timeout=600
+            [*argv, "--workers", str(workers), "--out", str(out)],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=600,
         )
         assert run.returncode == 0, run.stderr
         metrics[workers] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

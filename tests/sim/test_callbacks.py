@@ -173,7 +173,8 @@ def test_workers_log_once_from_rank_zero(tmp_path):
     pytest.importorskip("tensorboard")
     out = tmp_path / "run"
     argv = [sys.executable, "-m", "pyfedkern", "run", *FAST, "--threads", "1", "--workers", "2", "--log", "tensorboard"]
-    done = subprocess.run([*argv, "--out", str(out)], capture_output=True, text=True, timeout=600)
+    # from outside the checkout: `python -m` puts the working directory first on sys.path (the source has no _C)
+    done = subprocess.run([*argv, "--out", str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert len(list((out / "tensorboard").glob("events.out.tfevents.*"))) == 1  # one writer
     assert _tensorboard_scalars(out / "tensorboard") == _by_field(read_metrics(out))
