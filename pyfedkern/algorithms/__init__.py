@@ -10,17 +10,14 @@ from typing import Any
 
 from pyfedkern.algorithms.base import (
     Algorithm,
-    ClientMessage,
     ClientStore,
-    ClientUpdates,
-    FLContext,
-    LocalResult,
     RoundStats,
     RoundSums,
-    local_sgd,
     weighted_average,
 )
+from pyfedkern.algorithms.context import ClientMessage, ClientUpdates, FLContext
 from pyfedkern.algorithms.local import LocalModel
+from pyfedkern.algorithms.looped import LocalResult, local_run, local_sgd
 from pyfedkern.data.spec import import_object, is_reference
 
 ALGORITHMS: dict[str, str] = {
@@ -99,6 +96,7 @@ __all__ = [
     "RoundSums",
     "algorithm_class",
     "algorithm_name",
+    "local_run",
     "local_sgd",
     "make_algorithm",
     "weighted_average",

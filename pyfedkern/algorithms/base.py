@@ -1,13 +1,15 @@
 """The algorithm interface shared by every FL method in pyfedkern, and the pieces they are built from.
 
 An :class:`Algorithm` owns the server state (the global model as one flat vector, per-client state in a
-:class:`ClientStore`) and implements one round as ``participants`` → local updates → ``server_step``. The local
-updates of a round's participants come from :meth:`Algorithm.batched_client_update` (every participant at once, the
-clients' models as rows of one [k, d] tensor, :mod:`pyfedkern.algorithms.batched`) or, for models that cannot be
-batched and for a user's own loop or a Flower client, from :meth:`Algorithm.client_update` (one client). Either way
-they arrive as :class:`~pyfedkern.algorithms.ClientUpdates` (stacked messages), possibly in several chunks of
-participants (memory), and the server folds each chunk into a :class:`~pyfedkern.algorithms.RoundSums`
-(:meth:`Algorithm.accumulate`) before finishing the round (:meth:`Algorithm.server_step`). Methods with a different
+:class:`ClientStore`) and implements one round as ``participants`` → local updates → ``server_step``. Its client
+side is one method, :meth:`Algorithm.client_update`, written against rows of clients (their models the rows of one
+[k, d] tensor): it trains through :func:`~pyfedkern.algorithms.looped.local_run`, which runs the rows as batched
+steps (:mod:`pyfedkern.algorithms.batched`) or one client after another (:mod:`pyfedkern.algorithms.looped`), so the
+engine's two paths, each process of a distributed run, a Flower client and a user's own loop (k = 1) run the same
+definition. The updates arrive as :class:`~pyfedkern.algorithms.ClientUpdates` (stacked messages), possibly in
+several chunks of participants (memory), and the server folds each chunk into a
+:class:`~pyfedkern.algorithms.RoundSums` (:meth:`Algorithm.accumulate`) before finishing the round
+(:meth:`Algorithm.server_step`). Methods with a different
 round shape (FedPBC trains every client, FNR-FL has a second phase, FedSpeed sums uploads as they are made) override
 :meth:`Algorithm.round`. Algorithms never import
 :mod:`pyfedkern.sim` (the engine): everything they need from their environment comes through an
@@ -32,8 +34,8 @@ import torch
 
 from pyfedkern import ops
 from pyfedkern.algorithms.attacks import ATTACK_STREAM, Attack, parse_attack
-from pyfedkern.algorithms.batched import client_chunks, use_batched
-from pyfedkern.algorithms.context import ClientMessage, ClientUpdates, FLContext, RoundSums
+from pyfedkern.algorithms.batched import client_chunks
+from pyfedkern.algorithms.context import ClientUpdates, FLContext, RoundSums
 from pyfedkern.algorithms.robust import Aggregator, parse_aggregator
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -164,10 +166,9 @@ class Algorithm:
     """Base class of FL algorithms operating on flat parameter vectors.
 
     Subclasses are dataclasses whose fields are their hyper-parameters (the CLI exposes each field as
-    ``--field-name``), set ``name``, and implement :meth:`client_update`, :meth:`batched_client_update` (the same
-    update for many clients at once; without it the engine loops over :meth:`client_update`), :meth:`accumulate`
-    and :meth:`server_step`, or override ``round``. ``setup`` receives the context and the initial model
-    vector.
+    ``--field-name``), set ``name``, and implement :meth:`client_update` (the updates of rows of clients),
+    :meth:`accumulate` and :meth:`server_step`, or override ``round``. ``setup`` receives the context and the
+    initial model vector.
     """
 
     name: ClassVar[str] = ""
@@ -215,25 +216,13 @@ class Algorithm:
         """The client ids taking part in round t (int64 [k]); by default the context's client sampling."""
         return ctx.sample_clients(t)
 
-    def client_update(self, t: int, cid: int, ctx: FLContext) -> ClientMessage:
-        """One client's local update of round t (a user's own loop, Flower clients, unbatchable models)."""
+    def client_update(self, t: int, clients: np.ndarray, ctx: FLContext) -> ClientUpdates:
+        """The local updates of ``clients`` (int64 [k]) in round t, as rows: the algorithm's one definition of its
+        client side, run by the engine on a chunk of participants, by each process of a distributed run, by a
+        Flower client and by a user's own loop on one client (``np.array([cid])``). It trains through
+        :func:`~pyfedkern.algorithms.looped.local_run` (batched or one client after another, as the context
+        allows), so it holds for both paths."""
         raise NotImplementedError
-
-    def batched_client_update(self, t: int, clients: np.ndarray, ctx: FLContext) -> ClientUpdates:
-        """The local updates of ``clients`` in round t, trained together (equal to :meth:`client_update` of each,
-        to rounding). The default loops over :meth:`client_update`."""
-        return self.looped_client_update(t, clients, ctx)
-
-    def looped_client_update(self, t: int, clients: np.ndarray, ctx: FLContext) -> ClientUpdates:
-        """:meth:`client_update` of each client in turn, stacked."""
-        return ClientUpdates.stack([self.client_update(t, int(cid), ctx) for cid in clients], device=self.x.device)
-
-    def client_updates(self, t: int, clients: np.ndarray, ctx: FLContext) -> ClientUpdates:
-        """The batched update when the context and model allow it (:func:`~pyfedkern.algorithms.batched.use_batched`),
-        else the per-client loop."""
-        if use_batched(ctx):
-            return self.batched_client_update(t, clients, ctx)
-        return self.looped_client_update(t, clients, ctx)
 
     def state_rows_per_client(self, ctx: FLContext) -> int:
         """[d]-sized buffers per participant the batched update holds besides the model, gradient and messages
@@ -278,7 +267,7 @@ class Algorithm:
         own = team.mine(clients)
         for chunk in client_chunks(ctx, own, self.state_rows_per_client(ctx)):
             with ctx.timer("local"):
-                updates = self.client_updates(t, chunk, ctx)
+                updates = self.client_update(t, chunk, ctx)
             if keep:
                 kept.append(updates)
             else:
@@ -423,71 +412,3 @@ def mean_loss(losses: Sequence[torch.Tensor] | torch.Tensor) -> float:
     finite = torch.isfinite(values)
     count = int(finite.sum())
     return float(torch.where(finite, values, torch.zeros_like(values)).sum()) / count if count else float("nan")
-
-
-@dataclass
-class LocalResult:
-    """Outcome of :func:`~pyfedkern.algorithms.local_sgd`: final local model [d] (a copy), mean loss, steps taken."""
-
-    x: torch.Tensor
-    loss: float
-    steps: int
-
-
-def local_sgd(
-    ctx: FLContext,
-    cid: int,
-    t: int,
-    x0: torch.Tensor,
-    *,
-    lr: float | None = None,
-    epochs: float | None = None,
-    steps: int | None = None,
-    order: str = "reshuffle",
-    drop_last: bool = False,
-    correction: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
-    on_gradient: Callable[[int, torch.Tensor], None] | None = None,
-    weight_decay: float | None = None,
-) -> LocalResult:
-    """Minibatch SGD on client cid from x0: x ← x − lr·(g + wd·x [+ correction]) with optional momentum.
-
-    Args:
-        correction: called as ``correction(g, x)`` after weight decay, may modify the direction g in place
-            (BHerd records it; the FedAvg family builds its whole direction here with ``weight_decay=0``).
-        weight_decay: wd (default ``ctx.weight_decay``).
-        on_gradient: called as ``on_gradient(step, g)`` with the raw minibatch gradient (a view: copy it to keep).
-        epochs / steps: local work (defaults: ctx.local_steps if set, else ctx.local_epochs).
-    """
-    local = ctx.local
-    local.load_(x0)
-    x, g = local.flat.data, local.flat.grad
-    lr = ctx.lr(t) if lr is None else lr
-    if steps is None and epochs is None:
-        steps, epochs = ctx.local_steps, ctx.local_epochs
-    wd = ctx.weight_decay if weight_decay is None else weight_decay
-    momentum_buf: torch.Tensor | None = None
-    total, n = 0.0, 0
-    dp = ctx.dpsgd
-    plain = dp is None and correction is None and on_gradient is None and not wd and not ctx.momentum
-    for n, (xb, yb) in enumerate(
-        ctx.batches(cid, t, epochs=epochs, steps=steps, order=order, drop_last=drop_last), start=1
-    ):
-        if plain:  # x ← x − lr·g without the flat gradient
-            total += local.sgd_step_(xb, yb, lr)
-            continue
-        if dp is not None:  # the noise of step n - 1 of client cid in round t
-            total += local.private_loss_and_grad(dp, xb, yb, (t, cid, n - 1))
-        else:
-            total += local.loss_and_grad(xb, yb)
-        if on_gradient is not None:
-            on_gradient(n - 1, g)
-        if wd:
-            g.add_(x, alpha=wd)
-        if correction is not None:
-            correction(g, x)
-        direction = g
-        if ctx.momentum:
-            momentum_buf = g.clone() if momentum_buf is None else momentum_buf.mul_(ctx.momentum).add_(g)
-            direction = momentum_buf
-        x.add_(direction, alpha=-lr)
-    return LocalResult(x.clone(), total / n if n else float("nan"), n)

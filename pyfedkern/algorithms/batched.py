@@ -439,8 +439,10 @@ def use_batched(ctx: FLContext) -> bool:
 
 @dataclass
 class Step:
-    """One batched local step: step ``index`` of the first ``rows`` clients, ``x`` their models (a [rows, d] view of
-    the [k, d] models, updated in place) and their minibatches."""
+    """One local step of ``rows`` clients, rows ``span`` of a run: step ``index`` of each, ``x`` their models (a
+    [rows, d] view of the [k, d] models, updated in place) and their minibatches [rows, B, ...] (``wb`` their
+    samples' weights when some rows have fewer, else None). Batched, a step covers the first rows (start 0); on the
+    loop, one row at a time. Per-client state [k, ...] of the run's rows is ``state[step.span]``."""
 
     index: int
     rows: int
@@ -449,6 +451,12 @@ class Step:
     yb: torch.Tensor
     wb: torch.Tensor | None
     soft: torch.Tensor | None = None  # a distillation teacher's log-probabilities [rows, B, C]
+    start: int = 0
+
+    @property
+    def span(self) -> slice:
+        """The step's rows of the run, start : start + rows."""
+        return slice(self.start, self.start + self.rows)
 
 
 class BatchedLocal:
@@ -724,14 +732,14 @@ def bytes_per_client(ctx: FLContext, state_rows: int) -> int:
 
 def client_chunks(ctx: FLContext, clients: np.ndarray, state_rows: int = 2) -> Iterator[np.ndarray]:
     """``clients`` in consecutive chunks to train at once: ``ctx.client_chunk`` clients when set; on the per-client
-    loop as many as :data:`LOOP_CHUNK_BYTES` of messages allow; batched, as many as fit :data:`MEMORY_FRACTION` of
-    the free memory (:func:`bytes_per_client`; divided among ``ctx.device_sharers`` processes when set); one chunk
-    when everything fits.
-    Nothing when ``clients`` is empty."""
+    loop as many as :data:`LOOP_CHUNK_BYTES` of their messages and ``state_rows`` allow; batched, as many as fit
+    :data:`MEMORY_FRACTION` of the free memory (:func:`bytes_per_client`; divided among ``ctx.device_sharers``
+    processes when set); one chunk when everything fits. Nothing when ``clients`` is empty."""
     clients = np.asarray(clients, dtype=np.int64).reshape(-1)
     size = ctx.client_chunk
     if size is None and not use_batched(ctx):
-        size = max(1, LOOP_CHUNK_BYTES // (2 * ctx.local.dim * ctx.local.flat.data.element_size()))
+        rows = max(2, state_rows)  # of each client: its messages and state
+        size = max(1, LOOP_CHUNK_BYTES // (rows * ctx.local.dim * ctx.local.flat.data.element_size()))
     elif size is None:
         device = torch.device(ctx.device)
         budget = MEMORY_FRACTION["cuda" if device.type == "cuda" else "cpu"] * free_memory(device)

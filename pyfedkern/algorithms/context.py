@@ -318,6 +318,20 @@ ONE_PROCESS = Team()
 # The context ---------------------------------------------------------------------------------------------------
 
 
+def step_counts(
+    sizes: np.ndarray, batch_size: int, epochs: float, steps: int | None, drop_last: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """(batch size min(B, n), local steps) int64 [k] of clients of ``sizes`` n: ``steps``, else ⌈E·n/b⌉ (⌊E·n/b⌋
+    with drop_last)."""
+    size = np.minimum(batch_size, sizes)
+    if steps is None:
+        work = epochs * sizes / size
+        counts = np.floor(work + 1e-9) if drop_last else np.ceil(work - 1e-9)
+    else:
+        counts = np.full(len(sizes), steps)
+    return size, np.maximum(counts, 0).astype(np.int64)
+
+
 class FLContext:
     """What an algorithm may read from and call on its environment: one declared member each, read as a plain
     attribute. A context (the engine's :class:`~pyfedkern.sim.engine.Simulation`, a Flower client's, a user's own)
@@ -412,6 +426,23 @@ class FLContext:
         """Client cid's minibatches for round t ("reshuffle": a new seeded order each epoch; "fixed": one seeded
         order kept across rounds)."""
         raise NotImplementedError
+
+    def planned_steps(
+        self,
+        clients: Sequence[int] | np.ndarray,
+        *,
+        epochs: float | None = None,
+        steps: int | None = None,
+        drop_last: bool = False,
+        batch_size: int | None = None,
+    ) -> np.ndarray:
+        """Local steps int64 [k] that :meth:`batches` gives ``clients`` with these arguments (defaults: the run's
+        local_steps if set, else local_epochs, and B): ``steps``, else ⌈E·|D_i|/b⌉ (⌊E·|D_i|/b⌋ with drop_last),
+        b = min(B, |D_i|) (:func:`step_counts`). A context whose batches count otherwise overrides it."""
+        if steps is None and epochs is None:
+            steps, epochs = self.local_steps, self.local_epochs
+        sizes = self.client_sizes[np.asarray(clients, dtype=np.int64).reshape(-1)]
+        return step_counts(sizes, batch_size or self.batch_size, epochs, steps, drop_last)[1]
 
     def sample_clients(self, t: int) -> np.ndarray:
         """The clients taking part in round t (sorted int64 ids) under the configured participation."""

@@ -9,23 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
 from pyfedkern import ops
-from pyfedkern.algorithms.base import (
-    Algorithm,
-    ClientMessage,
-    ClientStore,
-    ClientUpdates,
-    FLContext,
-    RoundSums,
-    local_sgd,
-    owned_clients,
-)
-from pyfedkern.algorithms.batched import BatchedLocal, Step
+from pyfedkern.algorithms.base import Algorithm, ClientStore, ClientUpdates, FLContext, RoundSums, owned_clients
+from pyfedkern.algorithms.batched import Step
+from pyfedkern.algorithms.looped import local_run
 
 #: ``torch.nn.utils.clip_grad_norm_``'s ε, which FL-Simulator's clients use: the factor is min(1, M/(‖g‖ + ε))
 CLIP_EPS = 1e-6
@@ -57,13 +48,13 @@ def clip_by_norm_(g: torch.Tensor, max_norm: float) -> torch.Tensor:
     return g.mul_(torch.clamp(max_norm / (norm + CLIP_EPS), max=1.0))
 
 
-Terms = Callable[[torch.Tensor, Any], None]
+Terms = Callable[[torch.Tensor, Step], None]
 
 
 def step_direction(terms: Terms | None, decay: float, clip_norm: float | None) -> Terms | None:
-    """The local step direction as the ``correction`` of :func:`~pyfedkern.algorithms.local_sgd` (called as
-    ``(g, x)``, g and x [d]) or of :meth:`~pyfedkern.algorithms.batched.BatchedLocal.sgd_` (``(g, step)``, g
-    [rows, d]), both run with ``weight_decay=0``: g (the loss gradient) gains the algorithm's ``terms`` in place, is
+    """The local step direction as the ``correction`` of a run's ``sgd_`` (called as ``(g, step)``, g the step's
+    [rows, d] gradients, :func:`~pyfedkern.algorithms.looped.local_run`), run with ``weight_decay=0``: g (the loss
+    gradient) gains the algorithm's ``terms`` in place, is
     clipped to norm ``clip_norm`` when that is not None, and gains ``decay``·x.
 
     This is FL-Simulator's order: its clients put the algorithm's terms into the loss, clip the gradient with
@@ -73,13 +64,13 @@ def step_direction(terms: Terms | None, decay: float, clip_norm: float | None) -
     if terms is None and clip_norm is None and not decay:
         return None
 
-    def direction(g: torch.Tensor, where: Any) -> None:
+    def direction(g: torch.Tensor, step: Step) -> None:
         if terms is not None:
-            terms(g, where)
+            terms(g, step)
         if clip_norm is not None:
             clip_by_norm_(g, clip_norm)
         if decay:
-            g.add_(where.x if isinstance(where, Step) else where, alpha=decay)
+            g.add_(step.x, alpha=decay)
 
     return direction
 
@@ -114,7 +105,7 @@ class FedAvg(Algorithm):
 
     def correction(self, t: int, ctx: FLContext) -> Terms | None:
         """The algorithm's terms of the local direction, added to the loss gradient before the clip: called as
-        ``(g, x)`` for one client or ``(g, step)`` for the rows of a batched run; None for plain SGD."""
+        ``(g, step)`` with g the step's [rows, d] gradients; None for plain SGD."""
         return None
 
     def decay(self, ctx: FLContext) -> float:
@@ -141,14 +132,8 @@ class FedAvg(Algorithm):
         )
         return np.full(steps.shape, float(count))
 
-    def client_update(self, t: int, cid: int, ctx: FLContext) -> ClientMessage:
-        direction = self.direction(ctx, self.correction(t, ctx))
-        result = local_sgd(ctx, cid, t, self.x, correction=direction, weight_decay=0.0)
-        weight = float(self.weights(ctx, [cid])[0])
-        return ClientMessage(cid, weight, {"model": result.x}, result.loss, result.steps)
-
-    def batched_client_update(self, t: int, clients: np.ndarray, ctx: FLContext) -> ClientUpdates:
-        run = BatchedLocal(ctx, t, clients)
+    def client_update(self, t: int, clients: np.ndarray, ctx: FLContext) -> ClientUpdates:
+        run = local_run(ctx, t, clients)
         direction = self.direction(ctx, self.correction(t, ctx))
         models = run.sgd_(run.start(self.x), correction=direction, weight_decay=0.0)
         return ClientUpdates.of(run, ctx, {"model": models}, weights=self.weights(ctx, run.clients))
@@ -181,13 +166,13 @@ class FedProx(FedAvg):
         anchor, mu = self.x, self.mu
         if self.ref_compat:
 
-            def pull(g: torch.Tensor, where: Any) -> None:  # μ·x comes with the weight decay (decay())
+            def pull(g: torch.Tensor, step: Step) -> None:  # μ·x comes with the weight decay (decay())
                 g.sub_(anchor, alpha=mu)
 
             return pull
 
-        def proximal(g: torch.Tensor, where: Any) -> None:
-            g.add_((where.x if isinstance(where, Step) else where) - anchor, alpha=mu)
+        def proximal(g: torch.Tensor, step: Step) -> None:
+            g.add_(step.x - anchor, alpha=mu)
 
         return proximal
 
@@ -218,32 +203,14 @@ class Scaffold(FedAvg):
     def state_rows_per_client(self, ctx: FLContext) -> int:
         return 3  # c_i, c − c_i, the control delta
 
-    def client_update(self, t: int, cid: int, ctx: FLContext) -> ClientMessage:
-        c_i = self.client_c[cid]
-        shift = self.c - c_i
-
-        def control(g: torch.Tensor, x: torch.Tensor) -> None:
-            g.add_(shift)
-
-        lr = ctx.lr(t)
-        result = local_sgd(ctx, cid, t, self.x, lr=lr, correction=self.direction(ctx, control), weight_decay=0.0)
-        if result.steps == 0:
-            raise ValueError(f"SCAFFOLD: client {cid} took no local steps (empty local dataset?)")
-        # c_i⁺ − c_i = −c + (x^t − y_i)/(K η)
-        scale = 1.0 / (float(self.counted_steps(ctx, [result.steps])[0]) * lr)
-        delta_c = ops.weighted_sum([self.c, self.x, result.x], [-1.0, scale, -scale])
-        c_i.add_(delta_c)
-        weight = float(self.weights(ctx, [cid])[0])
-        return ClientMessage(cid, weight, {"model": result.x, "delta_c": delta_c}, result.loss, result.steps)
-
-    def batched_client_update(self, t: int, clients: np.ndarray, ctx: FLContext) -> ClientUpdates:
-        run = BatchedLocal(ctx, t, clients)
+    def client_update(self, t: int, clients: np.ndarray, ctx: FLContext) -> ClientUpdates:
+        run = local_run(ctx, t, clients)
         if np.any(run.steps == 0):
             raise ValueError(f"SCAFFOLD: clients {run.clients[run.steps == 0].tolist()} take no local steps")
         shift = self.c - self.client_c.take(run.clients)
 
         def control(g: torch.Tensor, step: Step) -> None:
-            g.add_(shift[: step.rows])
+            g.add_(shift[step.span])
 
         models = run.sgd_(run.start(self.x), correction=self.direction(ctx, control), weight_decay=0.0)
         steps = self.counted_steps(ctx, run.steps)

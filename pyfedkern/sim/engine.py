@@ -60,7 +60,7 @@ from pyfedkern.sim.config import (
 )
 from pyfedkern.sim.evaluation import Evaluator, evaluation_sets
 from pyfedkern.sim.parts import Parts, build_module, check_model, fingerprint, parts_from_config
-from pyfedkern.sim.planning import BatchPlanner, RoundBatches, step_counts
+from pyfedkern.sim.planning import BatchPlanner, RoundBatches
 from pyfedkern.sim.results import (
     RunWriter,
     check_fingerprint,
@@ -318,11 +318,6 @@ class Simulation(FLContext):
         """:meth:`batch_indices` of every client in ``clients`` (:meth:`BatchPlanner.plans
         <pyfedkern.sim.planning.BatchPlanner.plans>`)."""
         return self.planner.plans(clients, t, epochs, steps, order, drop_last, batch_size)
-
-    def planned_steps(self, clients: np.ndarray) -> np.ndarray:
-        """Local steps [k] int64 of ``clients`` in a round under the run's settings (local_steps, else ⌈E·n/B⌉)."""
-        sizes = self.client_sizes[np.asarray(clients, dtype=np.int64)]
-        return step_counts(sizes, self.batch_size, self.local_epochs, self.local_steps, False)[1]
 
     def batches(
         self,

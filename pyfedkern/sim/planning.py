@@ -17,25 +17,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from pyfedkern.algorithms.context import padding_weights
+from pyfedkern.algorithms.context import padding_weights, step_counts
 from pyfedkern.ops import seeded_permutations
 
 # Purposes of the planner's random streams (first key after the seed; the engine's others: sim.engine).
 _BATCH, _FIXED_ORDER, _NOISE = 2, 3, 4
-
-
-def step_counts(
-    sizes: np.ndarray, batch_size: int, epochs: float, steps: int | None, drop_last: bool
-) -> tuple[np.ndarray, np.ndarray]:
-    """(batch size min(B, n), local steps) int64 [k] of clients of ``sizes`` n: ``steps``, else ⌈E·n/b⌉ (⌊E·n/b⌋
-    with drop_last)."""
-    size = np.minimum(batch_size, sizes)
-    if steps is None:
-        work = epochs * sizes / size
-        counts = np.floor(work + 1e-9) if drop_last else np.ceil(work - 1e-9)
-    else:
-        counts = np.full(len(sizes), steps)
-    return size, np.maximum(counts, 0).astype(np.int64)
 
 
 @dataclass
