@@ -6,15 +6,14 @@ float32 or bfloat16), selects K_i = round(α·τ_i) of them by greedy herding (:
 and sends g_i = Σ_{selected} y (raw gradients, never recomputed); its final local model is discarded. The server
 applies w ← w − η·(E/α)·Σ p_i g_i (Eq. 7) with p_i = |D_i| / Σ_participants |D_j|.
 
-A client's update (:meth:`BHerd.client_update`, for a user's loop or Flower) records into one
-:class:`GradientRecorder`. The engine trains a round's participants together (:meth:`BHerd.batched_client_update`):
-their per-step gradients go to one [Σ τ_i, d] buffer (client after client, τ_i rows each) and the clients of equal
-τ_i are selected in one batched :func:`~pyfedkern.ops.herding_select` call each.
+The clients of a chunk of participants (:meth:`BHerd.client_update`, batched or one after another) record their
+per-step gradients into one [Σ τ_i, d] buffer (client after client, τ_i rows each) and the clients of equal τ_i are
+selected in one batched :func:`~pyfedkern.ops.herding_select` call each. :class:`GradientRecorder` does the same
+for one client of a user's own training loop.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,16 +24,15 @@ from torch import nn
 from pyfedkern import ops
 from pyfedkern.algorithms.base import (
     Algorithm,
-    ClientMessage,
     ClientStore,
     ClientUpdates,
     FLContext,
     RoundStats,
     RoundSums,
-    local_sgd,
     owned_clients,
 )
-from pyfedkern.algorithms.batched import BatchedLocal, Step
+from pyfedkern.algorithms.batched import Step
+from pyfedkern.algorithms.looped import LocalRun, local_run
 from pyfedkern.flat import trainable_parameters
 from pyfedkern.ops.herding import check_alpha, selection_size
 
@@ -131,18 +129,15 @@ class GradientRecorder:
         return (idx, total, float(gap[0][0])) if return_gap else (idx, total)
 
 
-def planned_steps(ctx: FLContext, cid: int) -> int:
-    """τ_i = ⌊E·|D_i|/B⌋ (or ctx.local_steps): the steps of ``ctx.batches(..., drop_last=True)``."""
-    if ctx.local_steps is not None:
-        return int(ctx.local_steps)
-    n = int(ctx.client_sizes[cid])
-    size = min(ctx.batch_size, n)
-    return math.floor(ctx.local_epochs * n / size + 1e-9)
+def most_steps(ctx: FLContext) -> int:
+    """The largest τ_i = ⌊E·|D_i|/B⌋ (or ctx.local_steps) over the clients: the steps of
+    ``ctx.batches(..., drop_last=True)``."""
+    return int(ctx.planned_steps(np.arange(ctx.num_clients), drop_last=True).max(initial=0))
 
 
 @dataclass
 class HerdedRows:
-    """The herded local updates of a batched run, in its row order: τ_i, K_i, Σ_selected y_i [k, d] (the model's
+    """The herded local updates of a run, in its row order: τ_i, K_i, Σ_selected y_i [k, d] (the model's
     dtype; zero for clients without steps), gap ‖g_i/K_i − μ_i‖ (0 without steps)."""
 
     taus: np.ndarray
@@ -151,7 +146,7 @@ class HerdedRows:
     gaps: np.ndarray
 
 
-def herd_rows(run: BatchedLocal, x0: torch.Tensor, alpha: float, dtype: torch.dtype, shift=None) -> HerdedRows:
+def herd_rows(run: LocalRun, x0: torch.Tensor, alpha: float, dtype: torch.dtype, shift=None) -> HerdedRows:
     """Plain SGD of the run's rows from x0, each step's direction (gradient + weight decay [+ shift rows]) recorded
     into a [Σ τ_i, d] buffer of ``dtype``; then herding selection, one :func:`~pyfedkern.ops.herding_select` call
     per group of clients with equal τ_i (consecutive rows: the run orders clients by τ)."""
@@ -162,8 +157,8 @@ def herd_rows(run: BatchedLocal, x0: torch.Tensor, alpha: float, dtype: torch.dt
 
     def record(g: torch.Tensor, step: Step) -> None:
         if shift is not None:
-            g.add_(shift[: step.rows])
-        buffer.index_copy_(0, first[: step.rows] + step.index, g.to(dtype))
+            g.add_(shift[step.span])
+        buffer.index_copy_(0, first[step.span] + step.index, g.to(dtype))
 
     run.sgd_(run.start(x0), correction=record)
     totals = torch.zeros(len(run), x0.numel(), dtype=x0.dtype, device=x0.device)
@@ -223,54 +218,24 @@ class BHerd(Algorithm):
     def setup(self, ctx: FLContext, x0: torch.Tensor) -> None:
         super().setup(ctx, x0)
         _check_plain_sgd(ctx, self.name)
-        capacity = max(planned_steps(ctx, cid) for cid in range(ctx.num_clients))
-        self.recorder = GradientRecorder(
-            x0.numel(), max(capacity, 1), dtype=BUFFER_DTYPES[self.buffer_dtype], device=x0.device
-        )
-
-    def _herd_local(self, t: int, cid: int, ctx: FLContext, shift: torch.Tensor | None = None):
-        """Local SGD recording each step's direction (gradient + weight decay [+ shift]); then herding selection.
-
-        Returns (local result, τ_i, K_i, Σ_selected rows as float32 [d], gap ‖g/K − μ‖).
-        """
-        rec = self.recorder
-        rec.reset()
-
-        def record(g: torch.Tensor, x: torch.Tensor) -> None:
-            if shift is not None:
-                g.add_(shift)
-            rec.record(g)
-
-        result = local_sgd(ctx, cid, t, self.x, order=self.order, drop_last=True, correction=record)
-        if rec.count == 0:
-            return result, 0, 0, torch.zeros_like(self.x), 0.0
-        _, total, gap = rec.select(self.alpha, return_gap=True)
-        return result, rec.count, selection_size(rec.count, self.alpha), total.to(self.x.dtype), gap
-
-    def _message(self, cid: int, ctx: FLContext, result, tau: int, k: int, vectors, gap: float) -> ClientMessage:
-        extras = {"tau": float(tau), "k": float(k), "herd_gap": gap}
-        return ClientMessage(cid, float(ctx.client_sizes[cid]), vectors, result.loss, tau, extras)
-
-    def client_update(self, t: int, cid: int, ctx: FLContext) -> ClientMessage:
-        result, tau, k, total, gap = self._herd_local(t, cid, ctx)
-        return self._message(cid, ctx, result, tau, k, {"g": total}, gap)
 
     def state_rows_per_client(self, ctx: FLContext) -> int:
-        return 2 + max(planned_steps(ctx, cid) for cid in range(ctx.num_clients))  # the recorded gradients
+        return 2 + most_steps(ctx)  # the recorded gradients
 
-    def _batched_run(self, t: int, clients: np.ndarray, ctx: FLContext) -> BatchedLocal:
-        return BatchedLocal(ctx, t, clients, order=self.order, drop_last=True)
+    def _run(self, t: int, clients: np.ndarray, ctx: FLContext) -> LocalRun:
+        return local_run(ctx, t, clients, order=self.order, drop_last=True)
 
-    def _herd_rows(self, run: BatchedLocal, shift: torch.Tensor | None = None) -> HerdedRows:
-        """The rows of :meth:`_herd_local` (``shift``: [k, d] rows added to each step's direction)."""
+    def _herd_rows(self, run: LocalRun, shift: torch.Tensor | None = None) -> HerdedRows:
+        """Local SGD of the run's rows recording each step's direction (gradient + weight decay [+ ``shift``, [k, d]
+        rows]), then herding selection (:func:`herd_rows`)."""
         return herd_rows(run, self.x, self.alpha, BUFFER_DTYPES[self.buffer_dtype], shift)
 
-    def _updates(self, run: BatchedLocal, ctx: FLContext, herd: HerdedRows, vectors) -> ClientUpdates:
+    def _updates(self, run: LocalRun, ctx: FLContext, herd: HerdedRows, vectors) -> ClientUpdates:
         extras = {"tau": herd.taus.astype(np.float64), "k": herd.ks.astype(np.float64), "herd_gap": herd.gaps}
         return ClientUpdates.of(run, ctx, vectors, extras=extras)
 
-    def batched_client_update(self, t: int, clients: np.ndarray, ctx: FLContext) -> ClientUpdates:
-        run = self._batched_run(t, clients, ctx)
+    def client_update(self, t: int, clients: np.ndarray, ctx: FLContext) -> ClientUpdates:
+        run = self._run(t, clients, ctx)
         herd = self._herd_rows(run)
         return self._updates(run, ctx, herd, {"g": herd.totals})
 
@@ -346,19 +311,8 @@ class BHerdScaffold(BHerd):
             ctx.num_clients, self.x.numel(), device=self.x.device, dtype=self.x.dtype, owned=owned_clients(ctx)
         )
 
-    def client_update(self, t: int, cid: int, ctx: FLContext) -> ClientMessage:
-        c_i = self.client_c[cid]
-        shift = self.c - c_i
-        result, tau, k, total, gap = self._herd_local(t, cid, ctx, shift=shift)
-        if k:
-            delta = total.mul(-ctx.lr(t) / self.alpha)
-            ops.weighted_sum([c_i, self.c, total], [1.0, -1.0, 1.0 / k], out=c_i)
-        else:
-            delta = torch.zeros_like(self.x)
-        return self._message(cid, ctx, result, tau, k, {"delta": delta, "control": c_i.clone()}, gap)
-
-    def batched_client_update(self, t: int, clients: np.ndarray, ctx: FLContext) -> ClientUpdates:
-        run = self._batched_run(t, clients, ctx)
+    def client_update(self, t: int, clients: np.ndarray, ctx: FLContext) -> ClientUpdates:
+        run = self._run(t, clients, ctx)
         c_i = self.client_c.take(run.clients)
         herd = self._herd_rows(run, shift=self.c - c_i)
         delta = herd.totals.mul(-ctx.lr(t) / self.alpha)  # zero rows without steps
@@ -423,27 +377,10 @@ class GrabFedAvg(Algorithm):
         super().setup(ctx, x0)
         _check_plain_sgd(ctx, self.name)
 
-    def client_update(self, t: int, cid: int, ctx: FLContext) -> ClientMessage:
-        tau = planned_steps(ctx, cid)
-        if tau < 1:
-            result = local_sgd(ctx, cid, t, self.x, order=self.order, drop_last=True)
-            zero = {"g": torch.zeros_like(self.x)}
-            return ClientMessage(cid, float(ctx.client_sizes[cid]), zero, result.loss, 0, {"alpha_i": 0.0})
-        balancer = ops.GrabBalancer(tau, running_mean=self.running_mean)
-
-        def balance(g: torch.Tensor, x: torch.Tensor) -> None:
-            balancer.step(g)
-
-        result = local_sgd(ctx, cid, t, self.x, order=self.order, drop_last=True, correction=balance)
-        if result.steps != tau:
-            raise RuntimeError(f"GraB: client {cid} took {result.steps} steps, expected τ = {tau}")
-        g = balancer.g.to(self.x.dtype)
-        return ClientMessage(cid, float(ctx.client_sizes[cid]), {"g": g}, result.loss, tau, {"alpha_i": balancer.alpha})
-
-    def batched_client_update(self, t: int, clients: np.ndarray, ctx: FLContext) -> ClientUpdates:
-        """:class:`~pyfedkern.ops.GrabBalancer`'s rule for every row at once (row-wise torch operations; the
-        balancing state in float64 for float64 models, else float32, as the op keeps it)."""
-        run = BatchedLocal(ctx, t, clients, order=self.order, drop_last=True)
+    def client_update(self, t: int, clients: np.ndarray, ctx: FLContext) -> ClientUpdates:
+        """:class:`~pyfedkern.ops.GrabBalancer`'s rule for every row (row-wise torch operations; the balancing state
+        in float64 for float64 models, else float32, as the op keeps it)."""
+        run = local_run(ctx, t, clients, order=self.order, drop_last=True)
         k, d, device = len(run), self.x.numel(), self.x.device
         state = torch.float64 if self.x.dtype == torch.float64 else torch.float32
         mean, s, g_sum = (torch.zeros(k, d, dtype=state, device=device) for _ in range(3))
@@ -451,16 +388,16 @@ class GrabFedAvg(Algorithm):
         tau = torch.as_tensor(np.maximum(run.steps, 1), dtype=state, device=device)
 
         def balance(g: torch.Tensor, step: Step) -> None:
-            r, y = step.rows, g.to(state)
+            r, y = step.span, g.to(state)
             if self.running_mean:
-                mean[:r].add_((y - mean[:r]) / (step.index + 1))
+                mean[r].add_((y - mean[r]) / (step.index + 1))
             else:
-                mean[:r].add_(y / tau[:r, None])
-            z = y - mean[:r]
-            pick = (s[:r].double() * z.double()).sum(1) < 0
-            s[:r].add_(torch.where(pick[:, None], z, -z))
-            g_sum[:r].add_(y * pick[:, None])
-            picked[:r] += pick
+                mean[r].add_(y / tau[r, None])
+            z = y - mean[r]
+            pick = (s[r].double() * z.double()).sum(1) < 0
+            s[r].add_(torch.where(pick[:, None], z, -z))
+            g_sum[r].add_(y * pick[:, None])
+            picked[r] += pick
 
         run.sgd_(run.start(self.x), correction=balance)
         alpha = (picked / tau).double().cpu().numpy()
@@ -510,16 +447,8 @@ class FedNova(Algorithm):
         super().setup(ctx, x0)
         _check_plain_sgd(ctx, self.name)
 
-    def client_update(self, t: int, cid: int, ctx: FLContext) -> ClientMessage:
-        lr = ctx.lr(t)
-        result = local_sgd(ctx, cid, t, self.x, lr=lr, order=self.order)
-        if result.steps == 0:
-            raise ValueError(f"FedNova: client {cid} took no local steps (empty local dataset?)")
-        d_i = ops.weighted_sum([self.x, result.x], [1.0 / (lr * result.steps), -1.0 / (lr * result.steps)])
-        return ClientMessage(cid, float(ctx.client_sizes[cid]), {"d": d_i}, result.loss, result.steps)
-
-    def batched_client_update(self, t: int, clients: np.ndarray, ctx: FLContext) -> ClientUpdates:
-        run = BatchedLocal(ctx, t, clients, order=self.order)
+    def client_update(self, t: int, clients: np.ndarray, ctx: FLContext) -> ClientUpdates:
+        run = local_run(ctx, t, clients, order=self.order)
         if np.any(run.steps == 0):
             raise ValueError(f"FedNova: clients {run.clients[run.steps == 0].tolist()} take no local steps")
         models = run.sgd_(run.start(self.x))

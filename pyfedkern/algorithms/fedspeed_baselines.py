@@ -21,17 +21,8 @@ import numpy as np
 import torch
 
 from pyfedkern import ops
-from pyfedkern.algorithms.base import (
-    Algorithm,
-    ClientMessage,
-    ClientStore,
-    ClientUpdates,
-    FLContext,
-    RoundSums,
-    local_sgd,
-    owned_clients,
-)
-from pyfedkern.algorithms.batched import BatchedLocal, Step
+from pyfedkern.algorithms.base import Algorithm, ClientStore, ClientUpdates, FLContext, RoundSums, owned_clients
+from pyfedkern.algorithms.batched import Step
 from pyfedkern.algorithms.fedavg import (
     FedAvg,
     Terms,
@@ -40,6 +31,7 @@ from pyfedkern.algorithms.fedavg import (
     server_average_,
     step_direction,
 )
+from pyfedkern.algorithms.looped import local_run
 
 
 def _no_momentum(name: str, ctx: FLContext) -> None:
@@ -82,30 +74,21 @@ class FedDyn(Algorithm):
         return 3  # h_i, h_i − x^t, the model change
 
     def direction(self, ctx: FLContext, anchor: torch.Tensor) -> Terms:
-        """The local direction around the anchor h_i − x^t ([d], or [k, d] rows of a batched run)."""
+        """The local direction around the anchors h_i − x^t ([k, d] rows of the run)."""
         c = 1.0 / self.lam
 
-        def dual(g: torch.Tensor, where: Any) -> None:
-            rows = isinstance(where, Step)
-            a = anchor[: where.rows] if rows else anchor
+        def dual(g: torch.Tensor, step: Step) -> None:
+            a = anchor[step.span]
             if self.ref_compat:  # c·x comes after the clip, with the weight decay
                 g.add_(a, alpha=c)
             else:
-                g.add_((where.x if rows else where) + a, alpha=c)
+                g.add_(step.x + a, alpha=c)
 
         decay = ctx.weight_decay + (c if self.ref_compat else 0.0)
         return step_direction(dual, decay, self.clip_norm if self.ref_compat else None)
 
-    def client_update(self, t: int, cid: int, ctx: FLContext) -> ClientMessage:
-        h_i = self.h_store[cid]
-        direction = self.direction(ctx, h_i - self.x)
-        result = local_sgd(ctx, cid, t, self.x, correction=direction, weight_decay=0.0)
-        delta = result.x - self.x
-        h_i.add_(delta)
-        return ClientMessage(cid, 1.0, {"model": result.x, "delta": delta}, result.loss, result.steps)
-
-    def batched_client_update(self, t: int, clients: np.ndarray, ctx: FLContext) -> ClientUpdates:
-        run = BatchedLocal(ctx, t, clients)
+    def client_update(self, t: int, clients: np.ndarray, ctx: FLContext) -> ClientUpdates:
+        run = local_run(ctx, t, clients)
         direction = self.direction(ctx, self.h_store.take(run.clients) - self.x)
         models = run.sgd_(run.start(self.x), correction=direction, weight_decay=0.0)
         delta = models - self.x
@@ -152,32 +135,8 @@ class FedSAM(FedAvg):
         _no_momentum(self.name, ctx)
         super().setup(ctx, x0)
 
-    def client_update(self, t: int, cid: int, ctx: FLContext) -> ClientMessage:
-        local = ctx.local
-        local.load_(self.x)
-        x, g = local.flat.data, local.flat.grad
-        lr = ctx.lr(t)
-        finish = self.direction(ctx, None)  # g2 → [clip] + wd·x
-        total, n = 0.0, 0
-        for xb, yb in ctx.batches(cid, t, epochs=ctx.local_epochs, steps=ctx.local_steps):
-            total += local.loss_and_grad(xb, yb)
-            n += 1
-            with torch.no_grad():
-                norm = float(g.norm())
-                scale = self.rho / (norm + self.eps) if norm + self.eps > 0 else 0.0
-                x_saved = x.clone()
-                x.add_(g, alpha=scale)
-            local.loss_and_grad(xb, yb)
-            with torch.no_grad():
-                x.copy_(x_saved)
-                if finish is not None:
-                    finish(g, x)
-                x.add_(g, alpha=-lr)
-        loss = total / n if n else float("nan")
-        return ClientMessage(cid, float(self.weights(ctx, [cid])[0]), {"model": x.clone()}, loss, n)
-
-    def batched_client_update(self, t: int, clients: np.ndarray, ctx: FLContext) -> ClientUpdates:
-        run = BatchedLocal(ctx, t, clients)
+    def client_update(self, t: int, clients: np.ndarray, ctx: FLContext) -> ClientUpdates:
+        run = local_run(ctx, t, clients)
         models = run.start(self.x)
         finish = self.direction(ctx, None)
         for step in run.run(models):
@@ -219,7 +178,7 @@ class FedCM(FedAvg):
     def correction(self, t: int, ctx: FLContext) -> Terms:
         a, momentum = self.client_momentum, self.momentum
 
-        def mix(g: torch.Tensor, where: Any) -> None:  # the same for one client (g [d]) and for rows (g [k, d])
+        def mix(g: torch.Tensor, step: Step) -> None:
             g.mul_(a).add_(momentum, alpha=1.0 - a)
 
         return mix

@@ -29,7 +29,7 @@ class LoopedLocal:
     """The local training of k clients in round t, one client at a time on ``ctx.local``; the interface of
     :class:`~pyfedkern.algorithms.batched.BatchedLocal` (the arguments and attributes are the same).
 
-    Row r is client ``clients[r]`` in the order given. Each :class:`~pyfedkern.algorithms.batched.Step` of
+    Row r is client ``clients[r]``, ordered by descending number of steps as on the batched path. Each :class:`~pyfedkern.algorithms.batched.Step` of
     :meth:`run` covers one row (``step.span`` = r:r+1): ``step.x`` is a [1, d] view of the loaded model's parameters,
     ``step.xb``/``step.yb`` the client's minibatch with a leading dimension of 1. The row of ``models`` is written
     when the client's last step is done.
@@ -50,9 +50,11 @@ class LoopedLocal:
         if steps is None and epochs is None:
             steps, epochs = ctx.local_steps, ctx.local_epochs
         self.ctx, self.t = ctx, t
-        self.clients = np.asarray(clients, dtype=np.int64).reshape(-1)
+        clients = np.asarray(clients, dtype=np.int64).reshape(-1)
         self._plan = {"epochs": epochs, "steps": steps, "order": order, "drop_last": drop_last}
-        self.steps = np.asarray(ctx.planned_steps(self.clients, epochs=epochs, steps=steps, drop_last=drop_last))
+        steps = np.asarray(ctx.planned_steps(clients, epochs=epochs, steps=steps, drop_last=drop_last))
+        order = np.argsort(-steps, kind="stable")  # as the batched path: rows of equal steps are consecutive
+        self.clients, self.steps = clients[order], steps[order]
         self.index = torch.as_tensor(self.clients, device=ctx.device)
         self.lr = ctx.lr(t) if lr is None else lr
         self.dp = ctx.dpsgd
@@ -174,6 +176,29 @@ def local_run(
     after another (:class:`LoopedLocal`). Arguments as for either."""
     kind = BatchedLocal if use_batched(ctx) else LoopedLocal
     return kind(ctx, t, clients, order=order, drop_last=drop_last, epochs=epochs, steps=steps, lr=lr)
+
+
+def local_sgd_rows_(ctx: FLContext, t: int, models: torch.Tensor, clients: Sequence[int] | np.ndarray) -> torch.Tensor:
+    """Plain local SGD (the context's weight decay and momentum) of each of ``clients`` (distinct int ids [k]) from
+    its row of ``models`` [k, d], trained in place through :func:`local_run` (batched or one client after another);
+    returns each row's mean loss, float64 [k] on the device (NaN for a client without steps)."""
+    clients = np.asarray(clients, dtype=np.int64).reshape(-1)
+    k = len(clients)
+    if models.dim() != 2 or models.shape[0] != k:
+        raise ValueError(f"models must be [{k}, d] (one row per client), got shape {tuple(models.shape)}")
+    if k == 0:
+        return torch.zeros(0, dtype=torch.float64, device=models.device)
+    if len(np.unique(clients)) != k:
+        raise ValueError("clients has duplicates")
+    run = local_run(ctx, t, clients)
+    if np.array_equal(run.clients, clients) and models.is_contiguous():  # the rows in place (the loop's order)
+        run.sgd_(models)
+        return run.losses()
+    sorter = np.argsort(clients)  # row r of the run is client run.clients[r], at position where[r] of `clients`
+    where = torch.as_tensor(sorter[np.searchsorted(clients, run.clients, sorter=sorter)], device=models.device)
+    models.index_copy_(0, where, run.sgd_(models.index_select(0, where)))
+    losses = run.losses()
+    return torch.empty_like(losses).index_copy_(0, where, losses)
 
 
 @dataclass

@@ -15,10 +15,10 @@ from torch import nn
 
 from pyfedkern import ops, reference
 from pyfedkern.algorithms import ALGORITHMS, make_algorithm
-from pyfedkern.algorithms.base import ClientMessage, ClientUpdates, local_sgd
-from pyfedkern.algorithms.batched import BatchedLocal
+from pyfedkern.algorithms.base import ClientUpdates
 from pyfedkern.algorithms.bherd import GradientRecorder
 from pyfedkern.algorithms.fedavg import FedAvg
+from pyfedkern.algorithms.looped import local_run
 from pyfedkern.cli import main
 from pyfedkern.sim.config import ExperimentConfig
 from pyfedkern.sim.engine import Simulation
@@ -50,12 +50,8 @@ DIGITS = ExperimentConfig(
 class FixedOrderFedAvg(FedAvg):
     """FedAvg with BHerd's batch order (fixed, drop_last), so α = 1 must equal it (Eq. 8)."""
 
-    def client_update(self, t, cid, ctx):
-        result = local_sgd(ctx, cid, t, self.x, order="fixed", drop_last=True)
-        return ClientMessage(cid, float(ctx.client_sizes[cid]), {"model": result.x}, result.loss, result.steps)
-
-    def batched_client_update(self, t, clients, ctx):
-        run = BatchedLocal(ctx, t, clients, order="fixed", drop_last=True)
+    def client_update(self, t, clients, ctx):
+        run = local_run(ctx, t, clients, order="fixed", drop_last=True)
         return ClientUpdates.of(run, ctx, {"model": run.sgd_(run.start(self.x))})
 
 
