@@ -6,10 +6,10 @@
   :func:`pyfedkern.ops.fedspeed_update_`.
   ``begin_round`` / ``end_round`` bracket one FL round (h_i += x_K − x^t, upload x̂_i = x_K + h_i).
 - :class:`FedSpeed` is the client/server algorithm (Algorithm 1 in the storage form h_i = −λ·ĝ_i of
-  docs/fedspeed.md §3; the engine trains a round's participants together with the [k, d] row forms of the same
-  fused kernels, one norm per row), with the switches ``use_prox``, ``use_correction``, ``use_perturb`` (the
-  Table 7 ablation), ``ref_compat`` (FL-Simulator's clip of the loss gradient + correction at ``clip_norm``) and
-  ``corr_avg`` ("all": the reference server x^{t+1} = mean_S(x_K) + mean_m(h_i)).
+  docs/fedspeed.md §3; its :meth:`FedSpeed.client_update` runs the [k, d] row forms of the same fused kernels, one
+  norm per row, batched or one client after another), with the switches ``use_prox``, ``use_correction``,
+  ``use_perturb`` (the Table 7 ablation), ``ref_compat`` (FL-Simulator's clip of the loss gradient + correction at
+  ``clip_norm``) and ``corr_avg`` ("all": the reference server x^{t+1} = mean_S(x_K) + mean_m(h_i)).
 
 The prox parameter is λ (``lam``); the "prox weight" of the paper's experiments (0.1, 0.01, 0.001) is 1/λ.
 """
@@ -28,14 +28,15 @@ from pyfedkern import ops
 from pyfedkern.algorithms.base import (
     Algorithm,
     ClientStore,
+    ClientUpdates,
     FLContext,
     RoundStats,
     RoundSums,
     mean_loss,
     owned_clients,
 )
-from pyfedkern.algorithms.batched import BatchedLocal, client_chunks, use_batched
-from pyfedkern.flat import trainable_parameters
+from pyfedkern.algorithms.batched import client_chunks
+from pyfedkern.algorithms.looped import local_run
 
 RHO_MODES = ("normalized", "raw")
 CORR_AVG = ("active", "all")
@@ -371,7 +372,7 @@ class FedSpeed(Algorithm):
     """FedSpeed's client/server rounds on flat vectors, per Algorithm 1 in the storage form h_i = −λ·ĝ_i.
 
     Client i (K local steps from x^t, the shared batch used for both gradients): x ← x − η[g̃ − ĝ_i + (1/λ)(x − x^t)
-    + wd·x]; then h_i += x_K − x^t and the upload x̂_i = x_K + h_i is added straight into the server's running sum.
+    + wd·x]; then h_i += x_K − x^t and the upload x̂_i = x_K + h_i is added into the server's sum, chunk by chunk.
     Server: x^{t+1} = mean over the S participants of x̂_i (``corr_avg="active"``, Algorithm 1) or
     mean_S(x_K) + mean over all m clients of h_i (``corr_avg="all"``, the reference code, via a running Σ_m h_i).
     Spread over processes (``ctx.team``), each process trains the participants it owns, keeps the h_i of its own
@@ -433,19 +434,6 @@ class FedSpeed(Algorithm):
             else None
         )
         self.h_total = torch.zeros_like(self.x)  # Σ h_i over the clients of h_store (this process's, when spread)
-        self._acc = torch.zeros_like(self.x)
-        module = ctx.local.module
-        self.optimizer = FedSpeedOptimizer(
-            [p for _, p in trainable_parameters(module)],
-            lr=0.0,
-            rho=self.rho if self.use_perturb else 0.0,
-            alpha=self.alpha,
-            lam=self.lam if self.use_prox else None,
-            eps=self.eps,
-            rho_mode=self.rho_mode,
-            correction=self.use_correction,
-            clip_norm=self.clip_norm if self.ref_compat else None,
-        )
 
     def state_rows_per_client(self, ctx: FLContext) -> int:
         return 5  # h_i, D = h_i − x^t, the perturbed point, the second gradient, the first one kept for α < 1
@@ -453,22 +441,16 @@ class FedSpeed(Algorithm):
     def round(self, t: int, ctx: FLContext) -> RoundStats:
         clients = self.participants(t, ctx)
         team = ctx.team
-        own = team.mine(clients)
-        self._acc.zero_()
-        opt = self.optimizer
-        opt.param_groups[0]["lr"] = ctx.lr(t)
-        opt.param_groups[0]["weight_decay"] = ctx.weight_decay
         weight = 1.0 / len(clients) if len(clients) else 0.0
+        sums = RoundSums()  # the sums of this process's clients: uploads/S and, for "all", Σ h_i
         losses: list[torch.Tensor] = []
-        for chunk in client_chunks(ctx, own, self.state_rows_per_client(ctx)):
+        for chunk in client_chunks(ctx, team.mine(clients), self.state_rows_per_client(ctx)):
             with ctx.timer("local"):
-                if use_batched(ctx):
-                    losses.append(self._batched_clients(t, chunk, ctx, weight))
-                else:
-                    losses.append(self._looped_clients(t, chunk, ctx, weight))
+                updates = self.client_update(t, chunk, ctx)
+            with ctx.timer("aggregation"):
+                sums.add("upload", updates.vectors["model"], np.full(len(updates), weight))
+            losses.append(updates.losses)
         with ctx.timer("aggregation"):
-            sums = RoundSums()  # the sums of this process's clients: uploads/S and, for "all", Σ h_i
-            sums.vectors["upload"] = self._acc
             if self.corr_avg == "all":
                 sums.vectors["h_total"] = self.h_total
             sums, losses, _ = team.combine(t, sums, losses, 0)
@@ -486,94 +468,49 @@ class FedSpeed(Algorithm):
             download_floats=len(clients) * self.broadcast_floats(),
         )
 
-    def _looped_clients(self, t: int, clients: np.ndarray, ctx: FLContext, weight: float) -> torch.Tensor:
-        """Each client's local round with :class:`FedSpeedOptimizer`, its upload added into the server's sum with
-        ``weight``; the mean losses [k]."""
-        opt = self.optimizer
-        reference_server = self.corr_avg == "all"
-        losses = []
-        for cid in clients:
-            cid = int(cid)
-            ctx.local.load_(self.x)
-            h = self.h_store[cid] if self.use_correction else None
-            opt.begin_round(h)
-            losses.append(self._local_steps(t, cid, ctx))
-            opt.end_round(
-                self._acc,
-                acc_weight=weight,
-                include_h=not reference_server,
-                h_sum=self.h_total if reference_server and self.use_correction else None,
-            )
-        return torch.tensor(losses, dtype=torch.float64, device=self.x.device)
-
-    def _batched_clients(self, t: int, clients: np.ndarray, ctx: FLContext, weight: float) -> torch.Tensor:
-        """The local rounds of ``clients`` together, as :meth:`_looped_clients`: every step one batched gradient
-        (two with the perturbation) and the row forms of :func:`~pyfedkern.ops.sam_perturb` and
-        :func:`~pyfedkern.ops.fedspeed_update_`, then :func:`~pyfedkern.ops.fedspeed_round_end_` over the rows."""
-        run = BatchedLocal(ctx, t, clients)
+    def client_update(self, t: int, clients: np.ndarray, ctx: FLContext) -> ClientUpdates:
+        """The local rounds of ``clients``: each step one gradient g1 at x (and with the perturbation a second, g2,
+        at x̆ = x + ρ·g1/(‖g1‖ + ε), :func:`~pyfedkern.ops.sam_perturb`), then the fused step
+        :func:`~pyfedkern.ops.fedspeed_update_`; at the end :func:`~pyfedkern.ops.fedspeed_round_end_` updates h_i
+        (and, for ``corr_avg="all"``, the running Σ h_i). Each row's upload ("model") is x̂_i = x_K + h_i, or x_K
+        for "all"; weights 1 (the server takes the plain mean)."""
+        run = local_run(ctx, t, clients)
         x = run.start(self.x)
-        rows = h = None
-        if self.use_correction:
-            rows = self.h_store.rows(run.clients)
-            h = self.h_store.data.index_select(0, rows)
+        h = self.h_store.take(run.clients) if self.use_correction else None
         prox = self.use_prox
         anchor = None
         if prox:  # D = h_i − x^t (h_i = 0 without the correction)
             anchor = h - self.x if h is not None else torch.neg(self.x).expand(len(run), -1)
         perturb = self.use_perturb and self.rho > 0
         alpha = self.alpha if perturb else 1.0
+        normalize = self.rho_mode == "normalized"
+        x_pert = torch.empty_like(x) if perturb else None
+        g1_kept = torch.empty_like(x) if alpha < 1 else None  # on the loop the second gradient overwrites the first
         for step in run.run(x):
-            g1 = run.gradients(step)
-            g2 = g1
+            g1 = g2 = run.gradients(step)
             if perturb:
-                normalize = self.rho_mode == "normalized"
-                x_pert = ops.sam_perturb(step.x, g1, self.rho, eps=self.eps, normalize=normalize)
-                g2 = run.gradients(step, x_pert, record=False)
+                if g1_kept is not None:
+                    g1 = g1_kept[step.span].copy_(g1)
+                point = ops.sam_perturb(step.x, g1, self.rho, eps=self.eps, normalize=normalize, out=x_pert[step.span])
+                g2 = run.gradients(step, point, record=False)
             ops.fedspeed_update_(
                 step.x,
                 g2,
                 run.lr,
                 g1=g1 if alpha < 1 else None,
                 alpha=alpha,
-                anchor=anchor[: step.rows] if prox else None,
+                anchor=anchor[step.span] if prox else None,
                 prox_coef=1.0 / self.lam if prox else 0.0,
                 weight_decay=ctx.weight_decay,
                 clip_norm=self.clip_norm if self.ref_compat else None,
             )
-        reference_server = self.corr_avg == "all"
         if h is not None:
-            ops.fedspeed_round_end_(
-                h,
-                x,
-                self.x,
-                acc=self._acc,
-                acc_weight=weight,
-                include_h=not reference_server,
-                h_sum=self.h_total if reference_server else None,
-            )
-            self.h_store.data.index_copy_(0, rows, h)
-        else:
-            self._acc.add_(ops.weighted_sum(x, np.full(len(run), weight)))
-        return run.losses()
-
-    def _local_steps(self, t: int, cid: int, ctx: FLContext) -> float:
-        """Client cid's local steps of round t; the mean loss at x over the steps (nan without steps).
-
-        The losses are summed on the model's device in float64 (bit for bit the sum of their Python floats) and read
-        once at the end, so the steps never wait for the GPU."""
-        local = ctx.local
-        local.module.train()
-        total, n = torch.zeros((), dtype=torch.float64, device=self.x.device), 0
-        for xb, yb in ctx.batches(cid, t, epochs=ctx.local_epochs, steps=ctx.local_steps):
-
-            def closure(xb: torch.Tensor = xb, yb: torch.Tensor = yb) -> torch.Tensor:
-                loss = local.objective(local.module(xb), yb)
-                loss.backward()
-                return loss
-
-            total += self.optimizer.step(closure).detach()
-            n += 1
-        return float(total) / n if n else float("nan")
+            reference_server = self.corr_avg == "all"
+            ops.fedspeed_round_end_(h, x, self.x, h_sum=self.h_total if reference_server else None)
+            self.h_store.put_(run.clients, h)
+            if not reference_server:
+                x.add_(h)
+        return ClientUpdates.of(run, ctx, {"model": x}, weights=np.ones(len(run)))
 
     def state_dict(self) -> dict[str, Any]:
         state = {**super().state_dict(), "h_total": self.h_total}

@@ -217,25 +217,26 @@ def test_unequal_client_sizes_fedspeed_and_feddyn_take_the_plain_mean():
 
 
 def test_round_loss_is_the_mean_of_the_step_losses():
-    """The round's local_loss (summed on the device, read once per client) is the exact mean over clients of each
-    client's mean step loss."""
+    """The round's local_loss is the exact mean over clients of each client's mean step loss at x (the losses at the
+    perturbed points x̆ not counted)."""
     algo = FedSpeed(lam=4.0, rho=0.1)
     ctx = ToyContext(weight_decay=1e-3)
-    ctx.batched = False  # the per-client optimizer, spied on (the batched path: tests/sim/test_batched_engine.py)
+    ctx.batched = False  # one client at a time on ctx.local, spied on (batched: tests/sim/test_batched_engine.py)
     algo.setup(ctx, ctx.x0)
     seen = []
-    step = algo.optimizer.step
+    loss_and_grad = ctx.local.loss_and_grad
 
-    def recording_step(closure):
-        loss = step(closure)
-        seen.append(float(loss.detach()))
+    def recording(xb, yb):
+        loss = loss_and_grad(xb, yb)
+        seen.append(loss)
         return loss
 
-    algo.optimizer.step = recording_step
+    ctx.local.loss_and_grad = recording
     stats = algo.round(0, ctx)
     k = ctx.local_steps
-    assert len(seen) == k * len(stats.clients)
-    per_client = [sum(seen[i : i + k]) / k for i in range(0, len(seen), k)]
+    assert len(seen) == 2 * k * len(stats.clients)  # at x, then at x̆
+    at_x = seen[0::2]
+    per_client = [sum(at_x[i : i + k]) / k for i in range(0, len(at_x), k)]
     assert stats.local_loss == float(np.mean(per_client))
 
 
