@@ -826,6 +826,12 @@ class _Penalty(nn.Module):
         return self.penalty[0](self.model)
 
 
+def _check_expected(b: Any, where: str) -> float:
+    if isinstance(b, bool) or not isinstance(b, (int, float, np.integer, np.floating)) or not 0 < b < math.inf:
+        raise ValueError(f"dpsgd: expected_batch must be None or a finite number > 0{where}, got {b!r}")
+    return float(b)
+
+
 @dataclass(frozen=True)
 class DPSGD:
     """Local DP-SGD settings: clip C, noise multiplier σ, the noise seed, and Poisson sampling's expected batch size.
@@ -836,13 +842,16 @@ class DPSGD:
         seed: the noise streams' seed; the noise of a step is keyed by (seed, *key) (e.g. round, client, step), so
             it is reproducible and the same for every thread count and path.
         expected_batch: None for fixed-size batches (the sum is divided by each batch's size); with Poisson
-            sampling at rate q, q·|D|: every sum is divided by it, whatever the batch's size (b = 0 included).
+            sampling at rate q, q·|D|: every sum is divided by it, whatever the batch's size (b = 0 included), and
+            a step's loss is Σ_n ℓ_n divided by it (an empty batch's: 0), the objective whose gradient the step
+            estimates. A callable gives it per step, from the step's noise key (e.g. clients of unequal q·|D_i|: the
+            engine's key (round, client, step)); it must return a finite number > 0.
     """
 
     clip: float
     noise_multiplier: float
     seed: int = 0
-    expected_batch: float | None = None
+    expected_batch: float | Callable[[Sequence[int]], float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.clip, bool) or not isinstance(self.clip, (int, float)) or not 0 < self.clip < math.inf:
@@ -853,8 +862,15 @@ class DPSGD:
         if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or self.seed < 0:
             raise ValueError(f"dpsgd: seed must be an integer >= 0, got {self.seed!r}")
         b = self.expected_batch
-        if b is not None and (isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 < b < math.inf):
-            raise ValueError(f"dpsgd: expected_batch must be None or a finite number > 0, got {b!r}")
+        if b is not None and not callable(b):
+            _check_expected(b, "")
+
+    def expected_size(self, key: Sequence[int]) -> float | None:
+        """The expected batch size of the step ``key`` (Poisson sampling), or None (fixed-size batches)."""
+        b = self.expected_batch
+        if b is None or not callable(b):
+            return b
+        return _check_expected(b(key), f" (for key {tuple(key)})")
 
     def add_noise_(self, grad: torch.Tensor, key: Sequence[int], scale: float) -> torch.Tensor:
         """grad += scale·σC·ξ in one pass, ξ ~ N(0, I) from the step's stream (seed, *key) of
@@ -951,15 +967,17 @@ class DPSGD:
         Row r's gradient is (its clipped sum + σC·ξ_r)/b_r plus ∇penalty at its parameters, ξ_r from the stream
         ``keys[r]`` drawn over the parameters in ``params``' order: with ``params`` in the flat layout's order, the
         loop's gradient for the same key. ``weights`` [k, B]: > 0 on row r's b_r real samples, 0 on its padding
-        (None: every row has B samples).
+        (None: every row has B samples; a row may have none). With ``expected_batch``, b_r is row r's expected size
+        (:meth:`expected_size` of ``keys[r]``), and so is its loss's divisor.
         """
         k, B = xb.shape[:2]
         dtype = next(iter(params.values())).dtype
         mask = None if weights is None else (weights > 0).to(dtype)
         sums, _, totals = self.batched_clipped_sums(model, loss_fn, params, xb, yb, mask)
         sizes = torch.full((k,), float(B), dtype=dtype, device=xb.device) if mask is None else mask.sum(1)
-        b = sizes if self.expected_batch is None else torch.full_like(sizes, float(self.expected_batch))
-        b = torch.where(b > 0, b, torch.ones_like(b))
+        if self.expected_batch is not None:  # Poisson sampling: the expected size, and the loss over it too
+            sizes = torch.tensor([self.expected_size(key) for key in keys], dtype=dtype, device=xb.device)
+        b = torch.where(sizes > 0, sizes, torch.ones_like(sizes))
         flat = torch.cat([sums[n].reshape(k, -1) for n in params], 1).div_(b[:, None])
         for r, scale in enumerate((1.0 / b).tolist()):
             self.add_noise_(flat[r], keys[r], scale)
@@ -993,9 +1011,11 @@ class DPSGD:
     ) -> float:
         """One DP-SGD gradient: each trainable parameter's ``.grad`` (or, when given, the flat [d] buffer ``grad``
         they are views of) ← (clipped sum + σC·ξ)/b, plus ∇penalty(model) (data-independent, not clipped); returns
-        the mean (b = 0: NaN) loss of the batch plus the penalty. ``key``: the step's noise stream.
+        the batch's loss Σ_n ℓ_n/b (fixed-size batches of b = 0: NaN) plus the penalty. ``key``: the step's noise
+        stream; b the batch's size, or with ``expected_batch`` its expected size (:meth:`expected_size` of ``key``).
         """
-        b = self.expected_batch if self.expected_batch is not None else x.shape[0]
+        expected = self.expected_size(key)
+        b = expected if expected is not None else x.shape[0]
         sums, _, total = self.clipped_sum(model, loss_fn, x, y, 1.0 / b if b else 1.0)
         params = [p for p in model.parameters() if p.requires_grad]
         with torch.no_grad():
@@ -1012,7 +1032,7 @@ class DPSGD:
                 for p in params:
                     p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
                     offset += p.numel()
-        loss = float(total) / x.shape[0] if x.shape[0] else math.nan
+        loss = float(total) / b if b else math.nan
         if penalty is not None:
             with torch.enable_grad():
                 value = penalty(model)

@@ -85,11 +85,12 @@ def stack_batches(batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor, tor
 def padding_weights(sizes: Sequence[int] | torch.Tensor, xb: torch.Tensor) -> torch.Tensor:
     """[k, B] per-sample weights of k batches of ``sizes`` ([k] integers) zero-padded into xb [k, B, ...]: 1/b_r on
     the b_r real samples of batch r, 0 on its padding (xb's float dtype, or float64 for integer inputs such as token
-    ids: :meth:`~pyfedkern.algorithms.batched.BatchedTrainer.gradients` rounds them to the model's dtype)."""
+    ids: :meth:`~pyfedkern.algorithms.batched.BatchedTrainer.gradients` rounds them to the model's dtype); an empty
+    batch (b_r = 0, Poisson sampling) is all padding."""
     sizes = torch.as_tensor(sizes, device=xb.device)
     dtype = xb.dtype if xb.is_floating_point() else torch.float64
     real = torch.arange(xb.shape[1], device=xb.device)[None, :] < sizes[:, None]
-    return real.to(dtype) / sizes[:, None].to(dtype)
+    return real.to(dtype) / sizes[:, None].clamp(min=1).to(dtype)
 
 
 # Uploads and round sums ----------------------------------------------------------------------------------------

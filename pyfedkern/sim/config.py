@@ -82,7 +82,9 @@ class ExperimentConfig:
     sampling rate's denominator; default the clients), dp_noise_cohort and dp_accountant ("rdp" or "pld");
     "local" for record-level DP-SGD in every local step (:class:`pyfedkern.dpsgd.DPSGD`, accounted by
     :class:`pyfedkern.privacy.LocalDP`) with dp_clip (of each sample's gradient), dp_delta, one of dp_epsilon and
-    dp_noise_multiplier, and dp_accountant.
+    dp_noise_multiplier, dp_accountant, and dp_sampling: "shuffle" (fixed-size batches from a shuffled order) or
+    "poisson" (each local step's batch a Poisson sample of the client's data at rate min(B, |D_i|)/|D_i|, divided by
+    its expected size; :mod:`pyfedkern.sim.planning`).
     """
 
     algorithm: str = option(
@@ -173,6 +175,11 @@ class ExperimentConfig:
     dp_population: int | None = option(None, "clients the cohorts are drawn from, for accounting (none: --clients)")
     dp_noise_cohort: int | None = option(None, "add the noise of a cohort of N (pfl's noise_cohort_size)")
     dp_accountant: str = option("rdp", "rdp | pld (dp-accounting's)")
+    dp_sampling: str = option(
+        "shuffle",
+        "local DP-SGD's batches: shuffle (fixed-size, from a shuffled order) | poisson (each sample in a step's batch "
+        "with probability min(B, |D_i|)/|D_i|, as the accountant assumes)",
+    )
 
     def validate(self) -> None:
         """Raise ValueError for invalid settings, before any work starts (no data is loaded).
@@ -328,6 +335,7 @@ def options_table() -> str:
 
 
 DP_MODES = ("central", "local")
+DP_SAMPLINGS = ("shuffle", "poisson")
 _DP_OPTIONS = ("epsilon", "delta", "clip", "noise_multiplier", "adaptive_clip", "population", "noise_cohort")
 _CENTRAL_OPTIONS = ("adaptive_clip", "population", "noise_cohort")  # mean nothing for local DP-SGD
 
@@ -337,9 +345,19 @@ def check_dp(config: ExperimentConfig, algorithm: type) -> None:
     dp must be None, "central" or "local"; both need dp_clip (finite, > 0), dp_delta in (0, 1) and exactly one of
     dp_epsilon (> 0) and dp_noise_multiplier (>= 0). Central DP needs dp_delta below 1/population and an algorithm
     that uploads only its model; local DP-SGD an algorithm whose local steps are plain gradient steps, and it refuses
-    central DP's own options (dp_adaptive_clip, dp_population, dp_noise_cohort)."""
+    central DP's own options (dp_adaptive_clip, dp_population, dp_noise_cohort). dp_sampling="poisson" needs
+    dp="local" and the default batch_order."""
     from pyfedkern import privacy
 
+    if config.dp_sampling not in DP_SAMPLINGS:
+        raise ValueError(f"dp_sampling must be one of {', '.join(DP_SAMPLINGS)}, got {config.dp_sampling!r}")
+    if config.dp_sampling == "poisson" and config.dp != "local":
+        raise ValueError(
+            f"dp_sampling='poisson' (--dp-sampling) samples local DP-SGD's batches: it needs dp='local' (--dp local), "
+            f"got dp={config.dp!r}"
+        )
+    if config.dp_sampling == "poisson" and config.batch_order == "fixed":
+        raise ValueError("dp_sampling='poisson' draws every batch afresh: batch_order='fixed' does not apply")
     if config.dp is None:
         given = [f"dp_{name}" for name in _DP_OPTIONS if getattr(config, f"dp_{name}") is not None]
         if given:

@@ -122,10 +122,14 @@ class Simulation(FLContext):
         check_local_work(config, self.client_sizes, free_memory(torch.device("cpu")))  # plans are made on the host
         #: The accounting of local DP-SGD (``config.dp == "local"``), or None.
         self.local_dp = local_dp(config, self.client_sizes, self.planned_steps(np.arange(self.num_clients)))
-        #: Local DP-SGD of every local step (FLContext.dpsgd, read by local_sgd and BatchedLocal), or None.
-        self.dpsgd = (
-            None if self.local_dp is None else DPSGD(self.local_dp.clip, self.local_dp.noise_multiplier, config.seed)
-        )
+        #: Local DP-SGD of every local step (FLContext.dpsgd, read by local_sgd and BatchedLocal), or None; with
+        #: Poisson-sampled batches every sum is divided by the client's expected batch min(B, |D_i|).
+        self.dpsgd = None
+        poisson = config.dp_sampling == "poisson"
+        if self.local_dp is not None:
+            expected = functools.partial(_expected_batch, np.minimum(self.batch_size, self.client_sizes))
+            sigma = self.local_dp.noise_multiplier
+            self.dpsgd = DPSGD(self.local_dp.clip, sigma, config.seed, expected if poisson else None)
 
         x_train, y_train = self._tensor(data.x_train), self._tensor(data.y_train)
         self.noise_std = self.partition.noise_std
@@ -142,6 +146,7 @@ class Simulation(FLContext):
             local_epochs=self.local_epochs,
             fixed_order=config.batch_order == "fixed",
             noise_std=self.noise_std,
+            poisson=poisson,
         )
         self.client_x, self.client_y = self.planner.client_x, self.planner.client_y
         self.public_x, self.public_y = x_train[parts.public], y_train[parts.public]
@@ -510,10 +515,16 @@ def central_dp(config: ExperimentConfig, num_clients: int) -> CentralDP | None:
     return CentralDP(noise_multiplier=config.dp_noise_multiplier, **settings)
 
 
+def _expected_batch(expected: np.ndarray, key: Any) -> float:
+    """The expected Poisson batch ``expected[i]`` of client i's DP-SGD step of noise key (round, i, step)."""
+    return float(expected[key[1]])
+
+
 def local_dp(config: ExperimentConfig, client_sizes: np.ndarray, steps: np.ndarray) -> LocalDP | None:
     """The :class:`~pyfedkern.privacy.LocalDP` accounting of a config with ``dp="local"`` (σ solved from dp_epsilon
     over the config's rounds when given), or None. Clients of ``client_sizes`` samples taking ``steps`` local steps
-    a round (fixed-size batches of min(B, n)): accounted for the largest rate min(B, n)/n and the most steps."""
+    a round (batches of min(B, n), fixed-size or expected with dp_sampling="poisson"): accounted for the largest
+    rate min(B, n)/n and the most steps."""
     if config.dp != "local":
         return None
     sizes = np.asarray(client_sizes, dtype=np.int64)

@@ -6,6 +6,12 @@ A plan is made on the host without a loop over clients: client c of n samples ta
 of the client's one fixed permutation ("fixed"). The per-client loop gathers one client's batches
 (:meth:`BatchPlanner.client_batches`), the batched path a step of many clients at once (:class:`RoundBatches`);
 both hold the same samples, noise included.
+
+Poisson sampling (``dp_sampling="poisson"``, for local DP-SGD) keeps the number of steps and replaces each batch by
+an independent Bernoulli(q) sample of the client's data, q = b/n: sample j of client c is in the batch of step s of
+round t when output j of SplitMix64 started from the stream key of (seed, tag, t, c, s) (:func:`stream_keys`) has
+its top 53 bits below ⌊q·2^53⌋ (integers compared). A batch may be empty; every mask is a function of its key
+alone, so it does not depend on the path, the chunking, the ranks or the threads.
 """
 
 from __future__ import annotations
@@ -21,14 +27,73 @@ from pyfedkern.algorithms.context import padding_weights, step_counts
 from pyfedkern.ops import seeded_permutations
 
 # Purposes of the planner's random streams (first key after the seed; the engine's others: sim.engine).
-_BATCH, _FIXED_ORDER, _NOISE = 2, 3, 4
+_BATCH, _FIXED_ORDER, _NOISE, _POISSON = 2, 3, 4, 5
+#: Draws one pass of :func:`poisson_batches` makes (~60 bytes each; small arrays are reused, not mapped afresh).
+_MASK_CHUNK = 1 << 15
+_GAMMA = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix(z: np.ndarray) -> np.ndarray:
+    """SplitMix64's mixer of z + γ, elementwise over a uint64 array (wrapping), in place: ``stream_key``'s mix."""
+    z += _GAMMA
+    z ^= z >> np.uint64(30)
+    z *= np.uint64(0xBF58476D1CE4E5B9)
+    z ^= z >> np.uint64(27)
+    z *= np.uint64(0x94D049BB133111EB)
+    z ^= z >> np.uint64(31)
+    return z
+
+
+def stream_keys(keys: np.ndarray) -> np.ndarray:
+    """``pyfedkern.ops.dp.stream_key`` of each row of ``keys`` (integers in [0, 2^64), [R, j]): uint64 [R]."""
+    keys = np.asarray(keys).astype(np.uint64).reshape(len(keys), -1)
+    h = _mix(np.full(len(keys), keys.shape[1], dtype=np.uint64))
+    for column in keys.T:
+        h = _mix(h ^ column)
+    return h
+
+
+def poisson_batches(
+    seed: int, t: int, clients: np.ndarray, steps: np.ndarray, sizes: np.ndarray, rates: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Poisson-sampled batches (see the module): batch r, of client ``clients[r]`` at local step ``steps[r]`` of round
+    t, holds each of the client's ``sizes[r]`` samples with probability ``rates[r]`` (or ``rates``, one for all),
+    independently.
+
+    Returns (positions, lengths): int64, every batch's positions in its client's data (ascending), batch after batch,
+    and each batch's length [R]. No loop over batches: one vectorised pass over at most 2^15 draws at a time; the
+    work is Σ_r sizes[r] draws (a client of n samples taking ⌈E·n/B⌉ steps: E·n²/B of them).
+    """
+    sizes = np.asarray(sizes, dtype=np.int64)
+    R = len(sizes)
+    keys = np.stack([np.full(R, seed), np.full(R, _POISSON), np.full(R, t), clients, steps], axis=1)
+    heads = stream_keys(keys.astype(np.uint64))
+    rates = np.broadcast_to(np.asarray(rates, dtype=np.float64), (R,))
+    below = np.floor(rates * 2.0**53).astype(np.uint64)  # a draw is kept when its top 53 bits are below
+    ends = np.cumsum(sizes)
+    positions, lengths = [], np.zeros(R, dtype=np.int64)
+    a = 0
+    while a < R:  # batches a..b-1, their draws one after another
+        base = int(ends[a] - sizes[a])
+        b = max(a + 1, int(np.searchsorted(ends, base + _MASK_CHUNK, side="right")))
+        starts = np.concatenate([[0], ends[a:b] - base])  # of each batch's draws
+        j = np.arange(starts[-1], dtype=np.uint64)
+        j -= np.repeat(starts[:-1].astype(np.uint64), sizes[a:b])  # draw j of its batch
+        z = j * _GAMMA
+        z += np.repeat(heads[a:b], sizes[a:b])
+        kept = np.flatnonzero((_mix(z) >> np.uint64(11)) < np.repeat(below[a:b], sizes[a:b]))
+        batch = np.searchsorted(starts, kept, side="right") - 1
+        positions.append(kept - starts[batch])
+        lengths[a:b] = np.bincount(batch, minlength=b - a)
+        a = b
+    return (np.concatenate(positions) if positions else np.zeros(0, dtype=np.int64)), lengths
 
 
 @dataclass
 class _Plan:
     """Every minibatch of a round's clients, client after client (:meth:`BatchPlanner.plan`): ``counts`` [k] steps
     per client; per minibatch, its client's row ``owner``, its ``step``, and its positions in the client's data,
-    ``perms[first : first + length]``."""
+    ``perms[first : first + length]`` (Poisson sampling: each batch's own positions, ``length`` 0 included)."""
 
     clients: np.ndarray
     counts: np.ndarray
@@ -50,6 +115,8 @@ class BatchPlanner:
         fixed_order: every client keeps one batch order across rounds (``batch_order="fixed"``), whatever a plan
             asks.
         noise_std: per-client std of Gaussian feature noise added to every batch (feature-skew partitions), or None.
+        poisson: every batch is a Poisson sample of its client's data at rate min(B, n)/n (``dp_sampling="poisson"``,
+            see the module), whatever order a plan asks; the number of steps is the fixed-size plan's.
 
     Attributes:
         client_x, client_y: client i's samples, views of x and y.
@@ -66,11 +133,12 @@ class BatchPlanner:
         local_epochs: float,
         fixed_order: bool,
         noise_std: np.ndarray | None,
+        poisson: bool = False,
     ) -> None:
         self.x, self.y = x, y
         self.client_sizes = client_sizes
         self.seed, self.batch_size, self.local_epochs = seed, batch_size, local_epochs
-        self.fixed_order, self.noise_std = fixed_order, noise_std
+        self.fixed_order, self.noise_std, self.poisson = fixed_order, noise_std, poisson
         self.device = x.device
         #: Where each client's samples begin in x and y, int64 [m + 1].
         self.offsets = np.concatenate([[0], np.cumsum(client_sizes)]).astype(np.int64)
@@ -116,13 +184,19 @@ class BatchPlanner:
         """Every minibatch of ``clients`` in round t, client after client, without a loop over clients (see the
         module). The permutations of all clients come from one native call
         (:func:`pyfedkern.ops.seeded_permutations`, equal to ``np.random.default_rng([seed, ...]).permutation(n)``
-        of each stream)."""
+        of each stream); Poisson batches (``poisson``) from :func:`poisson_batches`."""
         if order not in ("reshuffle", "fixed"):
             raise ValueError(f"order must be 'reshuffle' or 'fixed', got {order!r}")
         if self.fixed_order:  # the run keeps every client's batch order across rounds
             order = "fixed"
         clients = np.asarray(clients, dtype=np.int64).reshape(-1)
         n, size, counts = self.counts(clients, epochs, steps, drop_last, batch_size)
+        if self.poisson:
+            owner = np.repeat(np.arange(len(clients)), counts)
+            step = np.arange(len(owner)) - np.repeat(np.cumsum(counts) - counts, counts)
+            rows = (clients[owner], step, n[owner], (size / n)[owner])
+            positions, length = poisson_batches(self.seed, t, *rows)
+            return _Plan(clients, counts, positions, owner, step, np.cumsum(length) - length, length)
         per_epoch = n // size if drop_last else -(-n // size)  # every client holds data, so per_epoch >= 1
         if order == "fixed":  # the client's one fixed permutation, when it takes a step
             draws = (counts > 0).astype(np.int64)
@@ -180,14 +254,16 @@ class RoundBatches:
         self._starts = np.cumsum(self._rows) - self._rows
         if not len(owner):
             return
-        self._widths = np.maximum.reduceat(length, self._starts)
+        self._widths = np.maximum(np.maximum.reduceat(length, self._starts), 1)  # Poisson: a step may be all empty
         self._ragged = np.minimum.reduceat(length, self._starts) < self._widths
-        # step s: its rows × its width, flattened, one after another (padding: any sample of the client, weight 0)
+        # step s: its rows × its width, flattened, one after another (padding: a sample of the client, weight 0: its
+        # batch's first, or its first sample (position 0, the sentinel after perms) when its batch is empty)
         width = np.repeat(self._widths, self._rows)  # of each row
         self._offsets = np.concatenate([[0], np.cumsum(self._rows * self._widths)])  # where each step begins
         row = np.repeat(np.arange(len(owner)), width)
         col = np.arange(row.size) - np.repeat(np.cumsum(width) - width, width)
-        local = plan.perms[np.where(col < length[row], first[row] + col, first[row])]
+        pad = np.where(length > 0, first, len(plan.perms))
+        local = np.append(plan.perms, 0)[np.where(col < length[row], first[row] + col, pad[row])]
         index = local + planner.offsets[plan.clients[owner[row]]]
         self._index = torch.as_tensor(index, device=planner.device)
         self._length = torch.as_tensor(length, device=planner.device) if self._ragged.any() else None
