@@ -12,10 +12,10 @@ How they compute:
   Order statistics are exact; means of them are summed in float64. The weighted median sorts (value, row) pairs
   per coordinate.
 - **Krum and Bulyan's selection** take pairwise squared distances ‖x_i‖² + ‖x_j‖² − 2⟨x_i, x_j⟩ from one Gram
-  product (chunked GEMMs summed in float64): of the raw rows when the mean row is small against their spread, else
-  of the rows shifted by the first one (the herding ops' :func:`pyfedkern.ops.centred_gram` path, one more pass);
-  the K×K work after it is on the host. Scores within their rounding bound of the lowest count as tied (lowest
-  index).
+  product (chunked GEMMs summed in float64): of the raw rows when they are spread around a small mean, else of the
+  rows shifted by their medoid as each chunk is read (models: a large common part would cancel); a float64 sample
+  of columns picks which. The K×K work after it is on the host. Scores within their rounding bound of the lowest
+  count as tied (lowest index).
 - **Geometric median and centred clipping** iterate in the caller's precision (float32 for 16-bit storage): per
   iteration, the distances of the rows to the current point (a chunked difference and the
   :func:`pyfedkern.ops.row_norms` kernel) and one :func:`pyfedkern.ops.weighted_sum`. The stopping test of the
@@ -42,7 +42,7 @@ from pyfedkern._arrays import ArrayRef, RowSet
 from pyfedkern._runtime import native
 from pyfedkern.ops import _declare
 from pyfedkern.ops.aggregate import _check_output, _update_rows, weighted_sum
-from pyfedkern.ops.herding import _gram_batch, tie_rel_tol
+from pyfedkern.ops.herding import tie_rel_tol
 from pyfedkern.ops.norms import row_norms
 
 A = TypeVar("A")
@@ -50,9 +50,10 @@ A = TypeVar("A")
 _MEDIAN, _TRIMMED, _CLOSEST, _WEIGHTED = 0, 1, 2, 3
 _NO_WEIGHTS = np.zeros(0)
 _DIFF_CHUNK_ELEMENTS = 1 << 22  # rows × d of one difference chunk in the iterative ops (16 MiB of float32)
-# rows × columns of one GEMM of the raw Gram product (8 MiB of float32): narrower chunks (K = 50, 2^18 elements: 5,000
-# columns) ran at 2/3 of the rate of one whole X·Xᵀ on this project's 2-core machine, wider ones no faster
-_RAW_GRAM_CHUNK_ELEMENTS = 1 << 21
+# rows × columns of one GEMM of Krum's Gram product (2 MiB of float32): the shifted rows' buffer stays in L3; on this
+# project's 2-core machine 2^18–2^20 ran alike (K = 50, d = 1.6·10⁶), narrower chunks slower
+_GRAM_CHUNK_ELEMENTS = 1 << 19
+_PROBE_COLUMNS = 256  # columns of the float64 sample that picks the shift of Krum's Gram product
 
 
 # Arguments -------------------------------------------------------------------------------------------------------
@@ -282,16 +283,39 @@ def _traced(name: str, updates: Any, out: Any, *args: Any) -> Any:
 # Krum and Bulyan -------------------------------------------------------------------------------------------------
 
 
-def _raw_gram(x: Any) -> np.ndarray:
-    """float64 [K, K] Gram matrix X·Xᵀ of a torch [K, d] tensor: one GEMM per chunk of columns on views of the rows
-    (no copy for float32/float64), in the GEMM dtype (float64 for float64 rows, float32 otherwise), the chunk
-    products summed in float64."""
+def _medoid(dist: Any) -> int:
+    """The row of a [K, K] squared-distance matrix with the smallest median distance to the rows (itself included;
+    ties: lowest index). A row more than the median distance from over half of the rows is never it."""
+    return int(np.argmin(np.median(np.asarray(dist), axis=0)))
+
+
+def _probe(x: Any) -> int | None:
+    """The shift row of :func:`_gram` for a torch [K, d] tensor, from _PROBE_COLUMNS columns spread over d (in
+    float64): None (no shift) when the raw rows' median squared norm is at most the median squared distance of the
+    rows to their medoid (:func:`_medoid`), else the medoid's index."""
+    d = x.shape[1]
+    sample = x[:, :: max(1, d // _PROBE_COLUMNS)].double().cpu().numpy()
+    with np.errstate(all="ignore"):  # non-finite rows are reported after the Gram product
+        norms = np.einsum("kj,kj->k", sample, sample)
+        dist = norms[:, None] + norms[None, :] - 2.0 * (sample @ sample.T)  # float64: coarse only for extreme offsets
+    k = _medoid(dist)
+    return None if np.median(norms) <= np.median(dist[:, k]) else k
+
+
+def _gram(x: Any, shift: int | None) -> np.ndarray:
+    """float64 [K, K] Gram matrix of the rows of a torch [K, d] tensor, shifted by row ``shift`` (none when None):
+    per chunk of columns the shifted rows are written to a buffer and multiplied (one GEMM, in the GEMM dtype: float64
+    for float64 rows, float32 otherwise), the chunk products summed in float64. Without a shift the GEMMs read views
+    of the rows (no copy for float32/float64)."""
     work = torch.float64 if x.dtype == torch.float64 else torch.float32
     K, d = x.shape
-    c = max(256, _RAW_GRAM_CHUNK_ELEMENTS // K)
+    c = min(d, max(256, _GRAM_CHUNK_ELEMENTS // K))
+    s = None if shift is None else x[shift].to(work)
+    buf = None if s is None else torch.empty(K, c, dtype=work, device=x.device)
     g = None
     for lo in range(0, d, c):
-        part = x[:, lo : lo + c].to(work)
+        hi = min(d, lo + c)
+        part = x[:, lo:hi].to(work) if s is None else torch.sub(x[:, lo:hi], s[lo:hi], out=buf[:, : hi - lo])
         product = (part @ part.T).double()
         g = product if g is None else g.add_(product)
     return g.cpu().numpy()
@@ -301,24 +325,25 @@ def _squared_distances(op: str, updates: Any, rows: RowSet) -> tuple[np.ndarray,
     """(float64 [K, K] squared distances ‖x_i‖² + ‖x_j‖² − 2⟨x_i, x_j⟩ from one Gram product, [K, K] rounding bound
     of each entry).
 
-    The Gram product of the raw rows is used when its rounding, relative to the squared norms, is within 4× of that
-    of the centred rows (max‖x_k‖² ≤ 4·max‖x_k − μ‖², μ the mean row: updates spread around a small mean); rows
-    that share a large common part (models rather than updates) take the Gram product of the rows shifted by the
-    first one (the herding ops' :func:`pyfedkern.ops.centred_gram` path: one more pass over the rows)."""
-    stack = _stack(updates, rows)
-    g = _raw_gram(_torch_view(stack))
-    if not np.isfinite(g).all():
-        raise _nonfinite(op, updates, rows)
-    diag = np.diag(g)
-    r = g.sum(1) / rows.count
-    centred = diag - 2.0 * r + r.sum() / rows.count  # ‖x_k − μ‖², up to the rounding of g
-    if diag.max() > 4.0 * centred.max():
-        g = np.asarray(_torch_view(_gram_batch(rows.first.lib, stack[None])[0]).cpu().numpy(), dtype=np.float64)
+    Distances do not change when every row is shifted by the same vector s, and their rounding scales with
+    ‖x_i − s‖² + ‖x_j − s‖². :func:`_probe` picks s on a sample of columns: no shift for rows spread around a small
+    mean (updates), else the medoid row (models: rows sharing a large common part, whose raw Gram product cancels).
+    A medoid is close to at least half of the rows, so an outlying row (an attacker's huge update) is never s. If
+    the full product shows that the sample misled (the median of the used ‖x_k − s‖² above 4 times the median
+    distance to the medoid of the full distances), the product is taken once more, shifted by that medoid."""
+    x = _torch_view(_stack(updates, rows))
+    shift = _probe(x)
+    for attempt in range(2):
+        g = _gram(x, shift)
         if not np.isfinite(g).all():
             raise _nonfinite(op, updates, rows)
         diag = np.diag(g)
-    dist = np.maximum(diag[:, None] + diag[None, :] - 2.0 * g, 0.0)
-    np.fill_diagonal(dist, 0.0)
+        dist = np.maximum(diag[:, None] + diag[None, :] - 2.0 * g, 0.0)
+        np.fill_diagonal(dist, 0.0)
+        best = _medoid(dist)
+        if attempt or np.median(diag) <= 4.0 * np.median(dist[:, best]):
+            break
+        shift = best
     bound = tie_rel_tol(rows.first.dtype, rows.d) * 2.0 * (diag[:, None] + diag[None, :])
     return dist, bound
 
@@ -349,8 +374,9 @@ def krum_scores(updates: Any, f: int) -> Any:
     (Flower's count: at least one; 0 when K = 1), 0 ≤ f < K. Returned in the updates' library and device.
 
     Distances come from one Gram product (see the module docstring): each is accurate to about max(8, √d) ulps of
-    the GEMM dtype (float32 unless the rows are float64) times ‖x_i‖² + ‖x_j‖², and at worst 4 times that bound for
-    the centred rows, ‖x_i − μ‖² + ‖x_j − μ‖² (μ the mean row); not to the rounding of a direct ‖x_i − x_j‖².
+    the GEMM dtype (float32 unless the rows are float64) times ‖x_i − s‖² + ‖x_j − s‖², s = 0 for rows spread
+    around a small mean and otherwise a row close to at least half of the rows (their medoid; at worst the
+    median ‖x_k − s‖² is 4 times the median distance to the medoid); not to the rounding of a direct ‖x_i − x_j‖².
     """
     _declare.refuse_grad("krum_scores", ("updates",), updates)
     if _declare.operator_needed(updates):

@@ -158,14 +158,69 @@ def test_krum_of_rows_sharing_a_large_part_matches_reference(lib):
     np.testing.assert_array_equal(to_numpy64(ops.krum_select(u, 2, 4)), reference.krum_select(x, 2, 4))
 
 
-def test_raw_gram_sums_its_chunks(monkeypatch):
-    monkeypatch.setattr(robust, "_RAW_GRAM_CHUNK_ELEMENTS", 5 * 300)  # 300 columns per GEMM: 4 chunks, the last short
+@pytest.mark.parametrize("shift", [None, 2])
+def test_gram_sums_its_chunks(monkeypatch, shift):
+    monkeypatch.setattr(robust, "_GRAM_CHUNK_ELEMENTS", 5 * 300)  # 300 columns per GEMM: 4 chunks, the last short
     x = np.random.default_rng(3).standard_normal((5, 1100))
-    for dtype, rtol in (("float32", 1e-5), ("float64", 1e-13)):
-        got = robust._raw_gram(torch.from_numpy(x.astype(dtype)))
-        want = x.astype(dtype).astype(np.float64) @ x.astype(dtype).astype(np.float64).T
+    for dtype, rtol in (("float32", 1e-5), ("float64", 1e-13), ("bfloat16", 1e-5)):
+        got = robust._gram(make("torch", x, dtype), shift)
+        y = to_numpy64(make("torch", x, dtype))
+        y = y if shift is None else y - y[shift]
+        want = y @ y.T
         assert got.dtype == np.float64
         np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * np.abs(want).max())
+
+
+def krum_error_bounds(x: np.ndarray, honest: list[int], f: int) -> np.ndarray:
+    """[K] proven bounds of the float32 Gram-product Krum scores of float32-valued rows x against the float64 ones,
+    for any shift s among the rows ``honest``: each distance from y = fl(x − s) and float32 products summed in any
+    order is within (2γ_d + 5u)(‖x_i − s‖² + ‖x_j − s‖²) (u = 2⁻²⁴, γ_d = du/(1 − du)), and a score, the sum of its
+    n smallest distances, within n times the largest such bound of a row that can be among its n nearest."""
+    K, d = x.shape
+    u = 2.0**-24
+    sq = np.stack([((x - x[s]) ** 2).sum(1) for s in honest]).max(0)
+    err = (2 * d * u / (1 - d * u) + 5 * u) * (sq[:, None] + sq[None, :]) * (1 + 1e-9)
+    dist = ((x[:, None, :] - x[None, :, :]) ** 2).sum(-1) + np.diag(np.full(K, np.inf))
+    n = min(K - 1, max(1, K - f - 2))
+    reach = np.sort(dist + err, axis=1)[:, n - 1 : n]  # any perturbed n nearest lie below the n-th (D + err)
+    return n * np.where(dist - err <= reach, err, 0.0).max(1)
+
+
+def assert_margins(x: np.ndarray, honest: list[int], f: int, m: int):
+    """The reference's Multi-Krum picks 1..m win by more than twice the bounds of both scores (the op's tie band is
+    below them), so any computation within the bounds must pick the same rows."""
+    scores, bounds = reference.krum_scores(x, f), krum_error_bounds(x, honest, f)
+    remaining = list(range(len(x)))
+    for _ in range(m):
+        w = min(remaining, key=lambda k: (scores[k], k))
+        remaining.remove(w)
+        for j in remaining:
+            assert scores[j] - scores[w] > 2 * (bounds[j] + bounds[w]), (w, j)
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+@pytest.mark.parametrize("attacker", [False, True])
+@pytest.mark.parametrize("probe", ["probe", "raw", "row 0", "row 5"])
+def test_krum_of_near_identical_rows_is_the_reference_choice(monkeypatch, lib, attacker, probe):
+    """Models: a common part of ‖x‖² ≈ 2·10⁸ against squared distances of 1–16, far below the rounding of the raw
+    rows' float32 Gram product, optionally with an attacker's huge row first. Whatever the probe on a sample of
+    columns proposes (raw rows, the attacker's row, an honest one), the choice is the reference's."""
+    rng = np.random.default_rng(11)
+    K, d, f = 12, 20_000, 2
+    x = 100.0 + 0.01 * rng.standard_normal((K, d)) * np.linspace(0.5, 2.0, K)[rng.permutation(K), None]
+    if attacker:
+        x[0] = 100.0 + 100.0 * rng.standard_normal(d)
+    x = x.astype(np.float32).astype(np.float64)
+    honest = list(range(1 if attacker else 0, K))
+    if probe != "probe":
+        monkeypatch.setattr(robust, "_probe", lambda _x: None if probe == "raw" else int(probe[4:]))
+    else:
+        assert robust._probe(torch.from_numpy(x.astype(np.float32))) in honest
+    assert_margins(x, honest, f, 3)
+    u = make(lib, x, "float32")
+    np.testing.assert_array_equal(to_numpy64(ops.krum_select(u, f, 3)), reference.krum_select(x, f, 3))
+    got, want = to_numpy64(ops.krum_scores(u, f)), reference.krum_scores(x, f)
+    assert np.all(np.abs(got - want) <= krum_error_bounds(x, honest, f))
 
 
 def test_krum_ties_go_to_the_lowest_index():
