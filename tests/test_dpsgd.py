@@ -413,7 +413,7 @@ def test_batched_dpsgd_equals_the_loop(model, clients):
 
     from pyfedkern import Experiment
     from pyfedkern.algorithms import local_sgd
-    from pyfedkern.algorithms.batched import batched_local_sgd_
+    from pyfedkern.algorithms.looped import local_sgd_rows_
 
     torch.manual_seed(0)
     x, y = torch.randn(130, 3, 6, 6), torch.randint(0, 4, (130,))
@@ -440,7 +440,7 @@ def test_batched_dpsgd_equals_the_loop(model, clients):
     chosen = np.array([0, 2, 3])
     x0 = sims[0].initial_vector
     rows = x0.expand(len(chosen), -1).clone()
-    losses = batched_local_sgd_(sims[1], 1, rows, chosen)
+    losses = local_sgd_rows_(sims[1], 1, rows, chosen)
     for r, cid in enumerate(chosen):
         loop = local_sgd(sims[0], int(cid), 1, x0)
         assert (loop.x - x0).abs().max() > 1e-3

@@ -598,27 +598,6 @@ class BatchedLocal:
         return self.loss_sum / steps
 
 
-def batched_local_sgd_(
-    ctx: FLContext, t: int, models: torch.Tensor, clients: Sequence[int] | np.ndarray
-) -> torch.Tensor:
-    """Local SGD of every client in ``clients`` from its row of ``models`` ([k, d], trained in place); returns the
-    mean loss per client, float64 [k] on the device (NaN for a client without steps)."""
-    clients = np.asarray(clients, dtype=np.int64).reshape(-1)
-    k = len(clients)
-    if models.dim() != 2 or models.shape[0] != k:
-        raise ValueError(f"models must be [{k}, d] (one row per client), got shape {tuple(models.shape)}")
-    if k == 0:
-        return torch.zeros(0, dtype=torch.float64, device=models.device)
-    if len(np.unique(clients)) != k:
-        raise ValueError("clients has duplicates")
-    run = BatchedLocal(ctx, t, clients)
-    sorter = np.argsort(clients)  # row r of the run is client run.clients[r], at position where[r] of `clients`
-    where = torch.as_tensor(sorter[np.searchsorted(clients, run.clients, sorter=sorter)], device=models.device)
-    rows = run.sgd_(models.index_select(0, where))
-    models.index_copy_(0, where, rows)
-    return torch.empty_like(run.loss_sum).index_copy_(0, where, run.losses())
-
-
 # Memory ----------------------------------------------------------------------------------------------------------
 
 #: The share of free memory a chunk of participants may use (of the GPU's free memory, or of the available RAM).

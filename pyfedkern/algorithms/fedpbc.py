@@ -44,11 +44,11 @@ from pyfedkern.algorithms.base import (
     FLContext,
     RoundStats,
     RoundSums,
-    local_sgd,
     mean_loss,
     owned_clients,
 )
-from pyfedkern.algorithms.batched import batched_local_sgd_, client_chunks, use_batched
+from pyfedkern.algorithms.batched import client_chunks
+from pyfedkern.algorithms.looped import local_sgd_rows_
 
 _LINK_SEED = 811  # purpose key of the link model's seed stream
 
@@ -150,21 +150,15 @@ class _LinkAlgorithm(Algorithm):
         return np.intersect1d(self.link_model.active_indices(t), present, assume_unique=True)
 
     def train_(self, ctx: FLContext, t: int, models: torch.Tensor, clients: np.ndarray) -> torch.Tensor:
-        """Local SGD of ``clients`` from the rows of ``models`` (in place, batched in chunks that fit memory, or a
-        loop over clients); returns the per-client mean losses, float64 [k] on the device."""
+        """Local SGD of ``clients`` from the rows of ``models`` (in place, in chunks that fit memory,
+        :func:`~pyfedkern.algorithms.looped.local_sgd_rows_`); returns the per-client mean losses, float64 [k] on
+        the device."""
         with ctx.timer("local"):
-            if use_batched(ctx):
-                losses = torch.empty(len(clients), dtype=torch.float64, device=models.device)
-                for rows in client_chunks(ctx, np.arange(len(clients)), 0):
-                    a, b = int(rows[0]), int(rows[-1]) + 1
-                    losses[a:b] = batched_local_sgd_(ctx, t, models[a:b], clients[a:b])
-                return losses
-            values = []
-            for r, cid in enumerate(clients):
-                result = local_sgd(ctx, int(cid), t, models[r])
-                models[r].copy_(result.x)
-                values.append(result.loss)
-            return torch.tensor(values, dtype=torch.float64, device=models.device)
+            losses = torch.empty(len(clients), dtype=torch.float64, device=models.device)
+            for rows in client_chunks(ctx, np.arange(len(clients)), 0):
+                a, b = int(rows[0]), int(rows[-1]) + 1
+                losses[a:b] = local_sgd_rows_(ctx, t, models[a:b], clients[a:b])
+            return losses
 
 
 @dataclass

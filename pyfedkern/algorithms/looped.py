@@ -191,7 +191,7 @@ def local_sgd_rows_(ctx: FLContext, t: int, models: torch.Tensor, clients: Seque
     if len(np.unique(clients)) != k:
         raise ValueError("clients has duplicates")
     run = local_run(ctx, t, clients)
-    if np.array_equal(run.clients, clients) and models.is_contiguous():  # the rows in place (the loop's order)
+    if np.array_equal(run.clients, clients) and models.is_contiguous():  # the rows in place: the run's order
         run.sgd_(models)
         return run.losses()
     sorter = np.argsort(clients)  # row r of the run is client run.clients[r], at position where[r] of `clients`

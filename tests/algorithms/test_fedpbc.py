@@ -14,8 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from pyfedkern.algorithms import make_algorithm
+from pyfedkern.algorithms import local_run, local_sgd, make_algorithm
+from pyfedkern.algorithms.batched import BatchedLocal
 from pyfedkern.algorithms.fedpbc import FedAU
+from pyfedkern.algorithms.looped import local_sgd_rows_
 from pyfedkern.cli import main
 from pyfedkern.links import LinkModel, group_link_probs
 from pyfedkern.reproduce.pbc_quadratic import fedavg_limit, quadratic_targets, simulate_quadratic
@@ -270,6 +272,37 @@ def test_batched_local_training_equals_the_loop():
         assert np.isfinite(stats.local_loss)
     assert int(min(len(y) for y in sim.client_y)) < 64
     torch.testing.assert_close(stores[0], stores[1], rtol=1e-4, atol=1e-5)
+
+
+def test_local_sgd_rows_trains_each_row_as_its_client_on_both_paths():
+    """FedPBC's local training: each row of the models, in the clients' given order, is local_sgd of its client from
+    that row (float64, weight decay and momentum, unequal steps), batched or not, whether the run orders its rows
+    otherwise or as given."""
+    config = dataclasses.replace(
+        DIGITS, momentum=0.5, weight_decay=1e-3, batch_size=64, local_steps=None, local_epochs=1.0, dtype="float64"
+    )
+    for batched in (True, False):
+        sim, _ = _setup(config, "fedpbc", link_probs=(0.4,), batched=batched)
+        clients = np.array([2, 4, 8, 0])  # 2 and 8 take fewer steps than 4 and 0
+        run = local_run(sim, 1, clients)
+        assert isinstance(run, BatchedLocal) == batched
+        assert not np.array_equal(run.clients, clients)  # the run orders its rows by descending steps
+        for order in (clients, run.clients):
+            x0 = sim.initial_vector
+            noise = torch.randn(len(order), x0.numel(), generator=torch.Generator().manual_seed(0), dtype=x0.dtype)
+            starts = x0 + 0.01 * noise  # a different start each row
+            models = starts.clone()
+            losses = local_sgd_rows_(sim, 1, models, order)
+            for r, cid in enumerate(order):
+                expected = local_sgd(sim, int(cid), 1, starts[r])
+                assert (expected.x - starts[r]).abs().max() > 1e-3
+                torch.testing.assert_close(models[r], expected.x, rtol=0, atol=1e-12)
+                assert float(losses[r]) == pytest.approx(expected.loss, rel=1e-12)
+        assert local_sgd_rows_(sim, 1, models[:0], clients[:0]).shape == (0,)
+        with pytest.raises(ValueError, match=r"models must be \[3, d\]"):
+            local_sgd_rows_(sim, 1, models, clients[:3])
+        with pytest.raises(ValueError, match="clients has duplicates"):
+            local_sgd_rows_(sim, 1, models, np.array([2, 4, 2, 0]))
 
 
 def test_fedpbc_inactive_clients_keep_their_models_and_active_ones_get_the_average():

@@ -14,7 +14,8 @@ from torch import nn
 
 from pyfedkern import Experiment
 from pyfedkern.algorithms import ALGORITHMS, local_sgd
-from pyfedkern.algorithms.batched import batched_local_sgd_, trainer_for
+from pyfedkern.algorithms.batched import trainer_for
+from pyfedkern.algorithms.looped import local_sgd_rows_
 from pyfedkern.flat import parameters_to_vector, trainable_parameters
 
 FEATURES, CLASSES, WIDTH = 6, 3, 6
@@ -108,7 +109,7 @@ def test_local_training_equals_torch_sgd_on_both_paths(kind, act):
     start = _frozen(plain_net)
     x0 = sims[False].initial_vector
     rows = x0.expand(len(clients), -1).clone()
-    batched_local_sgd_(sims[True], 0, rows, clients)
+    local_sgd_rows_(sims[True], 0, rows, clients)
     for r, cid in enumerate(clients):
         loop = local_sgd(sims[False], int(cid), 0, x0).x
         net = copy.deepcopy(plain_net)
