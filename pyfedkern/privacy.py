@@ -312,7 +312,10 @@ class LocalDP:
     Client i's local steps are Poisson-subsampled Gaussian mechanisms at rate q_i = b_i/|D_i| (b_i = min(B, |D_i|)),
     s_i steps a round, in each of the ``rounds`` rounds it may take part in. The run is accounted for its worst-case
     client with q = max_i q_i and s = max_i s_i (an upper bound on every client's ε: ε grows with both), as
-    ``rounds``·s compositions at rate q with multiplier σ.
+    ``rounds``·s compositions at rate q with multiplier σ. With Poisson-sampled batches (``dp_sampling="poisson"``:
+    each sample in each step's batch independently with probability q_i, the sum divided by the expected size b_i)
+    that is the mechanism the steps run; with fixed-size batches cut from a shuffled order (the default) it is the
+    usual stand-in, not a proof (docs/privacy.md, section 8).
 
     Args:
         clip: C > 0, finite: the bound of each sample's gradient.
