@@ -224,6 +224,22 @@ class Algorithm:
         allows), so it holds for both paths."""
         raise NotImplementedError
 
+    def client_stores(self) -> dict[str, ClientStore]:
+        """The algorithm's per-client state, its :class:`ClientStore` members by name (what a Flower node keeps of
+        its client between rounds)."""
+        return {name: value for name, value in vars(self).items() if isinstance(value, ClientStore)}
+
+    def node_round(self, ctx: FLContext, t: int, settings: dict[str, Any]) -> tuple[Algorithm, FLContext, int]:
+        """What a Flower node runs for round t under the server's round ``settings`` (its ConfigRecord): the
+        algorithm whose :meth:`client_update` it calls, that call's context and round. By default this algorithm in
+        ``ctx`` at t; DynamicInit answers with its host algorithm in a session's or footprint's context."""
+        return self, ctx, t
+
+    def node_receive(self, cid: int, settings: dict[str, Any], restored: bool) -> None:
+        """A Flower node's start of a round, after :meth:`setup` from the server's model and the restore of client
+        ``cid``'s rows of :meth:`client_stores` (``restored``: whether the node had kept them). By default nothing;
+        FedPBC's client adopts the server's model here or keeps its own."""
+
     def state_rows_per_client(self, ctx: FLContext) -> int:
         """[d]-sized buffers per participant the batched update holds besides the model, gradient and messages
         (per-client state, recorded gradients), for the memory budget of

@@ -57,7 +57,7 @@ import numpy as np
 import torch
 
 from pyfedkern import ops
-from pyfedkern.algorithms.context import FLContext
+from pyfedkern.algorithms.context import FLContext, Team
 from pyfedkern.data.spec import is_reference
 from pyfedkern.flat import FlatLayout, pack, unpack
 from pyfedkern.ops import robust as robust_ops
@@ -1327,16 +1327,28 @@ def _simulation(config: Any) -> Any:
     return _SIMULATIONS[key]
 
 
-class _OneClient:
-    """The client's simulation (an :class:`~pyfedkern.algorithms.FLContext`) seen with num_clients = 1, so that
-    per-client stores hold one row; every other member is the simulation's."""
+class _NodeTeam(Team):
+    """A Flower node's team: the one client it trains, whose per-client state rows are all it keeps."""
 
-    def __init__(self, ctx: Any) -> None:
+    def __init__(self, cid: int) -> None:
+        self.owned = np.array([cid], dtype=np.int64)
+
+
+class _NodeContext:
+    """The client's simulation (an :class:`~pyfedkern.algorithms.FLContext`) as a node training client ``cid`` sees
+    it: a team owning that client alone, so that per-client stores hold its row only; every other member is the
+    simulation's."""
+
+    def __init__(self, ctx: Any, cid: int) -> None:
         self._ctx = ctx
-        self.num_clients = 1
+        self.team = _NodeTeam(cid)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._ctx, name)
+
+
+#: The prefix of the node's Context.state records that keep an algorithm's per-client state between rounds.
+_STATE_PREFIX = "client-state:"
 
 
 def client_train(config: Any, cid: int, server_round: int, content: RecordDict, state: RecordDict) -> RecordDict:
@@ -1345,13 +1357,14 @@ def client_train(config: Any, cid: int, server_round: int, content: RecordDict, 
     :func:`vector_arrays`), MetricRecord "metrics" with
     "num-examples" (the partition's size) and "local-loss" (the mean loss of the local steps, NaN without steps).
 
-    ``state`` is the node's persistent ``Context.state``: FedPBC keeps the client's model there, FedSpeed its h_i.
-    A user's algorithm (``package.module:Class``) runs its ``client_update`` from the received model, set up afresh
-    each round (no per-client state is kept), and uploads its message's vectors; its server step is the strategy's.
-    For "dynamic" the host's update runs in the session's context (LR restarted at ``session-start``), or, in
-    footprint round ``footprint-round`` of ``session``, in the footprint context (constant LR, its own minibatches).
+    Every algorithm, a user's own (``package.module:Class``) included, runs the same way: set up from the received
+    model in a context that owns client ``cid`` alone, its per-client state (:meth:`Algorithm.client_stores
+    <pyfedkern.algorithms.Algorithm.client_stores>`: FedPBC's x_i, FedSpeed's h_i) restored from the node's
+    persistent ``Context.state`` and saved back, the server's round settings handed to its ``node_round`` and
+    ``node_receive`` hooks (DynamicInit's sessions, FedPBC's adoption), then its :meth:`client_update
+    <pyfedkern.algorithms.Algorithm.client_update>` on the one row; it uploads the row's vectors and its server step
+    is the strategy's.
     """
-    from pyfedkern.algorithms.base import local_sgd
     from pyfedkern.sim.engine import _cpu_threads, threads_for_work
 
     if config.algorithm not in CLIENT_ALGORITHMS and not is_reference(config.algorithm):
@@ -1364,48 +1377,25 @@ def client_train(config: Any, cid: int, server_round: int, content: RecordDict, 
         raise ValueError(f"partition-id must be in [0, {sim.num_clients}), got {cid}")
     if server_round < 1:
         raise ValueError(f"server_round must be >= 1 (Flower counts rounds from 1), got {server_round}")
-    t = server_round - 1
     algo = _client_algorithm(config)
     received = content.array_records.get("arrays", ArrayRecord())
+    settings = dict(content.config_records["config"]) if "config" in content.config_records else {}
     threads = config.threads or threads_for_work(sim.batch_size * sim.local.dim, torch.get_num_threads())
     with _cpu_threads(threads):
-        if config.algorithm == "fedpbc":
-            adopt = bool(content.config_records["config"].get("pbc-adopt", True))
-            keep = not adopt and "pbc" in state.array_records
-            x = torch.from_numpy(_flat(state.array_records["pbc"])) if keep else _model_vector(received, sim)
-            result = local_sgd(sim, cid, t, x)
-            state.array_records["pbc"] = _record({MODEL_KEY: result.x.numpy()})
-            vectors, loss = {MODEL_KEY: result.x}, result.loss
-        elif config.algorithm == "fedspeed":
-            one = _OneClient(sim)
-            algo.setup(one, _model_vector(received, sim))
-            if algo.h_store is not None and "fedspeed" in state.array_records:
-                algo.h_store[0].copy_(torch.from_numpy(_flat(state.array_records["fedspeed"], "h")))
-            opt = algo.optimizer
-            opt.param_groups[0]["lr"] = sim.lr(t)
-            opt.param_groups[0]["weight_decay"] = sim.weight_decay
-            sim.local.load_(algo.x)
-            opt.begin_round(algo.h_store[0] if algo.h_store is not None else None)
-            loss = algo._local_steps(t, cid, sim)
-            upload = opt.end_round(None, include_h=True)
-            if algo.h_store is not None:
-                state.array_records["fedspeed"] = _record({"h": algo.h_store[0].numpy()})
-            vectors = {MODEL_KEY: upload}
-        elif config.algorithm == "dynamic":
-            settings = content.config_records["config"]
-            if "footprint-round" in settings:
-                view, t = algo.footprint_view(sim, int(settings["session"])), int(settings["footprint-round"])
-            else:
-                view = algo.session_view(sim, int(settings.get("session-start", 1)) - 1)
-            host = algo.make_host()
-            host.setup(view, _model_vector(received, sim))
-            message = host.client_update(t, cid, view)
-            vectors, loss = message.vectors, message.loss
-        else:
-            algo.setup(sim, _model_vector(received, sim))
-            message = algo.client_update(t, cid, sim)
-            vectors, loss = message.vectors, message.loss
-    metrics = MetricRecord({"num-examples": int(sim.client_sizes[cid]), "local-loss": float(loss)})
+        worker, ctx, t = algo.node_round(_NodeContext(sim, cid), server_round - 1, settings)
+        worker.setup(ctx, _model_vector(received, sim))
+        stores = worker.client_stores()
+        kept = {name: _STATE_PREFIX + name for name in stores}
+        restored = bool(stores) and all(key in state.array_records for key in kept.values())
+        if restored:
+            for name, store in stores.items():
+                store[cid].copy_(torch.from_numpy(_flat(state.array_records[kept[name]], name)))
+        worker.node_receive(cid, settings, restored)
+        updates = worker.client_update(t, np.array([cid], dtype=np.int64), ctx)
+        for name, store in stores.items():
+            state.array_records[kept[name]] = _record({name: store[cid].numpy()})
+    vectors = {name: rows[0] for name, rows in updates.vectors.items()}
+    metrics = MetricRecord({"num-examples": int(sim.client_sizes[cid]), "local-loss": float(updates.losses[0])})
     arrays = vector_arrays(vectors, sim.local.flat.layout)
     return RecordDict({"arrays": arrays, "metrics": metrics})
 

@@ -634,7 +634,7 @@ def test_dynamic_client_uses_the_footprint_lr_and_its_own_minibatches():
     view = sim.algorithm.footprint_view(sim, 3)
     assert view.lr(0) == pytest.approx(0.25 * 0.1)
     algo.setup(view, torch.from_numpy(x0))
-    expected = algo.client_update(0, 0, view).vectors["model"].numpy()
+    expected = algo.client_update(0, np.array([0]), view).vectors["model"][0].numpy()
     np.testing.assert_allclose(_vector(config, footprint["arrays"]), expected, atol=1e-6)
     assert np.abs(_vector(config, footprint["arrays"]) - _vector(config, training["arrays"])).max() > 1e-4
 
@@ -677,10 +677,10 @@ def test_client_train_equals_sim_client_update():
     sim = Simulation(config)
     algo = make_algorithm("fedavg")
     algo.setup(sim, sim.initial_vector)
-    expected = algo.client_update(1, 2, sim)
+    expected = algo.client_update(1, np.array([2]), sim)
     x0 = sim.initial_vector.numpy()
     reply = pf.client_train(config, 2, 2, _server_content(config, x0, 2), RecordDict())
-    np.testing.assert_allclose(_vector(config, reply["arrays"]), expected.vectors["model"].numpy(), atol=1e-6)
+    np.testing.assert_allclose(_vector(config, reply["arrays"]), expected.vectors["model"][0].numpy(), atol=1e-6)
     assert reply["metrics"]["num-examples"] == sim.client_sizes[2]
 
 
@@ -783,7 +783,7 @@ def test_client_fedspeed_matches_sim_round():
         uploads = [pf.client_train(config, c, rnd, _server_content(config, x, rnd), states[c]) for c in range(3)]
         x = np.mean([_vector(config, u["arrays"]) for u in uploads], axis=0)
     np.testing.assert_allclose(x, sim.algorithm.global_model().numpy(), atol=1e-5)
-    assert "fedspeed" in states[0].array_records  # h_i lives on the client
+    assert "client-state:h_store" in states[0].array_records  # h_i lives on the client
 
 
 def _client_grid(config):
