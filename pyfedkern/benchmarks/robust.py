@@ -5,7 +5,8 @@ coordinate median vs Flower's ``aggregate_median``, ``np.median(axis=0)`` and ``
 lower median for even K: a peer, not the same numbers); trimmed mean (β = 0.1) vs ``aggregate_trimmed_avg`` and a
 ``torch.sort``-based mean; Krum's choice (f = K/10) vs ``aggregate_krum`` and ``torch.cdist`` + topk; Bulyan vs
 ``aggregate_bulyan``. Limits: a copy of the rows (the memory limit of a one-pass rule) and, for Krum, the Gram
-product X·Xᵀ alone.
+product X·Xᵀ alone. Krum runs twice: on the ``torch.randn`` rows (updates around 0) and on model-like rows (a common
+``torch.randn`` vector plus 0.01 times other ``torch.randn`` rows), whose Gram product has to be taken around a row.
 
 Sizes: K ∈ {10, 50, 100} × d ∈ {10⁵, 1.6·10⁶, 1.1·10⁷}; ``PYFEDKERN_BENCH_ROBUST="K:d,K:d"`` picks a subset
 (``--quick``: 10:100000 and 50:100000). Flower's Krum and Bulyan compute K² distances in a Python loop (and Bulyan
@@ -84,6 +85,14 @@ def cases(quick: bool = False, device: str = "cpu") -> list[Case]:
             cut = int(BETA * K)
             return lambda: torch.sort(a["X"], dim=0).values[cut : K - cut].mean(0)
 
+        def models(K: int = K, d: int = d) -> dict:  # a common part: K trained models (built when first timed)
+            def build() -> dict:
+                gen = torch.Generator().manual_seed(1)
+                common = torch.randn(d, generator=gen)
+                return {"X": (common + 0.01 * torch.randn(K, d, generator=gen)).to(device)}
+
+            return cache.get((K, d, device, "models"), build)
+
         def krum(inputs=inputs, f=f):
             a = inputs()
             return lambda: a["X"][int(ops.krum_select(a["X"], f)[0])]
@@ -121,12 +130,17 @@ def cases(quick: bool = False, device: str = "cpu") -> list[Case]:
                 [("pyfedkern krum_select", krum), ("torch.cdist + topk", torch_cdist_krum), ("limit:gram X@X.T", gram)],
             ),
             (f"bulyan f={f} {where}", [("pyfedkern", bulyan)]),
+            (
+                f"krum models f={f} {where}",
+                [("pyfedkern krum_select", lambda: krum(models)), ("limit:gram X@X.T", lambda: gram(models))],
+            ),
         ]
         large = K * d > LARGE
         if large:  # the peers copy or sort the stack (gigabytes at K=100, d=1.1e7; minutes per call): left out
             groups = [
                 (group, [peer for peer in peers if peer[0].startswith(("pyfedkern", "limit"))])
-                for group, peers in groups[:3]
+                for group, peers in groups
+                if not group.startswith("bulyan")
             ]
         if device == "cpu" and not large:
             from flwr.server.strategy import aggregate as flower
@@ -158,8 +172,8 @@ def cases(quick: bool = False, device: str = "cpu") -> list[Case]:
                 groups[2][1].append(("flower aggregate_krum", flower_krum))
             if K >= 4 * f + 3 and (K - 2 * f) * K * K * d <= FLOWER_BULYAN_MAX:
                 groups[3][1].append(("flower aggregate_bulyan", flower_bulyan))
-        if K < 4 * f + 3 and not large:
-            groups.pop()  # Bulyan needs K >= 4f + 3
+        if K < 4 * f + 3:  # Bulyan needs K >= 4f + 3
+            groups = [(group, peers) for group, peers in groups if not group.startswith("bulyan")]
         rounds = 1 if large else None
         for group, peers in groups:
             out += [Case(group, name, make, nbytes, 0, device, rounds=rounds) for name, make in peers]

@@ -283,23 +283,28 @@ def _traced(name: str, updates: Any, out: Any, *args: Any) -> Any:
 # Krum and Bulyan -------------------------------------------------------------------------------------------------
 
 
-def _medoid(dist: Any) -> int:
-    """The row of a [K, K] squared-distance matrix with the smallest median distance to the rows (itself included;
-    ties: lowest index). A row more than the median distance from over half of the rows is never it."""
-    return int(np.argmin(np.median(np.asarray(dist), axis=0)))
+def _mid(values: np.ndarray) -> np.ndarray:
+    """The middle values along axis 0 (rank ⌊K/2⌋ of K, counting from 0: the upper one for even K)."""
+    return np.sort(values, axis=0)[values.shape[0] // 2]
+
+
+def _medoid(dist: np.ndarray) -> int:
+    """The row of a [K, K] squared-distance matrix with the smallest middle distance (:func:`_mid`) to the rows
+    (itself included; ties: lowest index). A row farther than that from over half of the rows is never it."""
+    return int(np.argmin(_mid(dist)))
 
 
 def _probe(x: Any) -> int | None:
     """The shift row of :func:`_gram` for a torch [K, d] tensor, from _PROBE_COLUMNS columns spread over d (in
-    float64): None (no shift) when the raw rows' median squared norm is at most the median squared distance of the
-    rows to their medoid (:func:`_medoid`), else the medoid's index."""
+    float64): None (no shift) when the raw rows' middle squared norm (:func:`_mid`) is at most their middle squared
+    distance to their medoid (:func:`_medoid`), else the medoid's index."""
     d = x.shape[1]
     sample = x[:, :: max(1, d // _PROBE_COLUMNS)].double().cpu().numpy()
     with np.errstate(all="ignore"):  # non-finite rows are reported after the Gram product
         norms = np.einsum("kj,kj->k", sample, sample)
         dist = norms[:, None] + norms[None, :] - 2.0 * (sample @ sample.T)  # float64: coarse only for extreme offsets
     k = _medoid(dist)
-    return None if np.median(norms) <= np.median(dist[:, k]) else k
+    return None if _mid(norms) <= _mid(dist[:, k]) else k
 
 
 def _gram(x: Any, shift: int | None) -> np.ndarray:
@@ -329,8 +334,8 @@ def _squared_distances(op: str, updates: Any, rows: RowSet) -> tuple[np.ndarray,
     ‖x_i − s‖² + ‖x_j − s‖². :func:`_probe` picks s on a sample of columns: no shift for rows spread around a small
     mean (updates), else the medoid row (models: rows sharing a large common part, whose raw Gram product cancels).
     A medoid is close to at least half of the rows, so an outlying row (an attacker's huge update) is never s. If
-    the full product shows that the sample misled (the median of the used ‖x_k − s‖² above 4 times the median
-    distance to the medoid of the full distances), the product is taken once more, shifted by that medoid."""
+    the full product shows that the sample misled (the middle ‖x_k − s‖² above 4 times the middle distance to the
+    medoid of the full distances), the product is taken once more, shifted by that medoid."""
     x = _torch_view(_stack(updates, rows))
     shift = _probe(x)
     for attempt in range(2):
@@ -341,7 +346,7 @@ def _squared_distances(op: str, updates: Any, rows: RowSet) -> tuple[np.ndarray,
         dist = np.maximum(diag[:, None] + diag[None, :] - 2.0 * g, 0.0)
         np.fill_diagonal(dist, 0.0)
         best = _medoid(dist)
-        if attempt or np.median(diag) <= 4.0 * np.median(dist[:, best]):
+        if attempt or _mid(diag) <= 4.0 * _mid(dist[:, best]):
             break
         shift = best
     bound = tie_rel_tol(rows.first.dtype, rows.d) * 2.0 * (diag[:, None] + diag[None, :])
@@ -376,7 +381,7 @@ def krum_scores(updates: Any, f: int) -> Any:
     Distances come from one Gram product (see the module docstring): each is accurate to about max(8, √d) ulps of
     the GEMM dtype (float32 unless the rows are float64) times ‖x_i − s‖² + ‖x_j − s‖², s = 0 for rows spread
     around a small mean and otherwise a row close to at least half of the rows (their medoid; at worst the
-    median ‖x_k − s‖² is 4 times the median distance to the medoid); not to the rounding of a direct ‖x_i − x_j‖².
+    middle ‖x_k − s‖² is 4 times the middle distance to the medoid); not to the rounding of a direct ‖x_i − x_j‖².
     """
     _declare.refuse_grad("krum_scores", ("updates",), updates)
     if _declare.operator_needed(updates):
