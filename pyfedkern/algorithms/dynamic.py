@@ -220,7 +220,9 @@ class InitialModelBuilder:
 
 
 class DistillationLocal:
-    """A LocalModel whose objective adds κ·KL(softmax(teacher(x)) ‖ softmax(student(x))) (Continuous baseline)."""
+    """A LocalModel whose objective adds κ·KL(softmax(teacher(x)) ‖ softmax(student(x))) (Continuous baseline):
+    :meth:`loss_and_grad` and :meth:`sgd_step_` on the loop, ``teacher`` and ``kd_weight`` on the batched path
+    (:class:`~pyfedkern.algorithms.batched.BatchedLocal`)."""
 
     def __init__(self, local: Any, teacher: torch.Tensor, kd_weight: float) -> None:
         self._local = local
@@ -245,6 +247,17 @@ class DistillationLocal:
         total = loss + self.kd_weight * kd
         total.backward()
         return float(total.detach())
+
+    def sgd_step_(self, x: torch.Tensor, y: torch.Tensor, lr: float) -> float:
+        """One plain SGD step of the distillation objective on a batch (:meth:`loss_and_grad`, then
+        p ← p − lr·∇p); returns the objective's value."""
+        loss = self.loss_and_grad(x, y)
+        self.flat.data.add_(self.flat.grad, alpha=-lr)
+        return loss
+
+    def private_loss_and_grad(self, dp: Any, x: torch.Tensor, y: torch.Tensor, key: tuple[int, ...]) -> float:
+        """Refused, as on the batched path: DP-SGD's per-sample gradients leave out the distillation term."""
+        raise ValueError("dpsgd: local DP-SGD with a distillation teacher is not supported")
 
 
 def session_groups(ctx: FLContext) -> tuple[list[np.ndarray], list[np.ndarray | None]]:

@@ -4,6 +4,7 @@ similarity-weighted initial model and its limits, the baselines, resume, the his
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -14,6 +15,7 @@ from pyfedkern import ops
 from pyfedkern.algorithms import make_algorithm
 from pyfedkern.algorithms.dynamic import DynamicInit, SessionContext, parse_host_params, transition_accuracy
 from pyfedkern.algorithms.history import SessionHistory
+from pyfedkern.dpsgd import DPSGD
 from pyfedkern.sim.config import ExperimentConfig
 from pyfedkern.sim.engine import Simulation
 
@@ -145,6 +147,32 @@ def test_previous_continues_and_continuous_distils():
     assert accs[0] == accs[1]  # κ = 0 is Previous exactly
     assert accs[2][: 2 * T + 1] == accs[0][: 2 * T + 1]  # no teacher before the second post-pilot session
     assert accs[2][2 * T + 1 :] != accs[0][2 * T + 1 :]
+
+
+def _continuous_rounds(batched: bool, kd_weight: float = 1.0, dpsgd: DPSGD | None = None) -> torch.Tensor:
+    """The global model after three sessions of the Continuous baseline with plain SGD (float64), its distillation
+    teacher set from the third; batched or on the per-client loop."""
+    cfg = dataclasses.replace(
+        config("continuous", sessions=3, kd_weight=kd_weight), dtype="float64", momentum=0.0, weight_decay=0.0
+    )
+    sim = Simulation(dataclasses.replace(cfg, batched=batched))
+    sim.dpsgd = dpsgd
+    algo = sim.algorithm
+    algo.setup(sim, sim.initial_vector)
+    for t in range(cfg.rounds):
+        algo.round(t, sim)
+    return algo.global_model()
+
+
+def test_continuous_distils_on_both_paths_with_plain_sgd():
+    """Plain SGD's fast step on the loop takes the distillation term too: the loop equals the batched path (float64)
+    and differs from κ = 0; local DP-SGD with a teacher is refused on both paths."""
+    loop = _continuous_rounds(False)
+    torch.testing.assert_close(loop, _continuous_rounds(True), rtol=1e-10, atol=1e-12)
+    assert (loop - _continuous_rounds(False, kd_weight=0.0)).abs().max() > 1e-6
+    for batched in (True, False):
+        with pytest.raises(ValueError, match="distillation teacher is not supported"):
+            _continuous_rounds(batched, dpsgd=DPSGD(0.5, 1.0, seed=3))
 
 
 def test_sessions_reset_the_host_state_and_lr_schedule():
