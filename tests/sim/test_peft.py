@@ -96,10 +96,10 @@ def test_only_the_adapters_train_and_the_paths_agree(tmp_path):
 def test_an_upload_holds_the_adapters_only():
     sim = _experiment(False).simulation
     sim.algorithm.setup(sim, sim.initial_vector)
-    message = sim.algorithm.client_update(0, 1, sim)
-    assert {name: v.shape for name, v in message.vectors.items()} == {"model": (sim.local.dim,)}
+    updates = sim.algorithm.client_update(0, np.array([1]), sim)
+    assert {name: v.shape for name, v in updates.vectors.items()} == {"model": (1, sim.local.dim)}
     module = sim.local.module
-    assert torch.equal(parameters_to_vector(module, torch.float64), message.vectors["model"])  # loaded, as trained
+    assert torch.equal(parameters_to_vector(module, torch.float64), updates.vectors["model"][0])  # loaded, as trained
 
 
 def test_a_model_vmap_cannot_run_takes_the_loop_and_says_why(caplog):

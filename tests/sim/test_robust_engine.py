@@ -75,14 +75,14 @@ def test_krum_moves_the_global_model_to_one_client_s_model(monkeypatch):
     algo = sim.algorithm
     algo.setup(sim, sim.initial_vector)
     uploads = []
-    updates = algo.client_updates
+    updates = algo.client_update
 
     def recording(t, clients, ctx):
         out = updates(t, clients, ctx)
         uploads.append(out.vectors["model"].clone())
         return out
 
-    monkeypatch.setattr(algo, "client_updates", recording)
+    monkeypatch.setattr(algo, "client_update", recording)
     algo.round(0, sim)
     rows = torch.cat(uploads)
     distance = (rows - algo.global_model()).abs().amax(dim=1)
