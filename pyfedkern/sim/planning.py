@@ -149,8 +149,8 @@ class BatchPlanner:
     def counts(
         self, clients: np.ndarray, epochs: float | None, steps: int | None, drop_last: bool, batch_size: int | None
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(samples n, batch size min(B, n), local steps) of each client (:func:`step_counts`; E and B the run's
-        unless given)."""
+        """(samples n, batch size min(B, n), local steps) of each client
+        (:func:`~pyfedkern.algorithms.context.step_counts`; E and B the run's unless given)."""
         n = self.client_sizes[clients]
         epochs = epochs if epochs is not None else self.local_epochs
         return n, *step_counts(n, batch_size or self.batch_size, epochs, steps, drop_last)
