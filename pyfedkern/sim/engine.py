@@ -304,6 +304,8 @@ class Simulation(FLContext):
 
         The number of steps is ``steps`` if given, else ⌈E·n/B⌉ (⌊E·n/B⌋ with drop_last); epoch e of round t uses
         the permutation of the seeded stream (t, cid, e) ("reshuffle") or one fixed permutation per client ("fixed").
+        With ``dp_sampling="poisson"`` each step's batch is instead a Poisson sample of the client's data at rate
+        min(B, n)/n (:mod:`~pyfedkern.sim.planning`), possibly empty.
         """
         return self.batch_plans(
             [cid], t, epochs=epochs, steps=steps, order=order, drop_last=drop_last, batch_size=batch_size
