@@ -439,7 +439,8 @@ class FLContext:
     ) -> np.ndarray:
         """Local steps int64 [k] that :meth:`batches` gives ``clients`` with these arguments (defaults: the run's
         local_steps if set, else local_epochs, and B): ``steps``, else ⌈E·|D_i|/b⌉ (⌊E·|D_i|/b⌋ with drop_last),
-        b = min(B, |D_i|) (:func:`step_counts`). A context whose batches count otherwise overrides it."""
+        b = min(B, |D_i|) (:func:`~pyfedkern.algorithms.context.step_counts`). A context whose batches count
+        otherwise overrides it."""
         if steps is None and epochs is None:
             steps, epochs = self.local_steps, self.local_epochs
         sizes = self.client_sizes[np.asarray(clients, dtype=np.int64).reshape(-1)]
