@@ -29,10 +29,10 @@ class LoopedLocal:
     """The local training of k clients in round t, one client at a time on ``ctx.local``; the interface of
     :class:`~pyfedkern.algorithms.batched.BatchedLocal` (the arguments and attributes are the same).
 
-    Row r is client ``clients[r]``, ordered by descending number of steps as on the batched path. Each :class:`~pyfedkern.algorithms.batched.Step` of
-    :meth:`run` covers one row (``step.span`` = r:r+1): ``step.x`` is a [1, d] view of the loaded model's parameters,
-    ``step.xb``/``step.yb`` the client's minibatch with a leading dimension of 1. The row of ``models`` is written
-    when the client's last step is done.
+    Row r is client ``clients[r]``, ordered by descending number of steps as on the batched path. Each
+    :class:`~pyfedkern.algorithms.batched.Step` of :meth:`run` covers one row (``step.span`` = r:r+1): ``step.x`` is
+    a [1, d] view of the loaded model's parameters, ``step.xb``/``step.yb`` the client's minibatch with a leading
+    dimension of 1. The row of ``models`` is written when the client's last step is done.
     """
 
     def __init__(
@@ -81,7 +81,8 @@ class LoopedLocal:
             )
 
     def run(self, models: torch.Tensor) -> Iterator[Step]:
-        """The local steps over ``models`` [k, d]: row after row, one :class:`Step` per minibatch step."""
+        """The local steps over ``models`` [k, d]: row after row, one :class:`~pyfedkern.algorithms.batched.Step`
+        per minibatch step."""
         if models.dim() != 2 or models.shape[0] != len(self):
             raise ValueError(f"models must be a [{len(self)}, d] tensor, got shape {tuple(models.shape)}")
         local = self.ctx.local
@@ -173,7 +174,7 @@ def local_run(
 ) -> LocalRun:
     """The local training of ``clients`` in round t: batched (:class:`~pyfedkern.algorithms.batched.BatchedLocal`)
     when the context and its model allow it (:func:`~pyfedkern.algorithms.batched.use_batched`), else one client
-    after another (:class:`LoopedLocal`). Arguments as for either."""
+    after another (:class:`~pyfedkern.algorithms.looped.LoopedLocal`). Arguments as for either."""
     kind = BatchedLocal if use_batched(ctx) else LoopedLocal
     return kind(ctx, t, clients, order=order, drop_last=drop_last, epochs=epochs, steps=steps, lr=lr)
 
@@ -224,9 +225,10 @@ def local_sgd(
     correction: Correction | None = None,
     weight_decay: float | None = None,
 ) -> LocalResult:
-    """Minibatch SGD of client cid from x0 [d] on ``ctx.local`` (a user's own loop): :meth:`LoopedLocal.sgd_` of one
-    row, ``correction(g, step)`` called with g the [1, d] direction after weight decay (default ``ctx.weight_decay``).
-    epochs / steps: local work (defaults: ctx.local_steps if set, else ctx.local_epochs)."""
+    """Minibatch SGD of client cid from x0 [d] on ``ctx.local`` (a user's own loop):
+    :meth:`~pyfedkern.algorithms.looped.LoopedLocal.sgd_` of one row, ``correction(g, step)`` called with g the
+    [1, d] direction after weight decay (default ``ctx.weight_decay``). epochs / steps: local work (defaults:
+    ctx.local_steps if set, else ctx.local_epochs)."""
     run = LoopedLocal(ctx, t, [cid], order=order, drop_last=drop_last, epochs=epochs, steps=steps, lr=lr)
     models = run.sgd_(run.start(x0), correction=correction, weight_decay=weight_decay)
     loss = float(run.losses()[0]) if run.steps[0] else math.nan
