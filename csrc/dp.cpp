@@ -4,12 +4,12 @@
 // norms (float64 partial sums per column chunk, combined in chunk order), then the scaled sum (column tiles that stay
 // in L1 while every row streams through once, rows added in row order). Results do not depend on the thread count.
 //
-// gaussian_noise: x += std * z, z standard normal from a counter-based generator: Philox4x32-10 (Salmon et al. 2011)
-// keyed by the 64-bit seed, its counter (block index, 64-bit stream), each block's four 32-bit words turned into four
-// normals by Box-Muller. The logarithm, sine and cosine are polynomials of +, -, *, / and sqrt only (the build uses
-// -ffp-contract=off), so the NumPy reference (pyfedkern.reference.dp) computes the same bits, and so does every ISA
-// (one vector code, 8 floats or 4 doubles per vector, for SSE2, AVX2 and AVX-512). Element i of the vector takes lane
-// (i % 256) / 64 of block (i / 256) * 64 + i % 64: 64 blocks fill 256 consecutive elements, lane by lane.
+// gaussian_noise: x += std * z, z standard normal from a counter-based generator: ARS-7 (AES rounds, Salmon et al.
+// 2011) keyed by the 64-bit seed, its counter (block index, 64-bit stream), the blocks' 32-bit words turned into
+// normals by Box-Muller, two words for two normals. The logarithm, sine and cosine are polynomials of +, -, *, / and
+// sqrt only (the build uses -ffp-contract=off), so the NumPy reference (pyfedkern.reference.dp) computes the same
+// bits, and so does every ISA (one vector code, 8 floats or 4 doubles per vector, for SSE2, AVX2 and AVX-512) and
+// every AES path (portable tables, AES-NI, VAES). Word j of the stream (word j % 4 of block j / 4) feeds element j.
 #include <pybind11/numpy.h>
 
 #include <algorithm>
@@ -151,26 +151,158 @@ void clip_accumulate(const std::string& dtype_name, int64_t d, uintptr_t out, in
 
 // ---- gaussian_noise -------------------------------------------------------------------------------------------
 //
-// Written once with GCC vector extensions (32-byte vectors of floats or doubles) and compiled for each ISA, which
-// maps the vectors to its registers; the only ISA-specific code is the high half of a 32x32-bit product. Every lane
-// performs the same IEEE operations as the reference's scalar code, so all ISAs give the same bits.
+// The words come from ARS-7 (below), in portable code or in AES-NI/VAES instructions, with the same bits. Box-Muller
+// is written once with GCC vector extensions (32-byte vectors of floats or doubles) and compiled for each ISA, which
+// maps the vectors to its registers. Every lane performs the same IEEE operations as the reference's scalar code, so
+// every ISA and every AES path gives the same bits.
 
-// GCC reports Philox's state arrays as maybe uninitialised in the AVX-512 build (they are initialised).
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+// ARS-7 (Salmon et al. 2011): block = AES rounds of the 128-bit counter (block index, stream) under round keys that
+// start at (seed, 0) and add a Weyl increment to each 64-bit half per round; the last round omits MixColumns.
+constexpr int kArsRounds = 7;
+constexpr uint64_t kWeylLo = 0x9E3779B97F4A7C15ull, kWeylHi = 0xBB67AE8584CAA73Bull;
+constexpr int kBlocks = 64;                   // ARS blocks (four 32-bit words each) per chunk
+constexpr int64_t kChunkElems = 4 * kBlocks;  // elements per chunk: one per word
 
-constexpr uint32_t kPhiloxM0 = 0xD2511F53u, kPhiloxM1 = 0xCD9E8D57u;
-constexpr uint32_t kPhiloxW0 = 0x9E3779B9u, kPhiloxW1 = 0xBB67AE85u;
-constexpr int kBlocks = 64;                   // Philox blocks per chunk
-constexpr int64_t kChunkElems = 4 * kBlocks;  // elements per chunk
+// The round keys as 64-bit halves (lo, hi): the same memory as four little-endian 32-bit words.
+struct ArsKey {
+  uint64_t k[kArsRounds + 1][2];
+};
+inline ArsKey ars_key(uint64_t seed) {
+  ArsKey key{};
+  for (int r = 0; r <= kArsRounds; ++r) key.k[r][0] = seed + uint64_t(r) * kWeylLo, key.k[r][1] = uint64_t(r) * kWeylHi;
+  return key;
+}
 
-// The float type's constants of Box-Muller: bits of the uniforms taken from a 32-bit word, the polynomials' degrees.
+// How the AES rounds run: portable table code, AES-NI on 16-byte vectors, or VAES on 32-byte vectors (AVX2 and up).
+enum class Aes { Soft, Ni, Vaes };
+
+inline Aes cpu_aes() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const Aes aes = !__builtin_cpu_supports("aes")                                 ? Aes::Soft
+                         : __builtin_cpu_supports("vaes") && cpu_isa() != Isa::Baseline ? Aes::Vaes
+                                                                                        : Aes::Ni;
+  return aes;
+#else
+  return Aes::Soft;
+#endif
+}
+
+// The portable AES round: S-box from the GF(2^8) inverse and the affine map, and T0[x] = the column (2S, S, S, 3S).
+constexpr uint8_t gf_mul(uint8_t a, uint8_t b) {
+  uint8_t p = 0;
+  for (int i = 0; i < 8; ++i, b >>= 1) {
+    if (b & 1) p ^= a;
+    a = uint8_t((a << 1) ^ (a & 0x80 ? 0x1B : 0));
+  }
+  return p;
+}
+struct AesTables {
+  uint8_t sbox[256];
+  uint32_t t0[256];
+};
+constexpr AesTables make_aes_tables() {
+  AesTables t{};
+  for (int x = 0; x < 256; ++x) {
+    uint8_t inv = 1, sq = uint8_t(x);  // x^254 = x^2 x^4 ... x^128 (0 for 0)
+    for (int i = 1; i < 8; ++i) sq = gf_mul(sq, sq), inv = gf_mul(inv, sq);
+    const auto rotl8 = [](uint8_t v, int n) { return uint8_t((v << n) | (v >> (8 - n))); };
+    const uint8_t s = uint8_t(inv ^ rotl8(inv, 1) ^ rotl8(inv, 2) ^ rotl8(inv, 3) ^ rotl8(inv, 4) ^ 0x63);
+    t.sbox[x] = s;
+    t.t0[x] = uint32_t(gf_mul(s, 2)) | uint32_t(s) << 8 | uint32_t(s) << 16 | uint32_t(gf_mul(s, 3)) << 24;
+  }
+  return t;
+}
+constexpr AesTables kAes = make_aes_tables();
+
+inline uint32_t rotl32(uint32_t v, int n) {
+  return (v << n) | (v >> (32 - n));
+}
+
+// One AES round on four little-endian words (byte r of column c = byte r of word c): ShiftRows, SubBytes,
+// MixColumns unless `last`, then the round key.
+inline void aes_round_soft(uint32_t* s, const uint64_t* key, bool last) {
+  uint32_t k[4];
+  std::memcpy(k, key, sizeof(k));
+  uint32_t o[4];
+  for (int c = 0; c < 4; ++c) {
+    const uint8_t a0 = uint8_t(s[c]), a1 = uint8_t(s[(c + 1) % 4] >> 8), a2 = uint8_t(s[(c + 2) % 4] >> 16),
+                  a3 = uint8_t(s[(c + 3) % 4] >> 24);
+    o[c] = last ? uint32_t(kAes.sbox[a0]) | uint32_t(kAes.sbox[a1]) << 8 | uint32_t(kAes.sbox[a2]) << 16 |
+                      uint32_t(kAes.sbox[a3]) << 24
+                : kAes.t0[a0] ^ rotl32(kAes.t0[a1], 8) ^ rotl32(kAes.t0[a2], 16) ^ rotl32(kAes.t0[a3], 24);
+  }
+  for (int c = 0; c < 4; ++c) s[c] = o[c] ^ k[c];
+}
+
+// ARS-7 of blocks first .. first + 63 to w[4 * b + word].
+inline void ars_blocks_soft(uint64_t first, const ArsKey& key, uint64_t stream, uint32_t* w) {
+  for (int b = 0; b < kBlocks; ++b) {
+    const uint64_t ctr[2] = {(first + uint64_t(b)) ^ key.k[0][0], stream ^ key.k[0][1]};
+    uint32_t s[4];
+    std::memcpy(s, ctr, sizeof(s));
+    for (int r = 1; r <= kArsRounds; ++r) aes_round_soft(s, key.k[r], r == kArsRounds);
+    std::memcpy(w + 4 * b, s, sizeof(s));
+  }
+}
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("aes"))) inline void ars_blocks_ni(uint64_t first, const ArsKey& key, uint64_t stream,
+                                                         uint32_t* w) {
+  constexpr int kV = 8;  // blocks in flight
+  __m128i rk[kArsRounds + 1];
+  for (int r = 0; r <= kArsRounds; ++r) rk[r] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(key.k[r]));
+  for (int b = 0; b < kBlocks; b += kV) {
+    const __m128i base = _mm_set_epi64x(static_cast<int64_t>(stream), static_cast<int64_t>(first + uint64_t(b)));
+    __m128i v[kV];
+    for (int j = 0; j < kV; ++j) v[j] = _mm_xor_si128(_mm_add_epi64(base, _mm_set_epi64x(0, j)), rk[0]);
+    for (int r = 1; r < kArsRounds; ++r) {
+      for (int j = 0; j < kV; ++j) v[j] = _mm_aesenc_si128(v[j], rk[r]);
+    }
+    for (int j = 0; j < kV; ++j) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(w + 4 * (b + j)), _mm_aesenclast_si128(v[j], rk[kArsRounds]));
+    }
+  }
+}
+__attribute__((target("avx2,aes,vaes"))) inline void ars_blocks_vaes(uint64_t first, const ArsKey& key, uint64_t stream,
+                                                                     uint32_t* w) {
+  constexpr int kV = 8;  // vectors of two blocks in flight
+  __m256i rk[kArsRounds + 1];
+  for (int r = 0; r <= kArsRounds; ++r) {
+    rk[r] = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(key.k[r])));
+  }
+  const int64_t s = static_cast<int64_t>(stream);
+  for (int b = 0; b < kBlocks; b += 2 * kV) {
+    const uint64_t at = first + uint64_t(b);
+    const __m256i base = _mm256_set_epi64x(s, static_cast<int64_t>(at + 1), s, static_cast<int64_t>(at));
+    __m256i v[kV];
+    for (int j = 0; j < kV; ++j) {
+      v[j] = _mm256_xor_si256(_mm256_add_epi64(base, _mm256_set_epi64x(0, 2 * j, 0, 2 * j)), rk[0]);
+    }
+    for (int r = 1; r < kArsRounds; ++r) {
+      for (int j = 0; j < kV; ++j) v[j] = _mm256_aesenc_epi128(v[j], rk[r]);
+    }
+    for (int j = 0; j < kV; ++j) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + 4 * (b + 2 * j)),
+                          _mm256_aesenclast_epi128(v[j], rk[kArsRounds]));
+    }
+  }
+}
+#endif
+template <Aes M>
+inline void ars_blocks(uint64_t first, const ArsKey& key, uint64_t stream, uint32_t* w) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if constexpr (M == Aes::Vaes) return ars_blocks_vaes(first, key, stream, w);
+  if constexpr (M == Aes::Ni) return ars_blocks_ni(first, key, stream, w);
+#endif
+  ars_blocks_soft(first, key, stream, w);
+}
+
+// The float type's constants of Box-Muller: bits of the uniforms taken from a 32-bit word, the polynomials' terms.
 template <typename A>
 struct Normal;
 template <>
 struct Normal<float> {
   static constexpr int kBits = 24;  // the word's top 24 bits
-  static constexpr int kLogTerms = 6, kSinTerms = 5, kCosTerms = 6;
+  static constexpr int kLogTerms = 5, kSinTerms = 5, kCosTerms = 5;
 };
 template <>
 struct Normal<double> {
@@ -178,7 +310,7 @@ struct Normal<double> {
   static constexpr int kLogTerms = 12, kSinTerms = 9, kCosTerms = 10;
 };
 
-constexpr double kLn2 = 0.6931471805599453, kSqrtHalf = 0.7071067811865476, kHalfPi = 1.5707963267948966;
+constexpr double kLn2 = 0.6931471805599453, kHalfPi = 1.5707963267948966;
 
 constexpr double factorial(int n) {
   return n <= 1 ? 1.0 : n * factorial(n - 1);
@@ -213,7 +345,8 @@ struct Lanes<float> {
   using W = uint32_t __attribute__((vector_size(32)));  // the generator's words
   using J = int32_t __attribute__((vector_size(32)));   // int32 lanes
   using B = uint32_t;
-  static constexpr int kMant = 23, kExpBias = 126;  // frexp's: m in [0.5, 1)
+  static constexpr int kMant = 23, kExpBias = 127;
+  static constexpr B kHalfRoot = 0x3F3504F3u;  // float(sqrt(1/2))'s bits
 };
 template <>
 struct Lanes<double> {
@@ -224,103 +357,22 @@ struct Lanes<double> {
   using W = uint32_t __attribute__((vector_size(16)));
   using J = int32_t __attribute__((vector_size(16)));
   using B = uint64_t;
-  static constexpr int kMant = 52, kExpBias = 1022;
+  static constexpr int kMant = 52, kExpBias = 1023;
+  static constexpr B kHalfRoot = 0x3FE6A09E667F3BCDull;
 };
 
-// Philox's state: one 32-bit word of 8 consecutive blocks per vector, two such vectors interleaved (for latency).
-constexpr int kPhiloxLanes = 8, kPhiloxVectors = 2;
-using w32v = uint32_t __attribute__((vector_size(4 * kPhiloxLanes)));
-
-// The high 32 bits of the lanes' 64-bit products a * b (even lanes, then the odd lanes shifted down, blended).
-// The kernels below are plain `inline` and flattened into one function per ISA, where these intrinsics inline.
-#if defined(__x86_64__) && defined(__GNUC__)
-inline __m128i mulhi_sse2(__m128i x, __m128i y) {
-  const __m128i even_hi = _mm_srli_epi64(_mm_mul_epu32(x, y), 32);
-  const __m128i odd_hi = _mm_mul_epu32(_mm_srli_epi64(x, 32), _mm_srli_epi64(y, 32));
-  const __m128i odd = _mm_set_epi32(-1, 0, -1, 0);
-  return _mm_or_si128(_mm_andnot_si128(odd, even_hi), _mm_and_si128(odd, odd_hi));
-}
-inline w32v mulhi_sse2(w32v a, w32v b) {
-  using q32v = uint32_t __attribute__((vector_size(16)));
-  const q32v a0 = __builtin_shufflevector(a, a, 0, 1, 2, 3), a1 = __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  const q32v b0 = __builtin_shufflevector(b, b, 0, 1, 2, 3), b1 = __builtin_shufflevector(b, b, 4, 5, 6, 7);
-  const q32v h0 = reinterpret_cast<q32v>(mulhi_sse2(reinterpret_cast<__m128i>(a0), reinterpret_cast<__m128i>(b0)));
-  const q32v h1 = reinterpret_cast<q32v>(mulhi_sse2(reinterpret_cast<__m128i>(a1), reinterpret_cast<__m128i>(b1)));
-  return __builtin_shufflevector(h0, h1, 0, 1, 2, 3, 4, 5, 6, 7);
-}
-__attribute__((target("avx2"))) inline w32v mulhi_avx2(w32v a, w32v b) {
-  const __m256i x = reinterpret_cast<__m256i>(a), y = reinterpret_cast<__m256i>(b);
-  const __m256i even_hi = _mm256_srli_epi64(_mm256_mul_epu32(x, y), 32);
-  const __m256i odd_hi = _mm256_mul_epu32(_mm256_srli_epi64(x, 32), _mm256_srli_epi64(y, 32));
-  return reinterpret_cast<w32v>(_mm256_blend_epi32(even_hi, odd_hi, 0xAA));
-}
-#endif
-template <Isa I>
-inline w32v mulhi(w32v a, w32v b) {
-#if defined(__x86_64__) && defined(__GNUC__)
-  if constexpr (I == Isa::Baseline) return mulhi_sse2(a, b);
-  return mulhi_avx2(a, b);  // AVX-512 too, on 256-bit vectors
-#else
-  w32v h;
-  for (int l = 0; l < kPhiloxLanes; ++l) h[l] = static_cast<uint32_t>((uint64_t(a[l]) * b[l]) >> 32);
-  return h;
-#endif
-}
-
-// Philox4x32-10 of 16 consecutive blocks from first_block (a multiple of 16): their words to w[word][at + b].
-template <Isa I>
-inline void philox_blocks(uint64_t first_block, uint32_t k0, uint32_t k1, uint64_t stream, uint32_t (*w)[kBlocks],
-                          int at) {
-  constexpr int kV = kPhiloxVectors;
-  w32v iota;
-  for (int l = 0; l < kPhiloxLanes; ++l) iota[l] = static_cast<uint32_t>(l);
-  const w32v hi = w32v{} + static_cast<uint32_t>(first_block >> 32);  // shared: the low words do not wrap
-  const w32v s0 = w32v{} + static_cast<uint32_t>(stream), s1 = w32v{} + static_cast<uint32_t>(stream >> 32);
-  w32v c0[kV], c1[kV], c2[kV], c3[kV];
-  for (int v = 0; v < kV; ++v) {
-    c0[v] = iota + static_cast<uint32_t>(first_block + uint64_t(v * kPhiloxLanes));
-    c1[v] = hi, c2[v] = s0, c3[v] = s1;
-  }
-  const w32v m0 = w32v{} + kPhiloxM0, m1 = w32v{} + kPhiloxM1;
-  uint32_t key0 = k0, key1 = k1;
-#pragma GCC unroll 10
-  for (int r = 0; r < 10; ++r) {
-    for (int v = 0; v < kV; ++v) {
-      const w32v h0 = mulhi<I>(c0[v], m0), h1 = mulhi<I>(c2[v], m1);
-      const w32v l0 = c0[v] * m0, l1 = c2[v] * m1;
-      c0[v] = h1 ^ c1[v] ^ key0, c1[v] = l1;
-      c2[v] = h0 ^ c3[v] ^ key1, c3[v] = l0;
-    }
-    key0 += kPhiloxW0;
-    key1 += kPhiloxW1;
-  }
-  for (int v = 0; v < kV; ++v) {
-    const int b = at + v * kPhiloxLanes;
-    std::memcpy(&w[0][b], &c0[v], sizeof(w32v));
-    std::memcpy(&w[1][b], &c1[v], sizeof(w32v));
-    std::memcpy(&w[2][b], &c2[v], sizeof(w32v));
-    std::memcpy(&w[3][b], &c3[v], sizeof(w32v));
-  }
-}
-
-// ln(v) for positive normal v: v = m * 2^e with m in [sqrt(1/2), sqrt(2)), ln m = 2 atanh(s), s = (m-1)/(m+1).
-template <typename A>
-inline typename Lanes<A>::V log_lanes(typename Lanes<A>::V v) {
-  using L = Lanes<A>;
-  using V = typename L::V;
-  using U = typename L::U;
-  using B = typename L::B;
-  const U bits = reinterpret_cast<U>(v);
-  V e = __builtin_convertvector(__builtin_convertvector(bits >> L::kMant, typename L::J) - L::kExpBias, V);
-  V m = reinterpret_cast<V>((bits & ((B(1) << L::kMant) - 1)) | (B(L::kExpBias) << L::kMant));
-  const auto low = m < A(kSqrtHalf);
-  m = low ? m + m : m;
-  e = low ? e - A(1) : e;
-  const V s = (m - A(1)) / (m + A(1));
-  const V s2 = s * s;
-  V t = V{} + kLogCoef<A>[Normal<A>::kLogTerms - 1];
-  for (int j = Normal<A>::kLogTerms - 2; j >= 0; --j) t = t * s2 + kLogCoef<A>[j];
-  return e * A(kLn2) + (s + s) * t;
+// c[0] + c[1] q + ... + c[N-1] q^(N-1) by second-order Horner: the even and the odd coefficients in q^2, then
+// even + q * odd (half the dependent steps of Horner's rule).
+template <typename A, size_t N>
+inline typename Lanes<A>::V poly_lanes(const std::array<A, N>& c, typename Lanes<A>::V q) {
+  using V = typename Lanes<A>::V;
+  static_assert(N >= 2, "two coefficients or more");
+  constexpr int kEven = (N - 1) / 2 * 2, kOdd = (N - 2) / 2 * 2 + 1;
+  const V q2 = q * q;
+  V even = V{} + c[kEven], odd = V{} + c[kOdd];
+  for (int j = kEven - 2; j >= 0; j -= 2) even = even * q2 + c[j];
+  for (int j = kOdd - 2; j >= 1; j -= 2) odd = odd * q2 + c[j];
+  return even + q * odd;
 }
 
 template <typename A>
@@ -331,8 +383,10 @@ inline typename Lanes<A>::V sqrt_lanes(typename Lanes<A>::V v) {
 }
 
 // Two normals per lane from two words (Box-Muller): sqrt(-2 ln u1) * (cos, sin)(2 pi u2), u1 = (a' + 1) / 2^bits
-// in (0, 1] and u2 = b' / 2^bits in [0, 1) from the words' top bits a', b'; the angle's quadrant from b's top 2 bits,
-// sine and cosine by Horner's rule in x^2 on [0, pi/4] (the rest of the quadrant by symmetry).
+// in (0, 1] and u2 = b' / 2^bits in [0, 1) from the words' top bits a', b'. u1 = m 2^e with m in [sqrt(1/2),
+// sqrt(2)) (adding the bits of 1 minus those of sqrt(1/2) carries into the exponent exactly when the significand is
+// at least sqrt(2)), ln m = 2 atanh(s), s = (m-1)/(m+1). The angle's quadrant from b's top 2 bits, sine and cosine by
+// polynomials in x^2 on [0, pi/4] (the rest of the quadrant by symmetry).
 template <typename A>
 inline void box_muller_lanes(typename Lanes<A>::W a, typename Lanes<A>::W b, A* z_cos, A* z_sin) {
   using L = Lanes<A>;
@@ -340,6 +394,7 @@ inline void box_muller_lanes(typename Lanes<A>::W a, typename Lanes<A>::W b, A* 
   using U = typename L::U;
   using J = typename L::J;
   using IM = typename L::I;
+  using B = typename L::B;
   constexpr int kBits = Normal<A>::kBits;
   V n1;  // exactly, through int32 conversions
   if constexpr (kBits < 32) {
@@ -347,57 +402,51 @@ inline void box_muller_lanes(typename Lanes<A>::W a, typename Lanes<A>::W b, A* 
   } else {
     n1 = (__builtin_convertvector(reinterpret_cast<J>(a ^ 0x80000000u), V) + A(2147483648.0)) + A(1);
   }
-  const V r = sqrt_lanes<A>(A(-2) * log_lanes<A>(n1 * A(1.0 / double(uint64_t(1) << kBits))));
+  const U bits = reinterpret_cast<U>(n1) + ((B(L::kExpBias) << L::kMant) - L::kHalfRoot);
+  const V e = __builtin_convertvector(__builtin_convertvector(bits >> L::kMant, J) - (L::kExpBias + kBits), V);
+  const V m = reinterpret_cast<V>((bits & ((B(1) << L::kMant) - 1)) + L::kHalfRoot);
+  const V s = (m - A(1)) / (m + A(1));
+  const V r = sqrt_lanes<A>(e * A(-2 * kLn2) + (s * A(-4)) * poly_lanes<A>(kLogCoef<A>, s * s));
   const J quadrant = reinterpret_cast<J>(b >> 30);
   const J f = reinterpret_cast<J>(b >> (32 - kBits)) & ((1 << (kBits - 2)) - 1);
   const J swap32 = f > (1 << (kBits - 3));
   const J g = swap32 ? (1 << (kBits - 2)) - f : f;  // angle g / 2^(bits-2) * pi/2 in [0, pi/4]
   const V x = __builtin_convertvector(g, V) * A(kHalfPi / double(1u << (kBits - 2)));
   const V x2 = x * x;
-  V ps = V{} + kSinCoef<A>[Normal<A>::kSinTerms - 1];
-  for (int j = Normal<A>::kSinTerms - 2; j >= 0; --j) ps = ps * x2 + kSinCoef<A>[j];
-  V pc = V{} + kCosCoef<A>[Normal<A>::kCosTerms - 1];
-  for (int j = Normal<A>::kCosTerms - 2; j >= 0; --j) pc = pc * x2 + kCosCoef<A>[j];
-  const V sx = x * ps;
+  const V sx = x * poly_lanes<A>(kSinCoef<A>, x2);
+  const V pc = poly_lanes<A>(kCosCoef<A>, x2);
   const IM swap = __builtin_convertvector(swap32, IM);
-  const V s = swap ? pc : sx;  // sine and cosine of the angle within the quadrant
-  const V c = swap ? sx : pc;
+  const V sq = swap ? pc : sx;  // sine and cosine of the angle within the quadrant
+  const V cq = swap ? sx : pc;
   // quadrants 0-3: (sin, cos) = (s, c), (c, -s), (-s, -c), (-c, s); a sign is the sign bit flipped
   const IM odd = __builtin_convertvector((quadrant & 1) != 0, IM);
-  constexpr typename L::B kSign = typename L::B(1) << (8 * sizeof(A) - 1);
+  constexpr B kSign = B(1) << (8 * sizeof(A) - 1);
   const U sin_sign = reinterpret_cast<U>(__builtin_convertvector((quadrant & 2) != 0, IM)) & kSign;
   const U cos_sign = reinterpret_cast<U>(__builtin_convertvector(((quadrant + 1) & 2) != 0, IM)) & kSign;
-  const V zc = r * reinterpret_cast<V>(reinterpret_cast<U>(odd ? s : c) ^ cos_sign);
-  const V zs = r * reinterpret_cast<V>(reinterpret_cast<U>(odd ? c : s) ^ sin_sign);
+  const V zc = r * reinterpret_cast<V>(reinterpret_cast<U>(odd ? sq : cq) ^ cos_sign);
+  const V zs = r * reinterpret_cast<V>(reinterpret_cast<U>(odd ? cq : sq) ^ sin_sign);
   std::memcpy(z_cos, &zc, sizeof(V));
   std::memcpy(z_sin, &zs, sizeof(V));
 }
 
-// Normals of one chunk of 64 blocks (256 elements), lane-major: z[lane * 64 + b], lanes 0 and 1 from the blocks'
-// words 0 and 1 (cos, sin), lanes 2 and 3 from words 2 and 3.
-template <typename A, Isa I>
-inline void normal_chunk(uint64_t first_block, uint32_t k0, uint32_t k1, uint64_t stream, A* z) {
-  alignas(32) uint32_t w[4][kBlocks];
-  for (int b = 0; b < kBlocks; b += kPhiloxVectors * kPhiloxLanes) {
-    philox_blocks<I>(first_block + uint64_t(b), k0, k1, stream, w, b);
-  }
-  using W = typename Lanes<A>::W;
-  for (int b = 0; b < kBlocks; b += Lanes<A>::kN) {
-    for (int h = 0; h < 2; ++h) {
-      W u, v;
-      std::memcpy(&u, &w[2 * h][b], sizeof(W));
-      std::memcpy(&v, &w[2 * h + 1][b], sizeof(W));
-      box_muller_lanes<A>(u, v, z + 2 * h * kBlocks + b, z + (2 * h + 1) * kBlocks + b);
-    }
-  }
-}
-
-template <typename A, Isa I>
-inline void noise_span_body(int64_t begin, int64_t end, A* x, int64_t stride, A std, uint32_t k0, uint32_t k1,
+// x[begin:end] += std * z. Each group of 2L elements (L = lanes: 8 floats or 4 doubles) takes the group's 2L words
+// (words 4b .. 4b + 3 of block b, in block order): the first L words are the lanes' u1, the next L their u2, and the
+// group's first L elements are the cosine normals, the next L the sine ones.
+template <typename A, Aes M>
+inline void noise_span_body(int64_t begin, int64_t end, A* x, int64_t stride, A std, const ArsKey& key,
                             uint64_t stream) {
+  constexpr int kL = Lanes<A>::kN;
+  using W = typename Lanes<A>::W;
+  alignas(32) uint32_t w[4 * kBlocks];
   alignas(32) A z[kChunkElems];
   for (int64_t at = begin; at < end; at += kChunkElems) {  // begin is a multiple of kChunkElems
-    normal_chunk<A, I>(static_cast<uint64_t>(at / kChunkElems) * kBlocks, k0, k1, stream, z);
+    ars_blocks<M>(static_cast<uint64_t>(at / 4), key, stream, w);
+    for (int g = 0; g < kChunkElems; g += 2 * kL) {
+      W u1, u2;
+      std::memcpy(&u1, w + g, sizeof(W));
+      std::memcpy(&u2, w + g + kL, sizeof(W));
+      box_muller_lanes<A>(u1, u2, z + g, z + g + kL);
+    }
     const int64_t n = std::min(kChunkElems, end - at);
     A* __restrict__ xs = x + at * stride;
     if (stride == 1) {
@@ -408,81 +457,89 @@ inline void noise_span_body(int64_t begin, int64_t end, A* x, int64_t stride, A 
   }
 }
 
-// One flattened function per ISA (simd.h's targets; flatten inlines the ISA-specific multiply into each).
-#define PFK_NOISE_PARAMS \
-  int64_t begin, int64_t end, A *x, int64_t stride, A std, uint32_t k0, uint32_t k1, uint64_t stream
-#define PFK_NOISE_ARGS begin, end, x, stride, std, k0, k1, stream
-template <typename A>
-__attribute__((flatten)) void noise_span_baseline(PFK_NOISE_PARAMS) {
-  noise_span_body<A, Isa::Baseline>(PFK_NOISE_ARGS);
-}
+// One flattened function per ISA and AES path (flatten inlines the kernels and the AES intrinsics into each).
+#define PFK_NOISE_PARAMS int64_t begin, int64_t end, A *x, int64_t stride, A std, const ArsKey &key, uint64_t stream
+#define PFK_NOISE_ARGS begin, end, x, stride, std, key, stream
+#define PFK_NOISE_SPAN(suffix, attrs, aes)                                    \
+  template <typename A>                                                       \
+  attrs __attribute__((flatten)) void noise_span_##suffix(PFK_NOISE_PARAMS) { \
+    noise_span_body<A, aes>(PFK_NOISE_ARGS);                                  \
+  }
+PFK_NOISE_SPAN(baseline, , Aes::Soft)
 #if defined(__x86_64__) && defined(__GNUC__)
-template <typename A>
-__attribute__((target("avx2"), flatten)) void noise_span_avx2(PFK_NOISE_PARAMS) {
-  noise_span_body<A, Isa::Avx2>(PFK_NOISE_ARGS);
-}
-template <typename A>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx2"), flatten)) void noise_span_avx512(PFK_NOISE_PARAMS) {
-  noise_span_body<A, Isa::Avx512>(PFK_NOISE_ARGS);
-}
+PFK_NOISE_SPAN(baseline_ni, __attribute__((target("aes"))), Aes::Ni)
+PFK_NOISE_SPAN(avx2, __attribute__((target("avx2"))), Aes::Soft)
+PFK_NOISE_SPAN(avx2_ni, __attribute__((target("avx2,aes"))), Aes::Ni)
+PFK_NOISE_SPAN(avx2_vaes, __attribute__((target("avx2,aes,vaes"))), Aes::Vaes)
+#define PFK_AVX512 "avx512f,avx512bw,avx512vl,avx2"
+PFK_NOISE_SPAN(avx512, __attribute__((target(PFK_AVX512))), Aes::Soft)
+PFK_NOISE_SPAN(avx512_ni, __attribute__((target(PFK_AVX512 ",aes"))), Aes::Ni)
+PFK_NOISE_SPAN(avx512_vaes, __attribute__((target(PFK_AVX512 ",aes,vaes"))), Aes::Vaes)
+#undef PFK_AVX512
 #endif
 template <typename A>
-void noise_span(PFK_NOISE_PARAMS, Isa isa) {
+void noise_span(PFK_NOISE_PARAMS, Isa isa, Aes aes) {
 #if defined(__x86_64__) && defined(__GNUC__)
+  const bool ni = aes == Aes::Ni, vaes = aes == Aes::Vaes;  // (Vaes only with AVX2 or AVX-512)
   switch (isa) {
     case Isa::Avx512:
-      return noise_span_avx512<A>(PFK_NOISE_ARGS);
+      return vaes ? noise_span_avx512_vaes<A>(PFK_NOISE_ARGS)
+             : ni ? noise_span_avx512_ni<A>(PFK_NOISE_ARGS)
+                  : noise_span_avx512<A>(PFK_NOISE_ARGS);
     case Isa::Avx2:
-      return noise_span_avx2<A>(PFK_NOISE_ARGS);
+      return vaes ? noise_span_avx2_vaes<A>(PFK_NOISE_ARGS)
+             : ni ? noise_span_avx2_ni<A>(PFK_NOISE_ARGS)
+                  : noise_span_avx2<A>(PFK_NOISE_ARGS);
     default:
-      break;
+      if (ni) return noise_span_baseline_ni<A>(PFK_NOISE_ARGS);
   }
 #endif
   noise_span_baseline<A>(PFK_NOISE_ARGS);
 }
-
-// Philox4x32-10's words of blocks first_block .. first_block + n - 1 to out[word * n + i], one function per ISA.
-template <Isa I>
-inline void philox_span_body(uint64_t first_block, int64_t n, uint32_t k0, uint32_t k1, uint64_t stream,
-                             uint32_t* out) {
-  alignas(32) uint32_t w[4][kBlocks];
-  const uint64_t skip = first_block % kBlocks;  // chunks of 64 blocks from a multiple of 64
-  for (int64_t done = 0; done < n;) {
-    const uint64_t chunk = done ? first_block + uint64_t(done) : first_block - skip;
-    for (int b = 0; b < kBlocks; b += kPhiloxVectors * kPhiloxLanes) philox_blocks<I>(chunk + b, k0, k1, stream, w, b);
-    const int64_t from = done ? 0 : int64_t(skip), count = std::min<int64_t>(kBlocks - from, n - done);
-    for (int k = 0; k < 4; ++k) std::memcpy(out + k * n + done, &w[k][from], sizeof(uint32_t) * count);
-    done += count;
-  }
-}
-__attribute__((flatten)) void philox_span_baseline(uint64_t first_block, int64_t n, uint32_t k0, uint32_t k1,
-                                                   uint64_t stream, uint32_t* out) {
-  philox_span_body<Isa::Baseline>(first_block, n, k0, k1, stream, out);
-}
-#if defined(__x86_64__) && defined(__GNUC__)
-__attribute__((target("avx2"), flatten)) void philox_span_avx2(uint64_t first_block, int64_t n, uint32_t k0,
-                                                               uint32_t k1, uint64_t stream, uint32_t* out) {
-  philox_span_body<Isa::Avx2>(first_block, n, k0, k1, stream, out);
-}
-#endif
-void philox_span(uint64_t first_block, int64_t n, uint32_t k0, uint32_t k1, uint64_t stream, uint32_t* out) {
-#if defined(__x86_64__) && defined(__GNUC__)
-  if (cpu_isa() != Isa::Baseline) return philox_span_avx2(first_block, n, k0, k1, stream, out);
-#endif
-  philox_span_baseline(first_block, n, k0, k1, stream, out);
-}
+#undef PFK_NOISE_SPAN
 #undef PFK_NOISE_PARAMS
 #undef PFK_NOISE_ARGS
-#pragma GCC diagnostic pop
+
+// ARS-7's words of blocks first_block .. first_block + n - 1 to out[4 * i + word], one function per AES path.
+template <Aes M>
+inline void ars_span_body(uint64_t first_block, int64_t n, const ArsKey& key, uint64_t stream, uint32_t* out) {
+  alignas(32) uint32_t w[4 * kBlocks];
+  for (int64_t done = 0; done < n; done += kBlocks) {
+    ars_blocks<M>(first_block + uint64_t(done), key, stream, w);
+    std::memcpy(out + 4 * done, w, sizeof(uint32_t) * 4 * std::min<int64_t>(kBlocks, n - done));
+  }
+}
+__attribute__((flatten)) void ars_span_soft(uint64_t first_block, int64_t n, const ArsKey& key, uint64_t stream,
+                                            uint32_t* out) {
+  ars_span_body<Aes::Soft>(first_block, n, key, stream, out);
+}
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("aes"), flatten)) void ars_span_ni(uint64_t first_block, int64_t n, const ArsKey& key,
+                                                         uint64_t stream, uint32_t* out) {
+  ars_span_body<Aes::Ni>(first_block, n, key, stream, out);
+}
+__attribute__((target("avx2,aes,vaes"), flatten)) void ars_span_vaes(uint64_t first_block, int64_t n, const ArsKey& key,
+                                                                     uint64_t stream, uint32_t* out) {
+  ars_span_body<Aes::Vaes>(first_block, n, key, stream, out);
+}
+#endif
+void ars_span(uint64_t first_block, int64_t n, const ArsKey& key, uint64_t stream, uint32_t* out, Aes aes) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (aes == Aes::Vaes) return ars_span_vaes(first_block, n, key, stream, out);
+  if (aes == Aes::Ni) return ars_span_ni(first_block, n, key, stream, out);
+#endif
+  ars_span_soft(first_block, n, key, stream, out);
+}
 
 constexpr int64_t kNoiseSpan = 64 * kChunkElems;  // elements per parallel chunk (a multiple of a generator chunk)
 
 template <typename A>
-void gaussian_noise_typed(int64_t d, void* x, int64_t stride, double std, uint64_t seed, uint64_t stream, Isa isa) {
+void gaussian_noise_typed(int64_t d, void* x, int64_t stride, double std, uint64_t seed, uint64_t stream, Isa isa,
+                          Aes aes) {
   A* xs = static_cast<A*>(x);
-  const uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+  const ArsKey key = ars_key(seed);
   parallel_chunks(d, kNoiseSpan, 16 * d, [&](int64_t, int64_t begin, int64_t end) {
-    noise_span<A>(begin, end, xs, stride, A(std), k0, k1, stream, isa);
+    noise_span<A>(begin, end, xs, stride, A(std), key, stream, isa, aes);
   });
 }
 
@@ -498,30 +555,46 @@ Isa isa_from_name(const std::string& name) {
   return isa;
 }
 
+// The AES path named by `name` ("" for the CPU's best with `isa`), refused when this CPU or `isa` lacks it.
+Aes aes_from_name(const std::string& name, Isa isa) {
+  if (name.empty()) return cpu_aes() == Aes::Vaes && isa == Isa::Baseline ? Aes::Ni : cpu_aes();
+  const Aes aes = name == "soft"    ? Aes::Soft
+                  : name == "aesni" ? Aes::Ni
+                  : name == "vaes"
+                      ? Aes::Vaes
+                      : throw ArgumentError("aes must be '', 'soft', 'aesni' or 'vaes', got '" + name + "'");
+  if (static_cast<int>(aes) > static_cast<int>(cpu_aes())) throw ArgumentError("aes " + name + ": not on this CPU");
+  if (aes == Aes::Vaes && isa == Isa::Baseline) throw ArgumentError("aes vaes needs isa avx2 or avx512");
+  return aes;
+}
+
 void gaussian_noise(const std::string& dtype_name, int64_t d, uintptr_t x, int64_t stride, double std, uint64_t seed,
-                    uint64_t stream, const std::string& isa_name) {
+                    uint64_t stream, const std::string& isa_name, const std::string& aes_name) {
   const DType dtype = dtype_from_name(dtype_name);
   if (d < 1) throw ArgumentError("gaussian_noise: d must be >= 1");
   if (x == 0) throw ArgumentError("gaussian_noise: x is a null pointer");
   if (!std::isfinite(std) || std < 0) throw ArgumentError("gaussian_noise: std must be finite and >= 0");
   const Isa isa = isa_from_name(isa_name);
+  const Aes aes = aes_from_name(aes_name, isa);
+  void* p = reinterpret_cast<void*>(x);
   switch (dtype) {
     case DType::F32:
-      return gaussian_noise_typed<float>(d, reinterpret_cast<void*>(x), stride, std, seed, stream, isa);
+      return gaussian_noise_typed<float>(d, p, stride, std, seed, stream, isa, aes);
     case DType::F64:
-      return gaussian_noise_typed<double>(d, reinterpret_cast<void*>(x), stride, std, seed, stream, isa);
+      return gaussian_noise_typed<double>(d, p, stride, std, seed, stream, isa, aes);
     default:
       throw ArgumentError("gaussian_noise: x must be float32 or float64");
   }
 }
 
-void philox4x32_10(uint64_t seed, uint64_t stream, uint64_t first_block,
-                   py::array_t<uint32_t, py::array::c_style>& out) {
-  if (out.ndim() != 2 || out.shape(0) != 4 || out.shape(1) < 1) throw ArgumentError("out must be [4, n], n >= 1");
+void ars4x32_7(uint64_t seed, uint64_t stream, uint64_t first_block, py::array_t<uint32_t, py::array::c_style>& out,
+               const std::string& aes_name) {
+  if (out.ndim() != 2 || out.shape(1) != 4 || out.shape(0) < 1) throw ArgumentError("out must be [n, 4], n >= 1");
+  const Aes aes = aes_from_name(aes_name, cpu_isa());
   uint32_t* o = out.mutable_data();
-  const int64_t n = out.shape(1);
+  const int64_t n = out.shape(0);
   py::gil_scoped_release release;
-  philox_span(first_block, n, static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32), stream, o);
+  ars_span(first_block, n, ars_key(seed), stream, o, aes);
 }
 
 }  // namespace
@@ -534,13 +607,16 @@ void bind_dp(py::module_& m) {
         "out = sum_k min(1, clip / ||row_k - center||) (row_k - center) (center 0: no center); the norms go to "
         "`norms` (float64, one per row). CPU only.");
   m.def("gaussian_noise", &gaussian_noise, py::arg("dtype"), py::arg("d"), py::arg("x"), py::arg("stride"),
-        py::arg("std"), py::arg("seed"), py::arg("stream"), py::arg("isa") = "",
+        py::arg("std"), py::arg("seed"), py::arg("stream"), py::arg("isa") = "", py::arg("aes") = "",
         py::call_guard<py::gil_scoped_release>(),
-        "x += std * z, z standard normal from Philox4x32-10 (key: seed; counter: block, stream) and Box-Muller. "
-        "CPU only. isa: '' (the CPU's best) or a vector ISA this CPU has ('baseline', 'avx2', 'avx512'), for tests.");
-  m.def("philox4x32_10", &philox4x32_10, py::arg("seed"), py::arg("stream"), py::arg("first_block"), py::arg("out"),
-        "out[word, i] = word `word` of Philox4x32-10 block first_block + i (key: seed; counter: block, stream), "
-        "out a [4, n] uint32 array: gaussian_noise's raw bits (for tests and the benchmark's limit).");
+        "x += std * z, z standard normal from ARS-7 (key: seed; counter: block, stream) and Box-Muller. CPU only. "
+        "isa: '' (the CPU's best) or a vector ISA this CPU has ('baseline', 'avx2', 'avx512'); aes: '' (the best) "
+        "or an AES path this CPU has ('soft', 'aesni', 'vaes'); both for tests, every choice gives the same bits.");
+  m.def(
+      "ars4x32_7", &ars4x32_7, py::arg("seed"), py::arg("stream"), py::arg("first_block"), py::arg("out"),
+      py::arg("aes") = "",
+      "out[i] = the four 32-bit words of ARS-7 block first_block + i (key: seed; counter: block, stream), out a "
+      "[n, 4] uint32 array: gaussian_noise's raw bits (for tests and the benchmark's limit). aes as gaussian_noise's.");
 }
 
 }  // namespace pfk

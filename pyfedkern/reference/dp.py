@@ -1,8 +1,9 @@
 """Reference differential-privacy ops: the clipped sum in float64, and the noise generator in plain NumPy.
 
-The generator is :func:`pyfedkern.ops.gaussian_noise_`'s, step by step: Philox4x32-10 keyed by the seed, its counter
-(block, stream), each block's four 32-bit words turned into four normals by Box-Muller, whose logarithm, sine and
-cosine are polynomials of +, −, ×, ÷ and √ evaluated in the output's precision, so the op must give the same bits.
+The generator is :func:`pyfedkern.ops.gaussian_noise_`'s, step by step: ARS-7 (AES rounds) keyed by the seed, its
+counter (block, stream), the blocks' 32-bit words turned into normals by Box-Muller (two words, two normals), whose
+logarithm, sine and cosine are polynomials of +, −, ×, ÷ and √ evaluated in the output's precision, so the op must
+give the same bits.
 """
 
 from __future__ import annotations
@@ -15,8 +16,7 @@ import numpy as np
 from pyfedkern.reference._xp import cast_like, to_float64
 
 _MASK64 = (1 << 64) - 1
-_M0, _M1, _W0, _W1 = 0xD2511F53, 0xCD9E8D57, 0x9E3779B9, 0xBB67AE85
-_BLOCKS = 64  # Philox blocks per 256 elements
+_WEYL_LO, _WEYL_HI = 0x9E3779B97F4A7C15, 0xBB67AE8584CAA73B  # ARS's round-key increments
 
 
 def clip_accumulate(
@@ -67,42 +67,99 @@ def stream_key(keys: tuple[int, ...]) -> int:
     return h
 
 
-def philox4x32_10(blocks: np.ndarray, seed: int, stream: int) -> np.ndarray:
-    """Philox4x32-10 of counters (block, stream) under key ``seed``: [4, n] uint32 words for n uint64 blocks."""
-    blocks = np.asarray(blocks, dtype=np.uint64)
-    lo32 = np.uint64(0xFFFFFFFF)
-    c = [blocks & lo32, blocks >> np.uint64(32)]
-    c += [np.full_like(blocks, stream & 0xFFFFFFFF), np.full_like(blocks, stream >> 32)]
-    k0, k1 = seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF
-    for _ in range(10):
-        p0 = np.uint64(_M0) * c[0]
-        p1 = np.uint64(_M1) * c[2]
-        c = [
-            (p1 >> np.uint64(32)) ^ c[1] ^ np.uint64(k0),
-            p1 & lo32,
-            (p0 >> np.uint64(32)) ^ c[3] ^ np.uint64(k1),
-            p0 & lo32,
+def _gf_mul(a: int, b: int) -> int:
+    """a·b in AES's field GF(2^8) (x^8 + x^4 + x^3 + x + 1)."""
+    p = 0
+    for _ in range(8):
+        if b & 1:
+            p ^= a
+        a = ((a << 1) ^ (0x1B if a & 0x80 else 0)) & 0xFF
+        b >>= 1
+    return p
+
+
+def _sbox() -> np.ndarray:
+    """AES's S-box: the field inverse (0 for 0; through powers of the generator 3), then the affine map."""
+    power = [1]
+    for _ in range(254):
+        power.append(_gf_mul(power[-1], 3))
+    log = {v: i for i, v in enumerate(power)}
+    out = []
+    for x in range(256):
+        inv = power[(255 - log[x]) % 255] if x else 0
+        rot = [((inv << n) | (inv >> (8 - n))) & 0xFF for n in range(1, 5)]
+        out.append(inv ^ rot[0] ^ rot[1] ^ rot[2] ^ rot[3] ^ 0x63)
+    return np.array(out, np.uint8)
+
+
+SBOX = _sbox()
+_TIMES2 = np.array([_gf_mul(x, 2) for x in range(256)], np.uint8)
+_SHIFT_ROWS = np.array([r + 4 * ((c + r) % 4) for c in range(4) for r in range(4)])  # byte r + 4c ← this byte
+
+
+def aes_round(state: np.ndarray, round_key: np.ndarray, last: bool = False) -> np.ndarray:
+    """One AES encryption round on [n, 16] uint8 states (byte r + 4c = row r, column c): ShiftRows, SubBytes,
+    MixColumns (not in the ``last`` round), then ``round_key`` ([16] uint8) added — AES-NI's aesenc/aesenclast."""
+    t = SBOX[state[:, _SHIFT_ROWS]]
+    if not last:
+        a = t.reshape(-1, 4, 4)  # [block, column, row]
+        a2 = _TIMES2[a]
+        a3 = a2 ^ a
+        rows = [
+            a2[..., 0] ^ a3[..., 1] ^ a[..., 2] ^ a[..., 3],
+            a[..., 0] ^ a2[..., 1] ^ a3[..., 2] ^ a[..., 3],
+            a[..., 0] ^ a[..., 1] ^ a2[..., 2] ^ a3[..., 3],
+            a3[..., 0] ^ a[..., 1] ^ a[..., 2] ^ a2[..., 3],
         ]
-        k0, k1 = (k0 + _W0) & 0xFFFFFFFF, (k1 + _W1) & 0xFFFFFFFF
-    return np.stack(c).astype(np.uint32)
+        t = np.stack(rows, axis=-1).reshape(-1, 16)
+    return t ^ round_key
+
+
+def ars4x32_7(blocks: np.ndarray, seed: int, stream: int) -> np.ndarray:
+    """ARS-7 of counters (block, stream) under key ``seed``: [n, 4] uint32 words for n uint64 blocks.
+
+    The 128-bit counter (low half: the block, high half: the stream) XOR the key (seed, 0), six AES rounds and a last
+    one, under round keys that add (0x9E3779B97F4A7C15, 0xBB67AE8584CAA73B) to the 64-bit halves each round."""
+    blocks = np.asarray(blocks, dtype=np.uint64)
+    ctr = np.stack([blocks, np.full_like(blocks, stream)], axis=1).astype("<u8")
+    state = ctr.view(np.uint8).reshape(-1, 16)
+    for r in range(8):
+        key = np.array([(seed + r * _WEYL_LO) & _MASK64, (r * _WEYL_HI) & _MASK64], "<u8").view(np.uint8)
+        state = state ^ key if r == 0 else aes_round(state, key, last=r == 7)
+    return np.ascontiguousarray(state).view("<u4").reshape(-1, 4).astype(np.uint32)
+
+
+def _poly(coefficients: list[float], q: np.ndarray, f: type) -> np.ndarray:
+    """Σ_j c_j q^j by second-order Horner: even and odd coefficients in q², then even + q·odd (the kernel's order)."""
+    c = [f(v) for v in coefficients]
+    q2 = q * q
+    even = np.full_like(q, c[(len(c) - 1) // 2 * 2])
+    for j in range((len(c) - 1) // 2 * 2 - 2, -1, -2):
+        even = even * q2 + c[j]
+    odd = np.full_like(q, c[(len(c) - 2) // 2 * 2 + 1])
+    for j in range((len(c) - 2) // 2 * 2 - 1, 0, -2):
+        odd = odd * q2 + c[j]
+    return even + q * odd
 
 
 def _normals(a: np.ndarray, b: np.ndarray, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
     """Box-Muller of the words a, b in ``dtype``: sqrt(−2 ln u1)·(cos, sin)(2π u2)."""
     f = np.dtype(dtype).type
-    bits, log_terms, sin_terms, cos_terms = (24, 6, 5, 6) if f is np.float32 else (32, 12, 9, 10)
-    n1 = (a.astype(np.uint64) >> np.uint64(32 - bits)) + np.uint64(1)  # u1 = n1 / 2^bits in (0, 1]
-    m, e = np.frexp(n1.astype(dtype) * f(1.0 / 2**bits))  # u1, exactly
-    low = m < f(0.7071067811865476)
-    m = np.where(low, m + m, m)
-    e = np.where(low, e - 1, e).astype(dtype)
-    s = (m - f(1)) / (m + f(1))
-    s2 = s * s
-    t = np.full_like(s, f(1.0 / (2 * log_terms - 1)))
-    for j in range(log_terms - 2, -1, -1):
-        t = t * s2 + f(1.0 / (2 * j + 1))
-    ln_u1 = e * f(0.6931471805599453) + (s + s) * t
-    r = np.sqrt(f(-2) * ln_u1)
+    if f is np.float32:
+        bits, log_terms, sin_terms, cos_terms = 24, 5, 5, 5
+        uint, mant, bias, half_root = np.uint32, 23, 127, 0x3F3504F3
+    else:
+        bits, log_terms, sin_terms, cos_terms = 32, 12, 9, 10
+        uint, mant, bias, half_root = np.uint64, 52, 1023, 0x3FE6A09E667F3BCD
+    n1 = ((a.astype(np.uint64) >> np.uint64(32 - bits)) + np.uint64(1)).astype(dtype)  # u1 = n1 / 2^bits in (0, 1]
+    # u1 = m·2^e, m in [√½, √2): adding the bits of 1 minus those of √½ carries into the exponent when n1's
+    # significand is at least √2's
+    shifted = n1.view(uint) + uint((bias << mant) - half_root)
+    e = ((shifted >> uint(mant)).astype(np.int64) - (bias + bits)).astype(dtype)
+    m = ((shifted & uint((1 << mant) - 1)) + uint(half_root)).view(dtype)
+    s = (m - f(1)) / (m + f(1))  # ln m = 2 atanh(s)
+    r2 = e * f(-2 * 0.6931471805599453) + (s * f(-4)) * _poly([1 / (2 * j + 1) for j in range(log_terms)], s * s, f)
+    r = np.sqrt(r2)
     n2 = b.astype(np.uint64) >> np.uint64(32 - bits)  # u2 = n2 / 2^bits in [0, 1)
     quadrant = n2 >> np.uint64(bits - 2)
     frac = n2 & np.uint64((1 << (bits - 2)) - 1)
@@ -110,13 +167,8 @@ def _normals(a: np.ndarray, b: np.ndarray, dtype: np.dtype) -> tuple[np.ndarray,
     g = np.where(swap, np.uint64(1 << (bits - 2)) - frac, frac)
     x = g.astype(dtype) * f(1.5707963267948966 / (1 << (bits - 2)))
     x2 = x * x
-    ps = np.zeros_like(x)
-    for j in range(sin_terms - 1, -1, -1):
-        ps = ps * x2 + f((-1.0 if j % 2 else 1.0) / math.factorial(2 * j + 1))
-    pc = np.zeros_like(x)
-    for j in range(cos_terms - 1, -1, -1):
-        pc = pc * x2 + f((-1.0 if j % 2 else 1.0) / math.factorial(2 * j))
-    sx = x * ps
+    sx = x * _poly([(-1.0 if j % 2 else 1.0) / math.factorial(2 * j + 1) for j in range(sin_terms)], x2, f)
+    pc = _poly([(-1.0 if j % 2 else 1.0) / math.factorial(2 * j) for j in range(cos_terms)], x2, f)
     sin_q, cos_q = np.where(swap, pc, sx), np.where(swap, sx, pc)
     sin_t = np.select([quadrant == 0, quadrant == 1, quadrant == 2], [sin_q, cos_q, -sin_q], -cos_q)
     cos_t = np.select([quadrant == 0, quadrant == 1, quadrant == 2], [cos_q, -sin_q, -cos_q], sin_q)
@@ -126,15 +178,14 @@ def _normals(a: np.ndarray, b: np.ndarray, dtype: np.dtype) -> tuple[np.ndarray,
 def standard_normals(d: int, seed: int, *keys: int, dtype: Any = np.float64) -> np.ndarray:
     """The generator's first d standard normals for (seed, ``*keys``), [d] of ``dtype`` (float32 or float64).
 
-    Element i takes lane (i mod 256) // 64 of block 64·(i // 256) + i mod 64; a block's words (w0, w1) give lanes
-    0 and 1 (cos, sin), (w2, w3) lanes 2 and 3."""
-    chunks = -(-d // (4 * _BLOCKS))
-    blocks = np.arange(chunks * _BLOCKS, dtype=np.uint64)
-    w = philox4x32_10(blocks, seed, stream_key(tuple(keys)))
-    z0, z1 = _normals(w[0], w[1], dtype)
-    z2, z3 = _normals(w[2], w[3], dtype)
-    lanes = np.stack([z0, z1, z2, z3]).reshape(4, chunks, _BLOCKS)  # [lane, chunk, block]
-    return lanes.transpose(1, 0, 2).reshape(-1)[:d]
+    Word j of the stream (word j mod 4 of block j // 4) feeds element j: in each group of 2L elements (L = 8 for
+    float32, 4 for float64), the first L words are u1 and the next L u2 of L Box-Muller pairs, whose cosine normals
+    are the group's first L elements and sine normals the next L."""
+    lanes = 8 if np.dtype(dtype) == np.float32 else 4
+    blocks = np.arange(-(-d // (2 * lanes)) * 2 * lanes // 4, dtype=np.uint64)
+    w = ars4x32_7(blocks, seed, stream_key(tuple(keys))).reshape(-1, 2, lanes)
+    z_cos, z_sin = _normals(w[:, 0], w[:, 1], dtype)
+    return np.stack([z_cos, z_sin], axis=1).reshape(-1)[:d]
 
 
 def gaussian_noise_(x: Any, std: float, seed: int, *keys: int) -> Any:

@@ -135,24 +135,52 @@ def test_clip_accumulate_torch_operator():
 # ---- gaussian_noise_ -------------------------------------------------------------------------------------------
 
 
-def test_philox_known_answers():
-    """Random123's known-answer vectors of Philox4x32-10."""
-    w = ref_dp.philox4x32_10(np.array([0], np.uint64), 0, 0)[:, 0]
-    assert [int(v) for v in w] == [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
-    w = ref_dp.philox4x32_10(np.array([2**64 - 1], np.uint64), 2**64 - 1, 2**64 - 1)[:, 0]
-    assert [int(v) for v in w] == [0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD]
+def test_aes_round_known_answer():
+    """The reference's AES round, run as AES-128 (FIPS-197 key expansion, ten rounds), gives FIPS-197's example C.1."""
+    rcon = [0x01, 0x02, 0x04, 0x08, 0x10, 0x20, 0x40, 0x80, 0x1B, 0x36]
+    words = [list(range(4 * i, 4 * i + 4)) for i in range(4)]  # key 00 01 ... 0f
+    for i in range(4, 44):
+        t = list(words[i - 1])
+        if i % 4 == 0:
+            t = [int(ref_dp.SBOX[b]) for b in t[1:] + t[:1]]
+            t[0] ^= rcon[i // 4 - 1]
+        words.append([a ^ b for a, b in zip(words[i - 4], t, strict=True)])
+    keys = [np.array(words[4 * j : 4 * j + 4], np.uint8).reshape(16) for j in range(11)]
+    state = np.frombuffer(bytes.fromhex("00112233445566778899aabbccddeeff"), np.uint8).reshape(1, 16) ^ keys[0]
+    for j in range(1, 11):
+        state = ref_dp.aes_round(state, keys[j], last=j == 10)
+    assert bytes(state[0]).hex() == "69c4e0d86a7b0430d8cdb78070b4c55a"
+
+
+def _aes_paths() -> list[str]:
+    """The AES paths this CPU runs (the kernel refuses the others)."""
+    found = []
+    for aes in ("soft", "aesni", "vaes"):
+        try:
+            native().ars4x32_7(0, 0, 0, np.zeros((1, 4), np.uint32), aes)
+        except ValueError:
+            continue
+        found.append(aes)
+    return found
 
 
 @pytest.mark.parametrize(
     ("seed", "stream", "first", "n"),
     [(0, 0, 0, 1), (2**64 - 1, 2**64 - 1, 2**64 - 1, 1), (7, 2**63 + 5, 2**32 - 37, 300), (1, 2, 13, 17)],
 )
-def test_native_philox_equals_the_reference(seed, stream, first, n):
-    """The kernel's Philox4x32-10 words (chunks of 64 blocks, the 32-bit counter word wrapping) = the reference's."""
-    out = np.zeros((4, n), np.uint32)
-    native().philox4x32_10(seed, stream, first, out)
+def test_native_ars_equals_the_reference(seed, stream, first, n):
+    """The kernel's ARS-7 words (chunks of 64 blocks, the 64-bit block index wrapping) = the reference's, on every
+    AES path of this CPU (portable tables, AES-NI, VAES)."""
+    paths = _aes_paths()
+    assert "soft" in paths
     blocks = np.array([(first + i) % 2**64 for i in range(n)], np.uint64)
-    assert np.array_equal(out, ref_dp.philox4x32_10(blocks, seed, stream))
+    want = ref_dp.ars4x32_7(blocks, seed, stream)
+    for aes in paths:
+        out = np.zeros((n, 4), np.uint32)
+        native().ars4x32_7(seed, stream, first, out, aes)
+        assert np.array_equal(out, want), aes
+    with pytest.raises(ValueError, match="aes must be"):
+        native().ars4x32_7(0, 0, 0, np.zeros((1, 4), np.uint32), "aes9")
 
 
 def _isas() -> list[str]:
@@ -169,17 +197,25 @@ def _isas() -> list[str]:
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_gaussian_noise_same_bits_on_every_isa(dtype):
-    """Every vector ISA of this CPU (SSE2, AVX2, AVX-512) gives the reference's bits, strided output included."""
-    isas = _isas()
+    """Every vector ISA (SSE2, AVX2, AVX-512) and AES path (tables, AES-NI, VAES) this CPU has gives the reference's
+    bits, strided output included."""
+    isas, paths = _isas(), _aes_paths()
     assert "baseline" in isas
     want = ref_dp.standard_normals(3001, 99, 3, 4, dtype=dtype)
+    stream = ref_dp.stream_key((3, 4))
     for isa in isas:
-        z = np.zeros(2 * 3001, dtype)
-        native().gaussian_noise(np.dtype(dtype).name, 3001, z.ctypes.data, 2, 1.0, 99, ref_dp.stream_key((3, 4)), isa)
-        assert np.array_equal(z[::2], want), isa
-        assert not np.any(z[1::2])
+        for aes in paths:
+            if isa == "baseline" and aes == "vaes":
+                continue
+            z = np.zeros(2 * 3001, dtype)
+            native().gaussian_noise(np.dtype(dtype).name, 3001, z.ctypes.data, 2, 1.0, 99, stream, isa, aes)
+            assert np.array_equal(z[::2], want), (isa, aes)
+            assert not np.any(z[1::2])
     with pytest.raises(ValueError, match="isa must be"):
         native().gaussian_noise("float32", 1, z.ctypes.data, 1, 1.0, 0, 0, "sse9")
+    if "vaes" in paths:
+        with pytest.raises(ValueError, match="needs isa avx2"):
+            native().gaussian_noise("float32", 1, z.ctypes.data, 1, 1.0, 0, 0, "baseline", "vaes")
 
 
 @pytest.mark.parametrize(
@@ -266,12 +302,12 @@ def test_gaussian_noise_same_bits_for_any_thread_count():
 @pytest.mark.parametrize(("dtype", "tol"), [(np.float32, 2e-6), (np.float64, 1e-14)])
 def test_generator_polynomials_equal_box_muller(dtype, tol):
     """The polynomial logarithm, sine and cosine against NumPy's, on the generator's own uniforms."""
-    w = ref_dp.philox4x32_10(np.arange(20_000, dtype=np.uint64), 5, 6)
+    w = ref_dp.ars4x32_7(np.arange(20_000, dtype=np.uint64), 5, 6)
     bits = 24 if dtype is np.float32 else 32
-    u1 = ((w[0].astype(np.float64) // 2 ** (32 - bits)) + 1) / 2**bits
-    u2 = (w[1].astype(np.float64) // 2 ** (32 - bits)) / 2**bits
+    u1 = ((w[:, 0].astype(np.float64) // 2 ** (32 - bits)) + 1) / 2**bits
+    u2 = (w[:, 1].astype(np.float64) // 2 ** (32 - bits)) / 2**bits
     r = np.sqrt(-2 * np.log(u1))
-    z_cos, z_sin = ref_dp._normals(w[0], w[1], np.dtype(dtype))
+    z_cos, z_sin = ref_dp._normals(w[:, 0], w[:, 1], np.dtype(dtype))
     scale = np.maximum(r, 1.0)
     assert np.max(np.abs(z_cos - r * np.cos(2 * np.pi * u2)) / scale) < tol
     assert np.max(np.abs(z_sin - r * np.sin(2 * np.pi * u2)) / scale) < tol
@@ -290,7 +326,7 @@ def test_gaussian_noise_statistics(dtype):
         assert abs(np.mean(z <= -t) - (1 - q)) < 5 * math.sqrt(q * (1 - q) / n)
     kurtosis = np.mean(z**4)
     assert abs(kurtosis - 3) < 5 * math.sqrt(96 / n)
-    for lag in (1, 64, 256):  # neighbours, lanes of a block, consecutive chunks
+    for lag in (1, 4, 8, 16, 256):  # neighbours, words of a block, cosine/sine lanes, groups, chunks
         assert abs(np.mean(z[:-lag] * z[lag:])) < 5 / math.sqrt(n)
 
 
