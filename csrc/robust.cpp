@@ -5,9 +5,11 @@
 // copied into a [K, B] buffer that stays in L1 (each row read once, contiguously), and a sorting network, pruned
 // to the output ranks the rule needs, runs across the B columns at once: each compare-exchange of ranks (a, b) is a
 // vectorised min/max of two buffer rows. Batcher's odd-even merge network for the next power of two, with the
-// comparators past K dropped (the missing ranks act as +inf, which those comparators would never move). Trimmed
-// means with a small cut run no network (trimmed_sums: the extremes held in registers). Every coordinate is
-// computed alone, so results do not depend on the thread count.
+// comparators past K dropped (the missing ranks act as +inf, which those comparators would never move). The
+// network's first levels sort each aligned group of 8 ranks; for contiguous rows they run in registers while the
+// tile is copied (copy_sorted_groups), and only the comparators from the first one across groups on run on the
+// buffer. Trimmed means with a small cut run no network (trimmed_sums: the extremes held in registers). Every
+// coordinate is computed alone, so results do not depend on the thread count.
 #include <pybind11/numpy.h>
 
 #include <algorithm>
@@ -61,6 +63,7 @@ struct Plan {
   int64_t K;
   int64_t param;  // Trimmed: values cut at each end; Closest: values averaged
   std::vector<Comparator> network;
+  size_t late;            // network[late:] are the comparators from the first one across groups of 8 ranks on
   const double* weights;  // WeightedMedian: K positive weights
 };
 
@@ -81,6 +84,66 @@ PFK_ALWAYS_INLINE void compare_exchange(V* __restrict__ lo, V* __restrict__ hi, 
     __builtin_memcpy(lo + j, &mn, sizeof(Vec));
     __builtin_memcpy(hi + j, &mx, sizeof(Vec));
   }
+}
+
+// Batcher's odd-even merge sort of 8 vectors in registers (19 compare-exchanges, each lane sorted alone): the
+// network's levels within aligned groups of 8 ranks.
+template <typename Vec>
+PFK_ALWAYS_INLINE void sort8(Vec* v) {
+  constexpr int kPairs[19][2] = {{0, 1}, {2, 3}, {4, 5}, {6, 7}, {0, 2}, {1, 3}, {4, 6}, {5, 7}, {1, 2}, {5, 6},
+                                 {0, 4}, {1, 5}, {2, 6}, {3, 7}, {2, 4}, {3, 5}, {1, 2}, {3, 4}, {5, 6}};
+#pragma GCC unroll 19
+  for (int c = 0; c < 19; ++c) {
+    const Vec a = v[kPairs[c][0]], b = v[kPairs[c][1]];
+    const auto less = a < b;
+    v[kPairs[c][0]] = less ? a : b;
+    v[kPairs[c][1]] = less ? b : a;
+  }
+}
+
+// Copies columns [t0, t0 + n) of K contiguous rows into the [K, B] tile with each aligned group of 8 rows sorted per
+// column (ranks past K act as +inf and are not stored; lanes past n are stored as 0). Returns false when a value
+// read is NaN or infinite.
+template <typename T, typename V>
+PFK_ALWAYS_INLINE bool copy_sorted_groups(const std::vector<RowRef>& rows, int64_t K, int64_t t0, int64_t n,
+                                          int64_t end, V* __restrict__ buf, int64_t B) {
+  typedef V Vec __attribute__((vector_size(32)));
+  constexpr int64_t L = 32 / sizeof(V);
+  Vec bad = Vec{};
+  for (int64_t k0 = 0; k0 < K; k0 += 8) {
+    const int64_t m = std::min<int64_t>(8, K - k0);
+    for (int64_t j = 0; j < n; j += L) {
+      Vec v[8];
+      if (m == 8 && j + L <= n) {
+#pragma GCC unroll 8
+        for (int r = 0; r < 8; ++r) {
+          const T* src = static_cast<const T*>(rows[k0 + r].ptr) + t0 + j;
+          V lanes[L];
+          for (int64_t l = 0; l < L; ++l) lanes[l] = to_acc(src[l]);
+          __builtin_memcpy(&v[r], lanes, sizeof(Vec));
+          bad = bad + v[r] * V(0);  // NaN once any value is NaN or infinite
+        }
+      } else {
+        for (int r = 0; r < 8; ++r) {
+          V lanes[L];
+          const T* src = r < m ? static_cast<const T*>(rows[k0 + r].ptr) + t0 + j : nullptr;
+          for (int64_t l = 0; l < L; ++l)
+            lanes[l] = r >= m ? std::numeric_limits<V>::infinity() : j + l < n ? to_acc(src[l]) : V(0);
+          __builtin_memcpy(&v[r], lanes, sizeof(Vec));
+          if (r < m) bad = bad + v[r] * V(0);
+        }
+      }
+      sort8(v);
+      for (int64_t r = 0; r < m; ++r) __builtin_memcpy(buf + (k0 + r) * B + j, &v[r], sizeof(Vec));
+    }
+    // The next tile of these rows into L2 while this one is sorted (see copy_tile).
+    for (int64_t r = k0; r < k0 + m; ++r)
+      for (int64_t j = t0 + B; j < std::min(end, t0 + 2 * B); j += 64 / int64_t(sizeof(T)))
+        __builtin_prefetch(static_cast<const T*>(rows[r].ptr) + j, 0, 2);
+  }
+  for (int64_t l = 0; l < L; ++l)
+    if (bad[l] != V(0)) return false;
+  return true;
 }
 
 // Trimmed sum without sorting, for a cut of C values per side: per lane, the C smallest and the C largest values
@@ -206,6 +269,29 @@ PFK_ALWAYS_INLINE void store(T* out, double v) {
   }
 }
 
+// Copies columns [t0, t0 + n) of K rows (any strides) into the [K, B] tile; probe[j] becomes NaN when a value of
+// column j is NaN or infinite.
+template <typename T, typename V>
+PFK_ALWAYS_INLINE void copy_tile(const std::vector<RowRef>& rows, int64_t K, int64_t t0, int64_t n, int64_t end, V* buf,
+                                 int64_t B, V* __restrict__ probe) {
+  std::fill(probe, probe + n, V(0));
+  for (int64_t k = 0; k < K; ++k) {
+    const T* r = static_cast<const T*>(rows[k].ptr);
+    const int64_t s = rows[k].stride;
+    V* __restrict__ dst = buf + k * B;
+    if (s == 1) {
+      for (int64_t j = 0; j < n; ++j) dst[j] = to_acc(r[t0 + j]);
+      // The next tile of this row into L2 while this one is sorted: K interleaved streams defeat the hardware
+      // prefetchers, and rows beyond the last-level cache would otherwise be read at memory latency.
+      for (int64_t j = t0 + B; j < std::min(end, t0 + 2 * B); j += 64 / int64_t(sizeof(T)))
+        __builtin_prefetch(r + j, 0, 2);
+    } else {
+      for (int64_t j = 0; j < n; ++j) dst[j] = to_acc(r[(t0 + j) * s]);
+    }
+    for (int64_t j = 0; j < n; ++j) probe[j] = probe[j] + dst[j] * V(0);  // NaN once any value is NaN or infinite
+  }
+}
+
 // One chunk [begin, end) of coordinates; returns false when a value read was NaN or infinite.
 template <typename T>
 PFK_ALWAYS_INLINE bool robust_chunk_body(int64_t begin, int64_t end, T* out, int64_t out_stride,
@@ -217,35 +303,27 @@ PFK_ALWAYS_INLINE bool robust_chunk_body(int64_t begin, int64_t end, T* out, int
   std::vector<V> probe(static_cast<size_t>(B));
   std::vector<double> sums(static_cast<size_t>(B));
   std::vector<std::pair<V, int64_t>> order(plan.rule == Rule::WeightedMedian ? K : 0);
+  const bool network = plan.rule != Rule::WeightedMedian && !(plan.rule == Rule::Trimmed && plan.param <= kMaxPushCut);
+  const bool grouped = network && std::all_of(rows.begin(), rows.end(), [](const RowRef& r) { return r.stride == 1; });
+  const size_t first_comparator = grouped ? plan.late : 0;
   bool finite = true;
   for (int64_t t0 = begin; t0 < end; t0 += B) {
     const int64_t n = std::min(B, end - t0);
-    std::fill(probe.begin(), probe.begin() + n, V(0));
-    for (int64_t k = 0; k < K; ++k) {
-      const T* r = static_cast<const T*>(rows[k].ptr);
-      const int64_t s = rows[k].stride;
-      V* __restrict__ dst = buf.data() + k * B;
-      V* __restrict__ pr = probe.data();
-      if (s == 1) {
-        for (int64_t j = 0; j < n; ++j) dst[j] = to_acc(r[t0 + j]);
-        // The next tile of this row into L2 while this one is sorted: K interleaved streams defeat the hardware
-        // prefetchers, and rows beyond the last-level cache would otherwise be read at memory latency.
-        for (int64_t j = t0 + B; j < std::min(end, t0 + 2 * B); j += 64 / int64_t(sizeof(T)))
-          __builtin_prefetch(r + j, 0, 2);
-      } else {
-        for (int64_t j = 0; j < n; ++j) dst[j] = to_acc(r[(t0 + j) * s]);
-      }
-      for (int64_t j = 0; j < n; ++j) pr[j] = pr[j] + dst[j] * V(0);  // NaN once any value is NaN or infinite
-    }
-    for (int64_t j = 0; j < n; ++j) finite = finite && probe[j] == V(0);
-    if (!finite) return false;
     T* o = out + t0 * out_stride;
+    if (grouped) {
+      if (!copy_sorted_groups<T, V>(rows, K, t0, n, end, buf.data(), B)) return false;
+    } else {
+      copy_tile<T, V>(rows, K, t0, n, end, buf.data(), B, probe.data());
+      for (int64_t j = 0; j < n; ++j) finite = finite && probe[j] == V(0);
+      if (!finite) return false;
+    }
     if (plan.rule == Rule::Trimmed && trimmed_sums_by_cut(buf.data(), B, n, K, plan.param, sums.data())) {
       const double kept = static_cast<double>(K - 2 * plan.param);
       for (int64_t j = 0; j < n; ++j) store(o + j * out_stride, sums[j] / kept);
       continue;
     }
-    for (const auto& c : plan.network) compare_exchange(buf.data() + c.first * B, buf.data() + c.second * B, n);
+    for (size_t c = first_comparator; c < plan.network.size(); ++c)
+      compare_exchange(buf.data() + plan.network[c].first * B, buf.data() + plan.network[c].second * B, n);
     if (plan.rule == Rule::Median || plan.rule == Rule::Trimmed) {
       // Sum the kept ranks row by row (vectorised across the tile), in ascending rank order per coordinate.
       const int64_t first = plan.rule == Rule::Median ? (K - 1) / 2 : plan.param;
@@ -302,7 +380,7 @@ bool robust_coordinate(const std::string& dtype_name, int64_t d, uintptr_t out, 
   const std::vector<RowRef> rows = make_rows(ptrs, strides, base, step_bytes, count, col_stride);
   const int64_t K = static_cast<int64_t>(rows.size());
   if (K < 1) throw ArgumentError("robust_coordinate: need at least one row");
-  Plan plan{static_cast<Rule>(rule), K, param, {}, nullptr};
+  Plan plan{static_cast<Rule>(rule), K, param, {}, 0, nullptr};
   std::vector<bool> needed(static_cast<size_t>(K), false);
   switch (plan.rule) {
     case Rule::Median:
@@ -324,6 +402,8 @@ bool robust_coordinate(const std::string& dtype_name, int64_t d, uintptr_t out, 
       break;
   }
   if (plan.rule != Rule::WeightedMedian) plan.network = selection_network(static_cast<int>(K), needed);
+  while (plan.late < plan.network.size() && plan.network[plan.late].first / 8 == plan.network[plan.late].second / 8)
+    ++plan.late;
   void* o = reinterpret_cast<void*>(out);
   switch (dtype) {
     case DType::F32:

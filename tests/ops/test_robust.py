@@ -329,6 +329,24 @@ def test_strided_and_listed_inputs():
     assert ops.krum_select(listed, 1, 2).tolist() == reference.krum_select(listed, 1, 2).tolist()
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
+def test_every_non_finite_value_is_found(dtype):
+    """A NaN or an infinity anywhere (a full or a partial group of 8 rows, a full vector of columns or the last,
+    partial one) is refused, naming its row, by the order statistics' kernel."""
+    rng = np.random.default_rng(5)
+    for K, d in ((9, 37), (16, 19), (50, 301)):
+        x = rng.standard_normal((K, d))
+        for k, j in ((0, 0), (K - 1, d - 1), (K // 2, d // 2), (8 % K, d - 3)):
+            for value in (np.nan, -np.inf):
+                bad = x.copy()
+                bad[k, j] = value
+                u = make("torch", bad, dtype)
+                with pytest.raises(ValueError, match=rf"updates\[{k}\]"):
+                    ops.coordinate_median(u)
+                with pytest.raises(ValueError, match=rf"updates\[{k}\]"):
+                    ops.trimmed_mean(u, 0.45)
+
+
 def test_misuse_is_refused_by_name():
     x = np.random.default_rng(0).standard_normal((7, 20))
     bad = x.copy()
