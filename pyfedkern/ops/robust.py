@@ -7,7 +7,8 @@ How they compute:
 - **Coordinate-wise rules** (:func:`coordinate_median`, :func:`trimmed_mean`, the last step of :func:`bulyan`) run
   the native kernel ``robust_coordinate`` on the CPU: tiles of coordinates are copied into an L1-sized [K, B]
   buffer and a sorting network pruned to the ranks the rule needs runs across the B coordinates at once
-  (selection, not a sort per coordinate; vectorised), parallel over fixed blocks of coordinates; a trimmed mean
+  (selection, not a sort per coordinate; vectorised; its levels within groups of 8 rows run in registers as the
+  tile is copied), parallel over fixed blocks of coordinates; a trimmed mean
   cutting at most 8 values per side pushes each row through the extremes held in registers instead (no network).
   Order statistics are exact; means of them are summed in float64. The weighted median sorts (value, row) pairs
   per coordinate.
