@@ -9,12 +9,12 @@ engine's two paths, each process of a distributed run, a Flower client and a use
 definition. The updates arrive as :class:`~pyfedkern.algorithms.ClientUpdates` (stacked messages), possibly in
 several chunks of participants (memory), and the server folds each chunk into a
 :class:`~pyfedkern.algorithms.RoundSums` (:meth:`Algorithm.accumulate`) before finishing the round
-(:meth:`Algorithm.server_step`). Methods with a different
-round shape (FedPBC trains every client, FNR-FL has a second phase, FedSpeed sums uploads as they are made) override
-:meth:`Algorithm.round`. Algorithms never import
-:mod:`pyfedkern.sim` (the engine): everything they need from their environment comes through an
-:class:`~pyfedkern.algorithms.FLContext` (:mod:`pyfedkern.algorithms.context`), which the simulation engine is and a
-user's own loop (or a Flower client) subclasses.
+(:meth:`Algorithm.server_step`). Methods with a different round shape (FedPBC trains every client, FNR-FL has a
+second phase, FedSpeed keeps a running Σ h_i) override :meth:`Algorithm.round` and still train through their
+:meth:`Algorithm.client_update`. Algorithms never import :mod:`pyfedkern.sim` (the engine): everything they need
+from their environment comes through an :class:`~pyfedkern.algorithms.FLContext`
+(:mod:`pyfedkern.algorithms.context`), which the simulation engine is and a user's own loop (or a Flower client)
+subclasses.
 
 Every piece of mutable state that affects later rounds must be returned by ``state_dict`` so a checkpointed run
 resumes bit for bit; randomness is drawn from ``ctx.rng(...)`` streams keyed by (seed, round, client, purpose),

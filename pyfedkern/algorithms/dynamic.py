@@ -446,6 +446,17 @@ class DynamicInit(Algorithm):
         key = _FOOTPRINT_ROUND_KEY + session * self.grad_rounds
         return SessionContext(ctx, 0, 1, constant_lr=self.footprint_lr * ctx.lr(0), round_key=key)
 
+    def node_round(self, ctx: FLContext, t: int, settings: dict[str, Any]) -> tuple[Algorithm, FLContext, int]:
+        """A Flower node's round: a fresh host in footprint round ``footprint-round`` of ``session`` (its own LR
+        and minibatches), else in the session that began at server round ``session-start`` (LR restarted there)."""
+        if "footprint-round" in settings:
+            return (
+                self.make_host(),
+                self.footprint_view(ctx, int(settings["session"])),
+                int(settings["footprint-round"]),
+            )
+        return self.make_host(), self.session_view(ctx, int(settings.get("session-start", 1)) - 1), t
+
     def _skipped(self, session: int) -> bool:
         """Baselines do not run the pilot sessions."""
         return self.method != "proposed" and session < self.pilot_sessions

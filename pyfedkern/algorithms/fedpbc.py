@@ -41,6 +41,7 @@ from pyfedkern import ops
 from pyfedkern.algorithms.base import (
     Algorithm,
     ClientStore,
+    ClientUpdates,
     FLContext,
     RoundStats,
     RoundSums,
@@ -211,6 +212,23 @@ class FedPBC(_LinkAlgorithm):
             download_floats=len(active) * d,
             extras={"active": float(len(active)), "consensus_dist": gap},
         )
+
+    def client_update(self, t: int, clients: np.ndarray, ctx: FLContext) -> ClientUpdates:
+        """``clients`` train from their own models x_i (:func:`~pyfedkern.algorithms.looped.local_sgd_rows_`), keep
+        them and upload them (weights 1): a Flower node's update. :meth:`round` trains the store's rows in place."""
+        clients = np.asarray(clients, dtype=np.int64).reshape(-1)
+        rows = self.clients.rows(clients)
+        models = self.clients.data.index_select(0, rows)
+        losses = self.train_(ctx, t, models, clients)
+        self.clients.data.index_copy_(0, rows, models)
+        steps = ctx.planned_steps(clients)
+        return ClientUpdates(clients, np.ones(len(clients)), {"model": models}, losses, steps)
+
+    def node_receive(self, cid: int, settings: dict[str, Any], restored: bool) -> None:
+        """A node whose uplink was ON (``pbc-adopt``, the default) adopts the server's model; otherwise it keeps the
+        model it trained (set up from the server's model when it has none)."""
+        if restored and settings.get("pbc-adopt", True):
+            self.clients[cid].copy_(self.x)
 
     def shared_round(self, t: int, ctx: FLContext, team: Any, present: np.ndarray) -> RoundStats:
         """The round spread over processes (``ctx.team``, :mod:`pyfedkern.sim.distributed`): this process trains

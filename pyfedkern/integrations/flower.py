@@ -1383,10 +1383,12 @@ def client_train(config: Any, cid: int, server_round: int, content: RecordDict, 
     threads = config.threads or threads_for_work(sim.batch_size * sim.local.dim, torch.get_num_threads())
     with _cpu_threads(threads):
         worker, ctx, t = algo.node_round(_NodeContext(sim, cid), server_round - 1, settings)
-        worker.setup(ctx, _model_vector(received, sim))
+        worker.setup(ctx, _model_vector(received, sim) if len(received) else sim.initial_vector)
         stores = worker.client_stores()
         kept = {name: _STATE_PREFIX + name for name in stores}
         restored = bool(stores) and all(key in state.array_records for key in kept.values())
+        if not len(received) and not restored:  # FedPBC's server sends no model to a node that keeps its own
+            raise ValueError("the message carries no model and the node keeps no state to train from")
         if restored:
             for name, store in stores.items():
                 store[cid].copy_(torch.from_numpy(_flat(state.array_records[kept[name]], name)))

@@ -26,7 +26,7 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords  # no
 from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 
 from pyfedkern import ops  # noqa: E402
-from pyfedkern.algorithms import make_algorithm  # noqa: E402
+from pyfedkern.algorithms import local_sgd, make_algorithm  # noqa: E402
 from pyfedkern.algorithms.fedavg import FedAvg as FedAvgAlgorithm  # noqa: E402
 from pyfedkern.integrations import flower as pf  # noqa: E402
 from pyfedkern.sim.config import ExperimentConfig  # noqa: E402
@@ -762,14 +762,14 @@ def test_client_fedpbc_keeps_its_model_when_not_adopting():
     x0 = _vector(config, pf.initial_arrays(config))
     first = pf.client_train(config, 0, 1, _server_content(config, x0, 1, **{"pbc-adopt": True}), state)
     own = _vector(config, first["arrays"])
-    np.testing.assert_array_equal(state["pbc"]["model"].numpy(), own)
+    np.testing.assert_array_equal(state["client-state:clients"]["clients"].numpy(), own)
     empty = RecordDict({"arrays": ArrayRecord(), "config": ConfigRecord({"server-round": 2, "pbc-adopt": False})})
     second = pf.client_train(config, 0, 2, empty, state)
     sim = Simulation(config)
-    from pyfedkern.algorithms.base import local_sgd
-
     expected = local_sgd(sim, 0, 1, torch.from_numpy(own.copy())).x.numpy()
     np.testing.assert_allclose(_vector(config, second["arrays"]), expected, atol=1e-6)
+    with pytest.raises(ValueError, match="carries no model and the node keeps no state"):
+        pf.client_train(config, 1, 2, empty, RecordDict())  # a node with nothing kept must be sent the model
 
 
 def test_client_fedspeed_matches_sim_round():
