@@ -15,7 +15,7 @@ from pyfedkern.algorithms.base import (
     RoundSums,
     weighted_average,
 )
-from pyfedkern.algorithms.context import ClientMessage, ClientUpdates, FLContext
+from pyfedkern.algorithms.context import ClientUpdates, FLContext
 from pyfedkern.algorithms.local import LocalModel
 from pyfedkern.algorithms.looped import LocalResult, local_run, local_sgd
 from pyfedkern.data.spec import import_object, is_reference
@@ -86,7 +86,6 @@ def make_algorithm(name: str | type[Algorithm], **params: Any) -> Algorithm:
 __all__ = [
     "ALGORITHMS",
     "Algorithm",
-    "ClientMessage",
     "ClientStore",
     "ClientUpdates",
     "FLContext",

@@ -1,6 +1,6 @@
 """What an algorithm and its environment exchange: the context it reads and calls (:class:`FLContext`), the
 processes a run is spread over (:class:`Team`), the minibatches of many clients (:class:`StackedBatches`) and what
-clients upload (:class:`ClientMessage`, :class:`ClientUpdates`) and the server sums (:class:`RoundSums`).
+clients upload (:class:`ClientUpdates`) and the server sums (:class:`RoundSums`).
 
 Algorithms never import :mod:`pyfedkern.sim` (the engine): everything they need from their environment comes through
 an :class:`FLContext`. The simulation engine's :class:`~pyfedkern.sim.engine.Simulation` is one; a user's own loop or
@@ -97,32 +97,6 @@ def padding_weights(sizes: Sequence[int] | torch.Tensor, xb: torch.Tensor) -> to
 
 
 @dataclass
-class ClientMessage:
-    """What one client sends to the server after its local update.
-
-    Attributes:
-        cid: client id.
-        weight: the client's aggregation weight before normalisation (by default |D_i|).
-        vectors: named flat [d] tensors (e.g. "model", "delta", "control").
-        loss: mean local training loss over the steps taken.
-        steps: number of local steps taken (τ_i).
-        extras: small per-client values (floats) an algorithm wants to log or use.
-    """
-
-    cid: int
-    weight: float
-    vectors: dict[str, torch.Tensor]
-    loss: float = float("nan")
-    steps: int = 0
-    extras: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def upload_floats(self) -> int:
-        """The total length of the uploaded vectors (floats sent to the server)."""
-        return sum(int(v.numel()) for v in self.vectors.values())
-
-
-@dataclass
 class ClientUpdates:
     """What a round's participants (or a chunk of them) send, stacked: row r belongs to client ``clients[r]``.
 
@@ -193,26 +167,6 @@ class ClientUpdates:
             steps=np.concatenate([p.steps for p in parts])[order],
             extras={key: np.concatenate([p.extras[key] for p in parts])[order] for key in first.extras},
         )
-
-    @classmethod
-    def stack(cls, messages: Sequence[ClientMessage], device: torch.device | str = "cpu") -> ClientUpdates:
-        """The messages of a per-client loop as one stacked update (each client's vectors become a row)."""
-        if not messages:
-            raise ValueError("messages is empty: stack at least one ClientMessage")
-        names = list(messages[0].vectors)
-        return cls(
-            clients=np.array([m.cid for m in messages], dtype=np.int64),
-            weights=np.array([m.weight for m in messages], dtype=np.float64),
-            vectors={name: _rows([m.vectors[name] for m in messages]) for name in names},
-            losses=torch.tensor([m.loss for m in messages], dtype=torch.float64, device=device),
-            steps=np.array([m.steps for m in messages], dtype=np.int64),
-            extras={key: np.array([m.extras[key] for m in messages], dtype=np.float64) for key in messages[0].extras},
-        )
-
-
-def _rows(vectors: list[torch.Tensor]) -> torch.Tensor:
-    """[k, d] rows of k [d] vectors (a view of the one vector when k is 1)."""
-    return vectors[0].unsqueeze(0) if len(vectors) == 1 else torch.stack(vectors)
 
 
 class RoundSums:

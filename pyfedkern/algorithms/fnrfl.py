@@ -26,10 +26,10 @@ zero and the refinement is plain CE fine-tuning on D_pub. ``reg_mode`` chooses:
 With p = 0 (no client selected) the algorithm is exactly FedAvg.
 
 The engine trains a round's participants with FedAvg's :meth:`~pyfedkern.algorithms.fedavg.FedAvg.client_update`
-(batched or one client after another, :func:`~pyfedkern.algorithms.looped.local_run`); batched, it computes their public-set
-statistics with one vmapped forward over the [k, d] models (:meth:`FNRFL.batched_public_statistics`) and refines the
-selected clients together (:meth:`FNRFL.batched_refine`, vmapped gradients of CE + λ·J with J in plain torch
-operations); :meth:`FNRFL.public_statistics` and :meth:`FNRFL.refine` do the same for one client. The refinement
+(batched or one client after another, :func:`~pyfedkern.algorithms.looped.local_run`); batched, it computes their
+public-set statistics with one vmapped forward over the [k, d] models (:meth:`FNRFL.batched_public_statistics`) and
+refines the selected clients together (:meth:`FNRFL.batched_refine`, vmapped gradients of CE + λ·J with J in plain
+torch operations); :meth:`FNRFL.public_statistics` and :meth:`FNRFL.refine` do the same for one client. The refinement
 needs the selected clients' own models after all statistics are known, so FNR-FL keeps every participant's model
 of the round ([k, d]).
 """
