@@ -132,7 +132,10 @@ def cases(quick: bool = False, device: str = "cpu") -> list[Case]:
             (f"bulyan f={f} {where}", [("pyfedkern", bulyan)]),
             (
                 f"krum models f={f} {where}",
-                [("pyfedkern krum_select", lambda: krum(models)), ("limit:gram X@X.T", lambda: gram(models))],
+                [
+                    ("pyfedkern krum_select", lambda krum=krum, models=models: krum(models)),
+                    ("limit:gram X@X.T", lambda gram=gram, models=models: gram(models)),
+                ],
             ),
         ]
         large = K * d > LARGE
