@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -59,6 +60,7 @@ class LoopedLocal:
         self.lr = ctx.lr(t) if lr is None else lr
         self.dp = ctx.dpsgd
         self._loss_sum = np.zeros(len(self.clients))  # each row's summed minibatch losses, on the host
+        self._saved: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.clients)
@@ -100,7 +102,9 @@ class LoopedLocal:
         local = self.ctx.local
         saved = None
         if x is not None and x.data_ptr() != step.x.data_ptr():
-            saved = local.flat.data.clone()
+            if self._saved is None:  # one buffer for the run's model while another point is evaluated
+                self._saved = torch.empty_like(local.flat.data)
+            saved = self._saved.copy_(local.flat.data)
             local.flat.data.copy_(x.reshape(-1))
         xb, yb = step.xb[0], step.yb[0]
         if self.dp is not None:
@@ -161,22 +165,13 @@ class LoopedLocal:
 LocalRun = BatchedLocal | LoopedLocal
 
 
-def local_run(
-    ctx: FLContext,
-    t: int,
-    clients: Sequence[int] | np.ndarray,
-    *,
-    order: str = "reshuffle",
-    drop_last: bool = False,
-    epochs: float | None = None,
-    steps: int | None = None,
-    lr: float | None = None,
-) -> LocalRun:
+def local_run(ctx: FLContext, t: int, clients: Sequence[int] | np.ndarray, **options: Any) -> LocalRun:
     """The local training of ``clients`` in round t: batched (:class:`~pyfedkern.algorithms.batched.BatchedLocal`)
     when the context and its model allow it (:func:`~pyfedkern.algorithms.batched.use_batched`), else one client
-    after another (:class:`~pyfedkern.algorithms.looped.LoopedLocal`). Arguments as for either."""
+    after another (:class:`~pyfedkern.algorithms.looped.LoopedLocal`); ``options`` (order, drop_last, epochs, steps,
+    lr) as for either."""
     kind = BatchedLocal if use_batched(ctx) else LoopedLocal
-    return kind(ctx, t, clients, order=order, drop_last=drop_last, epochs=epochs, steps=steps, lr=lr)
+    return kind(ctx, t, clients, **options)
 
 
 def local_sgd_rows_(ctx: FLContext, t: int, models: torch.Tensor, clients: Sequence[int] | np.ndarray) -> torch.Tensor:
