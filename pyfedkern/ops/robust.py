@@ -54,7 +54,7 @@ _DIFF_CHUNK_ELEMENTS = 1 << 22  # rows × d of one difference chunk in the itera
 # rows × columns of one GEMM of Krum's Gram product (2 MiB of float32): the shifted rows' buffer stays in L3; on this
 # project's 2-core machine 2^18–2^20 ran alike (K = 50, d = 1.6·10⁶), narrower chunks slower
 _GRAM_CHUNK_ELEMENTS = 1 << 19
-_PROBE_COLUMNS = 256  # columns of the float64 sample that picks the shift of Krum's Gram product
+_PROBE_RUNS = 16  # runs of 16 adjacent columns in the float64 sample that picks the shift of Krum's Gram product
 
 
 # Arguments -------------------------------------------------------------------------------------------------------
@@ -296,11 +296,15 @@ def _medoid(dist: np.ndarray) -> int:
 
 
 def _probe(x: Any) -> int | None:
-    """The shift row of :func:`_gram` for a torch [K, d] tensor, from _PROBE_COLUMNS columns spread over d (in
-    float64): None (no shift) when the raw rows' middle squared norm (:func:`_mid`) is at most their middle squared
-    distance to their medoid (:func:`_medoid`), else the medoid's index."""
+    """The shift row of :func:`_gram` for a torch [K, d] tensor, from a float64 sample of its columns (16 runs of 16
+    adjacent columns spread over d: a few cache lines per row): None (no shift) when the raw rows' middle squared
+    norm (:func:`_mid`) is at most their middle squared distance to their medoid (:func:`_medoid`), else the
+    medoid's index."""
     d = x.shape[1]
-    sample = x[:, :: max(1, d // _PROBE_COLUMNS)].double().cpu().numpy()
+    if d > _PROBE_RUNS * _PROBE_RUNS:  # a [K, runs, run] view: run r starts at column r·⌊d/runs⌋
+        K, (rs, cs) = x.shape[0], x.stride()
+        x = x.as_strided((K, _PROBE_RUNS, _PROBE_RUNS), (rs, (d // _PROBE_RUNS) * cs, cs), x.storage_offset())
+    sample = x.reshape(x.shape[0], -1).double().cpu().numpy()
     with np.errstate(all="ignore"):  # non-finite rows are reported after the Gram product
         norms = np.einsum("kj,kj->k", sample, sample)
         dist = norms[:, None] + norms[None, :] - 2.0 * (sample @ sample.T)  # float64: coarse only for extreme offsets
