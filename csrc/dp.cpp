@@ -4,7 +4,7 @@
 // norms (float64 partial sums per column chunk, combined in chunk order), then the scaled sum (column tiles that stay
 // in L1 while every row streams through once, rows added in row order). Results do not depend on the thread count.
 //
-// gaussian_noise: x += std * z, z standard normal from a counter-based generator: ARS-7 (AES rounds, Salmon et al.
+// gaussian_noise: x += std * z, z standard normal from a counter-based generator: ARS-5 (AES rounds, Salmon et al.
 // 2011) keyed by the 64-bit seed, its counter (block index, 64-bit stream), the blocks' 32-bit words turned into
 // normals by Box-Muller, two words for two normals. The logarithm, sine and cosine are polynomials of +, -, *, / and
 // sqrt only (the build uses -ffp-contract=off), so the NumPy reference (pyfedkern.reference.dp) computes the same
@@ -151,14 +151,15 @@ void clip_accumulate(const std::string& dtype_name, int64_t d, uintptr_t out, in
 
 // ---- gaussian_noise -------------------------------------------------------------------------------------------
 //
-// The words come from ARS-7 (below), in portable code or in AES-NI/VAES instructions, with the same bits. Box-Muller
+// The words come from ARS-5 (below), in portable code or in AES-NI/VAES instructions, with the same bits. Box-Muller
 // is written once with GCC vector extensions (32-byte vectors of floats or doubles) and compiled for each ISA, which
 // maps the vectors to its registers. Every lane performs the same IEEE operations as the reference's scalar code, so
 // every ISA and every AES path gives the same bits.
 
-// ARS-7 (Salmon et al. 2011): block = AES rounds of the 128-bit counter (block index, stream) under round keys that
-// start at (seed, 0) and add a Weyl increment to each 64-bit half per round; the last round omits MixColumns.
-constexpr int kArsRounds = 7;
+// ARS-5 (Salmon et al. 2011): block = AES rounds of the 128-bit counter (block index, stream) under round keys that
+// start at (seed, 0) and add a Weyl increment to each 64-bit half per round; the last round omits MixColumns. Five
+// rounds is where its authors found it Crush-resistant (BigCrush without failures), and what Intel's MKL ships.
+constexpr int kArsRounds = 5;
 constexpr uint64_t kWeylLo = 0x9E3779B97F4A7C15ull, kWeylHi = 0xBB67AE8584CAA73Bull;
 constexpr int kBlocks = 64;                   // ARS blocks (four 32-bit words each) per chunk
 constexpr int64_t kChunkElems = 4 * kBlocks;  // elements per chunk: one per word
@@ -234,7 +235,7 @@ inline void aes_round_soft(uint32_t* s, const uint64_t* key, bool last) {
   for (int c = 0; c < 4; ++c) s[c] = o[c] ^ k[c];
 }
 
-// ARS-7 of blocks first .. first + 63 to w[4 * b + word].
+// ARS-5 of blocks first .. first + 63 to w[4 * b + word].
 inline void ars_blocks_soft(uint64_t first, const ArsKey& key, uint64_t stream, uint32_t* w) {
   for (int b = 0; b < kBlocks; ++b) {
     const uint64_t ctr[2] = {(first + uint64_t(b)) ^ key.k[0][0], stream ^ key.k[0][1]};
@@ -386,9 +387,12 @@ inline typename Lanes<A>::V sqrt_lanes(typename Lanes<A>::V v) {
 // in (0, 1] and u2 = b' / 2^bits in [0, 1) from the words' top bits a', b'. u1 = m 2^e with m in [sqrt(1/2),
 // sqrt(2)) (adding the bits of 1 minus those of sqrt(1/2) carries into the exponent exactly when the significand is
 // at least sqrt(2)), ln m = 2 atanh(s), s = (m-1)/(m+1). The angle's quadrant from b's top 2 bits, sine and cosine by
-// polynomials in x^2 on [0, pi/4] (the rest of the quadrant by symmetry).
+// polynomials in x^2 on [0, pi/4] (the rest of the quadrant by symmetry). kGroups groups of lanes at once, their
+// radii statement by statement, so the CPU has a second group's work while one waits on its division and square
+// root: group k's words a[k], b[k]; its cosine normals to z[2 L k ..], its sine normals to the L after them.
+constexpr int kGroups = 2;
 template <typename A>
-inline void box_muller_lanes(typename Lanes<A>::W a, typename Lanes<A>::W b, A* z_cos, A* z_sin) {
+inline void box_muller_lanes(const typename Lanes<A>::W* a, const typename Lanes<A>::W* b, A* z) {
   using L = Lanes<A>;
   using V = typename L::V;
   using U = typename L::U;
@@ -396,37 +400,47 @@ inline void box_muller_lanes(typename Lanes<A>::W a, typename Lanes<A>::W b, A* 
   using IM = typename L::I;
   using B = typename L::B;
   constexpr int kBits = Normal<A>::kBits;
-  V n1;  // exactly, through int32 conversions
-  if constexpr (kBits < 32) {
-    n1 = __builtin_convertvector(reinterpret_cast<J>(a >> (32 - kBits)), V) + A(1);
-  } else {
-    n1 = (__builtin_convertvector(reinterpret_cast<J>(a ^ 0x80000000u), V) + A(2147483648.0)) + A(1);
+  V n1[kGroups], e[kGroups], m[kGroups], s[kGroups], r[kGroups];
+  U bits[kGroups];
+  for (int k = 0; k < kGroups; ++k) {  // exactly, through int32 conversions
+    if constexpr (kBits < 32) {
+      n1[k] = __builtin_convertvector(reinterpret_cast<J>(a[k] >> (32 - kBits)), V) + A(1);
+    } else {
+      n1[k] = (__builtin_convertvector(reinterpret_cast<J>(a[k] ^ 0x80000000u), V) + A(2147483648.0)) + A(1);
+    }
   }
-  const U bits = reinterpret_cast<U>(n1) + ((B(L::kExpBias) << L::kMant) - L::kHalfRoot);
-  const V e = __builtin_convertvector(__builtin_convertvector(bits >> L::kMant, J) - (L::kExpBias + kBits), V);
-  const V m = reinterpret_cast<V>((bits & ((B(1) << L::kMant) - 1)) + L::kHalfRoot);
-  const V s = (m - A(1)) / (m + A(1));
-  const V r = sqrt_lanes<A>(e * A(-2 * kLn2) + (s * A(-4)) * poly_lanes<A>(kLogCoef<A>, s * s));
-  const J quadrant = reinterpret_cast<J>(b >> 30);
-  const J f = reinterpret_cast<J>(b >> (32 - kBits)) & ((1 << (kBits - 2)) - 1);
-  const J swap32 = f > (1 << (kBits - 3));
-  const J g = swap32 ? (1 << (kBits - 2)) - f : f;  // angle g / 2^(bits-2) * pi/2 in [0, pi/4]
-  const V x = __builtin_convertvector(g, V) * A(kHalfPi / double(1u << (kBits - 2)));
-  const V x2 = x * x;
-  const V sx = x * poly_lanes<A>(kSinCoef<A>, x2);
-  const V pc = poly_lanes<A>(kCosCoef<A>, x2);
-  const IM swap = __builtin_convertvector(swap32, IM);
-  const V sq = swap ? pc : sx;  // sine and cosine of the angle within the quadrant
-  const V cq = swap ? sx : pc;
-  // quadrants 0-3: (sin, cos) = (s, c), (c, -s), (-s, -c), (-c, s); a sign is the sign bit flipped
-  const IM odd = __builtin_convertvector((quadrant & 1) != 0, IM);
-  constexpr B kSign = B(1) << (8 * sizeof(A) - 1);
-  const U sin_sign = reinterpret_cast<U>(__builtin_convertvector((quadrant & 2) != 0, IM)) & kSign;
-  const U cos_sign = reinterpret_cast<U>(__builtin_convertvector(((quadrant + 1) & 2) != 0, IM)) & kSign;
-  const V zc = r * reinterpret_cast<V>(reinterpret_cast<U>(odd ? sq : cq) ^ cos_sign);
-  const V zs = r * reinterpret_cast<V>(reinterpret_cast<U>(odd ? cq : sq) ^ sin_sign);
-  std::memcpy(z_cos, &zc, sizeof(V));
-  std::memcpy(z_sin, &zs, sizeof(V));
+  for (int k = 0; k < kGroups; ++k)
+    bits[k] = reinterpret_cast<U>(n1[k]) + ((B(L::kExpBias) << L::kMant) - L::kHalfRoot);
+  for (int k = 0; k < kGroups; ++k) {
+    e[k] = __builtin_convertvector(__builtin_convertvector(bits[k] >> L::kMant, J) - (L::kExpBias + kBits), V);
+  }
+  for (int k = 0; k < kGroups; ++k) m[k] = reinterpret_cast<V>((bits[k] & ((B(1) << L::kMant) - 1)) + L::kHalfRoot);
+  for (int k = 0; k < kGroups; ++k) s[k] = (m[k] - A(1)) / (m[k] + A(1));
+  for (int k = 0; k < kGroups; ++k) {
+    r[k] = sqrt_lanes<A>(e[k] * A(-2 * kLn2) + (s[k] * A(-4)) * poly_lanes<A>(kLogCoef<A>, s[k] * s[k]));
+  }
+  for (int k = 0; k < kGroups; ++k) {
+    const J quadrant = reinterpret_cast<J>(b[k] >> 30);
+    const J f = reinterpret_cast<J>(b[k] >> (32 - kBits)) & ((1 << (kBits - 2)) - 1);
+    const J swap32 = f > (1 << (kBits - 3));
+    const J g = swap32 ? (1 << (kBits - 2)) - f : f;  // angle g / 2^(bits-2) * pi/2 in [0, pi/4]
+    const V x = __builtin_convertvector(g, V) * A(kHalfPi / double(1u << (kBits - 2)));
+    const V x2 = x * x;
+    const V sx = x * poly_lanes<A>(kSinCoef<A>, x2);
+    const V pc = poly_lanes<A>(kCosCoef<A>, x2);
+    const IM swap = __builtin_convertvector(swap32, IM);
+    const V sq = swap ? pc : sx;  // sine and cosine of the angle within the quadrant
+    const V cq = swap ? sx : pc;
+    // quadrants 0-3: (sin, cos) = (s, c), (c, -s), (-s, -c), (-c, s); a sign is the sign bit flipped
+    const IM odd = __builtin_convertvector((quadrant & 1) != 0, IM);
+    constexpr B kSign = B(1) << (8 * sizeof(A) - 1);
+    const U sin_sign = reinterpret_cast<U>(__builtin_convertvector((quadrant & 2) != 0, IM)) & kSign;
+    const U cos_sign = reinterpret_cast<U>(__builtin_convertvector(((quadrant + 1) & 2) != 0, IM)) & kSign;
+    const V zc = r[k] * reinterpret_cast<V>(reinterpret_cast<U>(odd ? sq : cq) ^ cos_sign);
+    const V zs = r[k] * reinterpret_cast<V>(reinterpret_cast<U>(odd ? cq : sq) ^ sin_sign);
+    std::memcpy(z + 2 * L::kN * k, &zc, sizeof(V));
+    std::memcpy(z + 2 * L::kN * k + L::kN, &zs, sizeof(V));
+  }
 }
 
 // x[begin:end] += std * z. Each group of 2L elements (L = lanes: 8 floats or 4 doubles) takes the group's 2L words
@@ -441,11 +455,13 @@ inline void noise_span_body(int64_t begin, int64_t end, A* x, int64_t stride, A 
   alignas(32) A z[kChunkElems];
   for (int64_t at = begin; at < end; at += kChunkElems) {  // begin is a multiple of kChunkElems
     ars_blocks<M>(static_cast<uint64_t>(at / 4), key, stream, w);
-    for (int g = 0; g < kChunkElems; g += 2 * kL) {
-      W u1, u2;
-      std::memcpy(&u1, w + g, sizeof(W));
-      std::memcpy(&u2, w + g + kL, sizeof(W));
-      box_muller_lanes<A>(u1, u2, z + g, z + g + kL);
+    for (int g = 0; g < kChunkElems; g += 2 * kL * kGroups) {
+      W u1[kGroups], u2[kGroups];
+      for (int k = 0; k < kGroups; ++k) {
+        std::memcpy(&u1[k], w + g + 2 * kL * k, sizeof(W));
+        std::memcpy(&u2[k], w + g + 2 * kL * k + kL, sizeof(W));
+      }
+      box_muller_lanes<A>(u1, u2, z + g);
     }
     const int64_t n = std::min(kChunkElems, end - at);
     A* __restrict__ xs = x + at * stride;
@@ -500,7 +516,7 @@ void noise_span(PFK_NOISE_PARAMS, Isa isa, Aes aes) {
 #undef PFK_NOISE_PARAMS
 #undef PFK_NOISE_ARGS
 
-// ARS-7's words of blocks first_block .. first_block + n - 1 to out[4 * i + word], one function per AES path.
+// ARS-5's words of blocks first_block .. first_block + n - 1 to out[4 * i + word], one function per AES path.
 template <Aes M>
 inline void ars_span_body(uint64_t first_block, int64_t n, const ArsKey& key, uint64_t stream, uint32_t* out) {
   alignas(32) uint32_t w[4 * kBlocks];
@@ -587,7 +603,7 @@ void gaussian_noise(const std::string& dtype_name, int64_t d, uintptr_t x, int64
   }
 }
 
-void ars4x32_7(uint64_t seed, uint64_t stream, uint64_t first_block, py::array_t<uint32_t, py::array::c_style>& out,
+void ars4x32_5(uint64_t seed, uint64_t stream, uint64_t first_block, py::array_t<uint32_t, py::array::c_style>& out,
                const std::string& aes_name) {
   if (out.ndim() != 2 || out.shape(1) != 4 || out.shape(0) < 1) throw ArgumentError("out must be [n, 4], n >= 1");
   const Aes aes = aes_from_name(aes_name, cpu_isa());
@@ -609,13 +625,13 @@ void bind_dp(py::module_& m) {
   m.def("gaussian_noise", &gaussian_noise, py::arg("dtype"), py::arg("d"), py::arg("x"), py::arg("stride"),
         py::arg("std"), py::arg("seed"), py::arg("stream"), py::arg("isa") = "", py::arg("aes") = "",
         py::call_guard<py::gil_scoped_release>(),
-        "x += std * z, z standard normal from ARS-7 (key: seed; counter: block, stream) and Box-Muller. CPU only. "
+        "x += std * z, z standard normal from ARS-5 (key: seed; counter: block, stream) and Box-Muller. CPU only. "
         "isa: '' (the CPU's best) or a vector ISA this CPU has ('baseline', 'avx2', 'avx512'); aes: '' (the best) "
         "or an AES path this CPU has ('soft', 'aesni', 'vaes'); both for tests, every choice gives the same bits.");
   m.def(
-      "ars4x32_7", &ars4x32_7, py::arg("seed"), py::arg("stream"), py::arg("first_block"), py::arg("out"),
+      "ars4x32_5", &ars4x32_5, py::arg("seed"), py::arg("stream"), py::arg("first_block"), py::arg("out"),
       py::arg("aes") = "",
-      "out[i] = the four 32-bit words of ARS-7 block first_block + i (key: seed; counter: block, stream), out a "
+      "out[i] = the four 32-bit words of ARS-5 block first_block + i (key: seed; counter: block, stream), out a "
       "[n, 4] uint32 array: gaussian_noise's raw bits (for tests and the benchmark's limit). aes as gaussian_noise's.");
 }
 

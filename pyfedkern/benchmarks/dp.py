@@ -2,7 +2,7 @@
 
 - ``gaussian_noise d=...``: ``ops.gaussian_noise_(x, σ, seed, round)`` (x += σ·z in one pass) against what torch
   code writes, ``x.add_(buf.normal_(), alpha=σ)``, and torch's ``normal_`` alone (filling a buffer); the limits are
-  a copy of the same floats and (CPU) the generator's ARS-7 alone, one 32-bit word per float.
+  a copy of the same floats and (CPU) the generator's ARS-5 alone, one 32-bit word per float.
 - ``clip_accumulate K=... d=...``: the clipped sum of K update rows around the global model against the torch idiom
   (norms of X − x, clip factors, their weighted sum); the limit is a sum of the stack.
 - ``central_dp_round fedavg m=1000 synthetic(1,1) logreg``: one FedAvg round of 1,000 clients, all taking part
@@ -139,7 +139,7 @@ def _noise_cases(cache: InputCache, d: int, device: str) -> list[Case]:
 
     def limit_ars():
         words = np.empty((-(-d // 4), 4), np.uint32)
-        return lambda: native().ars4x32_7(1234, 5, 0, words)
+        return lambda: native().ars4x32_5(1234, 5, 0, words)
 
     nbytes = 2 * 4 * d
     out = [

@@ -4,14 +4,15 @@ counter-based generator (central DP's noise on the round's sum, DP-SGD's on a st
 - :func:`clip_accumulate`: ``Σ_k min(1, C/‖u_k − c‖)·(u_k − c)`` in two passes over the rows (their norms, then the
   scaled sum), with the norms if asked. Norms are summed in float64; the sum accumulates in the rows' precision
   (float32 for 16-bit storage). Rows are read in place (any strides).
-- :func:`gaussian_noise_`: ``x += std·z`` in one pass, z standard normal from ARS-7 (Salmon et al. 2011: seven AES
+- :func:`gaussian_noise_`: ``x += std·z`` in one pass, z standard normal from ARS-5 (Salmon et al. 2011: five AES
   rounds of a 128-bit counter, keyed by the seed, the counter the block index and a 64-bit stream derived from the
   keys) and Box-Muller with polynomial logarithm, sine and cosine: the same numbers for a given (seed, keys, length,
   dtype) on every machine, every vector ISA, with or without AES instructions (AES-NI, VAES, or portable tables on a
   CPU without them) and for every thread count, and equal bit for bit to :func:`pyfedkern.reference.gaussian_noise_`.
   float32 draws take each word's top 24 bits (normals reach ±5.8), float64 draws all 32 bits (±6.7); a normal beyond
   that has probability below 1e-8. The logarithm, sine and cosine agree with libm to 2e-7 (float32) and 1e-15
-  (float64). ARS passes TestU01's BigCrush from five rounds on; seven is its authors' default with a safety margin.
+  (float64). Five rounds is where ARS's authors found it free of failures in TestU01's BigCrush (Intel's MKL ships
+  ARS-5; their own library defaults to seven, for margin).
   It is a statistical generator, not a cryptographic one: fine for simulations and DP research, but a deployment
   whose privacy must hold against an adversary who could predict the noise needs a cryptographically secure source
   (the role of Opacus's "secure mode").

@@ -1,6 +1,6 @@
 """Reference differential-privacy ops: the clipped sum in float64, and the noise generator in plain NumPy.
 
-The generator is :func:`pyfedkern.ops.gaussian_noise_`'s, step by step: ARS-7 (AES rounds) keyed by the seed, its
+The generator is :func:`pyfedkern.ops.gaussian_noise_`'s, step by step: ARS-5 (AES rounds) keyed by the seed, its
 counter (block, stream), the blocks' 32-bit words turned into normals by Box-Muller (two words, two normals), whose
 logarithm, sine and cosine are polynomials of +, −, ×, ÷ and √ evaluated in the output's precision, so the op must
 give the same bits.
@@ -17,6 +17,7 @@ from pyfedkern.reference._xp import cast_like, to_float64
 
 _MASK64 = (1 << 64) - 1
 _WEYL_LO, _WEYL_HI = 0x9E3779B97F4A7C15, 0xBB67AE8584CAA73B  # ARS's round-key increments
+_ARS_ROUNDS = 5
 
 
 def clip_accumulate(
@@ -115,17 +116,17 @@ def aes_round(state: np.ndarray, round_key: np.ndarray, last: bool = False) -> n
     return t ^ round_key
 
 
-def ars4x32_7(blocks: np.ndarray, seed: int, stream: int) -> np.ndarray:
-    """ARS-7 of counters (block, stream) under key ``seed``: [n, 4] uint32 words for n uint64 blocks.
+def ars4x32_5(blocks: np.ndarray, seed: int, stream: int) -> np.ndarray:
+    """ARS-5 of counters (block, stream) under key ``seed``: [n, 4] uint32 words for n uint64 blocks.
 
-    The 128-bit counter (low half: the block, high half: the stream) XOR the key (seed, 0), six AES rounds and a last
+    The 128-bit counter (low half: the block, high half: the stream) XOR the key (seed, 0), four AES rounds and a last
     one, under round keys that add (0x9E3779B97F4A7C15, 0xBB67AE8584CAA73B) to the 64-bit halves each round."""
     blocks = np.asarray(blocks, dtype=np.uint64)
     ctr = np.stack([blocks, np.full_like(blocks, stream)], axis=1).astype("<u8")
     state = ctr.view(np.uint8).reshape(-1, 16)
-    for r in range(8):
+    for r in range(_ARS_ROUNDS + 1):
         key = np.array([(seed + r * _WEYL_LO) & _MASK64, (r * _WEYL_HI) & _MASK64], "<u8").view(np.uint8)
-        state = state ^ key if r == 0 else aes_round(state, key, last=r == 7)
+        state = state ^ key if r == 0 else aes_round(state, key, last=r == _ARS_ROUNDS)
     return np.ascontiguousarray(state).view("<u4").reshape(-1, 4).astype(np.uint32)
 
 
@@ -183,7 +184,7 @@ def standard_normals(d: int, seed: int, *keys: int, dtype: Any = np.float64) -> 
     are the group's first L elements and sine normals the next L."""
     lanes = 8 if np.dtype(dtype) == np.float32 else 4
     blocks = np.arange(-(-d // (2 * lanes)) * 2 * lanes // 4, dtype=np.uint64)
-    w = ars4x32_7(blocks, seed, stream_key(tuple(keys))).reshape(-1, 2, lanes)
+    w = ars4x32_5(blocks, seed, stream_key(tuple(keys))).reshape(-1, 2, lanes)
     z_cos, z_sin = _normals(w[:, 0], w[:, 1], dtype)
     return np.stack([z_cos, z_sin], axis=1).reshape(-1)[:d]
 

@@ -157,7 +157,7 @@ def _aes_paths() -> list[str]:
     found = []
     for aes in ("soft", "aesni", "vaes"):
         try:
-            native().ars4x32_7(0, 0, 0, np.zeros((1, 4), np.uint32), aes)
+            native().ars4x32_5(0, 0, 0, np.zeros((1, 4), np.uint32), aes)
         except ValueError:
             continue
         found.append(aes)
@@ -169,18 +169,18 @@ def _aes_paths() -> list[str]:
     [(0, 0, 0, 1), (2**64 - 1, 2**64 - 1, 2**64 - 1, 1), (7, 2**63 + 5, 2**32 - 37, 300), (1, 2, 13, 17)],
 )
 def test_native_ars_equals_the_reference(seed, stream, first, n):
-    """The kernel's ARS-7 words (chunks of 64 blocks, the 64-bit block index wrapping) = the reference's, on every
+    """The kernel's ARS-5 words (chunks of 64 blocks, the 64-bit block index wrapping) = the reference's, on every
     AES path of this CPU (portable tables, AES-NI, VAES)."""
     paths = _aes_paths()
     assert "soft" in paths
     blocks = np.array([(first + i) % 2**64 for i in range(n)], np.uint64)
-    want = ref_dp.ars4x32_7(blocks, seed, stream)
+    want = ref_dp.ars4x32_5(blocks, seed, stream)
     for aes in paths:
         out = np.zeros((n, 4), np.uint32)
-        native().ars4x32_7(seed, stream, first, out, aes)
+        native().ars4x32_5(seed, stream, first, out, aes)
         assert np.array_equal(out, want), aes
     with pytest.raises(ValueError, match="aes must be"):
-        native().ars4x32_7(0, 0, 0, np.zeros((1, 4), np.uint32), "aes9")
+        native().ars4x32_5(0, 0, 0, np.zeros((1, 4), np.uint32), "aes9")
 
 
 def _isas() -> list[str]:
@@ -302,7 +302,7 @@ def test_gaussian_noise_same_bits_for_any_thread_count():
 @pytest.mark.parametrize(("dtype", "tol"), [(np.float32, 2e-6), (np.float64, 1e-14)])
 def test_generator_polynomials_equal_box_muller(dtype, tol):
     """The polynomial logarithm, sine and cosine against NumPy's, on the generator's own uniforms."""
-    w = ref_dp.ars4x32_7(np.arange(20_000, dtype=np.uint64), 5, 6)
+    w = ref_dp.ars4x32_5(np.arange(20_000, dtype=np.uint64), 5, 6)
     bits = 24 if dtype is np.float32 else 32
     u1 = ((w[:, 0].astype(np.float64) // 2 ** (32 - bits)) + 1) / 2**bits
     u2 = (w[:, 1].astype(np.float64) // 2 ** (32 - bits)) / 2**bits
