@@ -389,10 +389,11 @@ inline typename Lanes<A>::V sqrt_lanes(typename Lanes<A>::V v) {
 // at least sqrt(2)), ln m = 2 atanh(s), s = (m-1)/(m+1). The angle's quadrant from b's top 2 bits, sine and cosine by
 // polynomials in x^2 on [0, pi/4] (the rest of the quadrant by symmetry). kGroups groups of lanes at once, their
 // radii statement by statement, so the CPU has a second group's work while one waits on its division and square
-// root: group k's words a[k], b[k]; its cosine normals to z[2 L k ..], its sine normals to the L after them.
+// root: group k's words a[k], b[k]; its cosine normals z to out[2 L k ..], its sine normals to the L after them
+// (with `add`: out += std * z there).
 constexpr int kGroups = 2;
 template <typename A>
-inline void box_muller_lanes(const typename Lanes<A>::W* a, const typename Lanes<A>::W* b, A* z) {
+inline void box_muller_lanes(const typename Lanes<A>::W* a, const typename Lanes<A>::W* b, A* out, A std, bool add) {
   using L = Lanes<A>;
   using V = typename L::V;
   using U = typename L::U;
@@ -420,7 +421,6 @@ inline void box_muller_lanes(const typename Lanes<A>::W* a, const typename Lanes
     r[k] = sqrt_lanes<A>(e[k] * A(-2 * kLn2) + (s[k] * A(-4)) * poly_lanes<A>(kLogCoef<A>, s[k] * s[k]));
   }
   for (int k = 0; k < kGroups; ++k) {
-    const J quadrant = reinterpret_cast<J>(b[k] >> 30);
     const J f = reinterpret_cast<J>(b[k] >> (32 - kBits)) & ((1 << (kBits - 2)) - 1);
     const J swap32 = f > (1 << (kBits - 3));
     const J g = swap32 ? (1 << (kBits - 2)) - f : f;  // angle g / 2^(bits-2) * pi/2 in [0, pi/4]
@@ -432,14 +432,23 @@ inline void box_muller_lanes(const typename Lanes<A>::W* a, const typename Lanes
     const V sq = swap ? pc : sx;  // sine and cosine of the angle within the quadrant
     const V cq = swap ? sx : pc;
     // quadrants 0-3: (sin, cos) = (s, c), (c, -s), (-s, -c), (-c, s); a sign is the sign bit flipped
-    const IM odd = __builtin_convertvector((quadrant & 1) != 0, IM);
+    // (quadrant bits 31 and 30 of b: odd = bit 30, sine's sign = bit 31, cosine's = bit 31 xor bit 30)
+    const J q1 = reinterpret_cast<J>(b[k]), q0 = reinterpret_cast<J>(b[k] << 1);
+    const IM odd = __builtin_convertvector(q0 >> 31, IM);
     constexpr B kSign = B(1) << (8 * sizeof(A) - 1);
-    const U sin_sign = reinterpret_cast<U>(__builtin_convertvector((quadrant & 2) != 0, IM)) & kSign;
-    const U cos_sign = reinterpret_cast<U>(__builtin_convertvector(((quadrant + 1) & 2) != 0, IM)) & kSign;
+    const U sin_sign = reinterpret_cast<U>(__builtin_convertvector(q1 >> 31, IM)) & kSign;
+    const U cos_sign = reinterpret_cast<U>(__builtin_convertvector((q1 ^ q0) >> 31, IM)) & kSign;
     const V zc = r[k] * reinterpret_cast<V>(reinterpret_cast<U>(odd ? sq : cq) ^ cos_sign);
     const V zs = r[k] * reinterpret_cast<V>(reinterpret_cast<U>(odd ? cq : sq) ^ sin_sign);
-    std::memcpy(z + 2 * L::kN * k, &zc, sizeof(V));
-    std::memcpy(z + 2 * L::kN * k + L::kN, &zs, sizeof(V));
+    V o0 = zc, o1 = zs;
+    if (add) {
+      std::memcpy(&o0, out + 2 * L::kN * k, sizeof(V));
+      std::memcpy(&o1, out + 2 * L::kN * k + L::kN, sizeof(V));
+      o0 = o0 + std * zc;
+      o1 = o1 + std * zs;
+    }
+    std::memcpy(out + 2 * L::kN * k, &o0, sizeof(V));
+    std::memcpy(out + 2 * L::kN * k + L::kN, &o1, sizeof(V));
   }
 }
 
@@ -455,15 +464,18 @@ inline void noise_span_body(int64_t begin, int64_t end, A* x, int64_t stride, A 
   alignas(32) A z[kChunkElems];
   for (int64_t at = begin; at < end; at += kChunkElems) {  // begin is a multiple of kChunkElems
     ars_blocks<M>(static_cast<uint64_t>(at / 4), key, stream, w);
+    const int64_t n = std::min(kChunkElems, end - at);
+    const bool direct = stride == 1 && n == kChunkElems;  // add into x as the normals come, else through z
+    A* out = direct ? x + at : z;
     for (int g = 0; g < kChunkElems; g += 2 * kL * kGroups) {
       W u1[kGroups], u2[kGroups];
       for (int k = 0; k < kGroups; ++k) {
         std::memcpy(&u1[k], w + g + 2 * kL * k, sizeof(W));
         std::memcpy(&u2[k], w + g + 2 * kL * k + kL, sizeof(W));
       }
-      box_muller_lanes<A>(u1, u2, z + g);
+      box_muller_lanes<A>(u1, u2, out + g, std, direct);
     }
-    const int64_t n = std::min(kChunkElems, end - at);
+    if (direct) continue;
     A* __restrict__ xs = x + at * stride;
     if (stride == 1) {
       for (int64_t j = 0; j < n; ++j) xs[j] = xs[j] + std * z[j];
