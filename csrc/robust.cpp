@@ -55,8 +55,8 @@ std::vector<Comparator> selection_network(int n, const std::vector<bool>& needed
   return kept;
 }
 
-constexpr int64_t kChunk = 4096;  // coordinates per parallel chunk (fixed: results never depend on threads)
-constexpr int64_t kTileBytes = 24 * 1024;
+constexpr int64_t kChunk = 4096;           // coordinates per parallel chunk (fixed: results never depend on threads)
+constexpr int64_t kTileBytes = 32 * 1024;  // the [K, B] tile buffer: L1-sized (K = 64: 128 columns)
 
 struct Plan {
   Rule rule;
