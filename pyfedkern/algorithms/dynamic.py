@@ -236,6 +236,7 @@ class DistillationLocal:
         return getattr(self._local, name)
 
     def loss_and_grad(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """Set ``flat.grad`` to the gradient of the objective plus κ·KL on one batch; return their value."""
         local = self._local
         local.module.train()
         local.flat.zero_grad()
