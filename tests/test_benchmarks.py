@@ -59,13 +59,22 @@ def test_compiled_step_eager_peers_agree():
             np.testing.assert_allclose(value, ours, rtol=1e-5, atol=1e-6, err_msg=f"{group}: {name}")
 
 
-def test_sampling_peer_gives_pyfedkern_values():
-    for group in dict.fromkeys(c.group for c in sampling.cases(quick=True)):
-        results = {c.name: c.make()() for c in sampling.cases(quick=True) if c.group == group}
+def test_sampling_peers_give_pyfedkern_values():
+    cases = sampling.cases(quick=True)
+    for group in dict.fromkeys(c.group for c in cases if c.group.startswith("seeded_permutations")):
+        results = {c.name: c.make()() for c in cases if c.group == group}
         ours = results.pop("pyfedkern")
         assert len(results) == 1 and ours.dtype == np.int64
         for name, value in results.items():
             assert np.array_equal(value, ours), f"{group}: {name}"
+    # the Poisson plan of a round against its batches drawn one at a time: the same positions, batch after batch
+    poisson = {c.name: c.make()() for c in cases if c.group.startswith("poisson plan")}
+    plan = poisson.pop("pyfedkern")
+    (batches,) = poisson.values()
+    assert np.array_equal(plan.length, np.concatenate([lengths for _, lengths in batches]))
+    assert np.array_equal(plan.perms, np.concatenate([positions for positions, _ in batches]))
+    (fixed,) = [c.make()() for c in cases if c.group.startswith("fixed-size plan")]
+    assert np.array_equal(fixed.counts, plan.counts)  # the same steps, fixed-size batches
     assert sampling.cases(quick=True, device="cuda") == []
 
 
