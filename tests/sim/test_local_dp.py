@@ -152,9 +152,28 @@ def test_resume_is_bit_identical_and_keeps_the_budget(tmp_path):
         Simulation(dataclasses.replace(budget, rounds=4)).run(tmp_path / "budget", resume=True)
 
 
-def test_interrupted_run_resumes_bit_identical(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "config",
+    [
+        dataclasses.replace(LOCAL, rounds=4, checkpoint_every=2, fraction=0.5, dp_noise_multiplier=0.8),
+        dataclasses.replace(  # Poisson-sampled batches (dp_sampling="poisson"), some of them empty
+            LOCAL,
+            clients=5,
+            rounds=4,
+            checkpoint_every=2,
+            partition="dirichlet:0.5",
+            batch_size=4,
+            local_steps=12,
+            fraction=0.6,
+            dp_clip=0.5,
+            dp_noise_multiplier=0.7,
+            dp_sampling="poisson",
+        ),
+    ],
+    ids=["shuffle", "poisson"],
+)
+def test_interrupted_run_resumes_bit_identical(tmp_path, monkeypatch, config):
     """A run stopped in round 3 (after its round-2 checkpoint) and resumed equals the uninterrupted run bit for bit."""
-    config = dataclasses.replace(LOCAL, rounds=4, checkpoint_every=2, fraction=0.5, dp_noise_multiplier=0.8)
     full = Simulation(config).run(tmp_path / "full")
     sim = Simulation(config)
     cls = type(sim.algorithm)
