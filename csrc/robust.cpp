@@ -367,6 +367,165 @@ bool robust_typed(int64_t d, void* out, int64_t out_stride, const std::vector<Ro
   return std::all_of(ok.begin(), ok.end(), [](char v) { return v != 0; });
 }
 
+// Krum's Gram product -----------------------------------------------------------------------------------------------
+//
+// G = (X − s)(X − s)ᵀ of K rows (s: row `shift`, or none), float64 [K, K]. The columns are cut into at most
+// kGramGroups fixed ranges (fewer when d or K² is large; never dependent on the thread count), each summed into its
+// own float64 [K, K] partial, and the partials are added in order. Within a range, blocks of kGramCols columns are
+// packed (shifted, converted to the accumulation type V: float, or double for float64 rows) into a [K', B] buffer;
+// the upper triangle is then computed from it in tiles of 4 × 3 rows (12 accumulators: AVX2's 16 registers), each
+// pair in one vector of L lanes (lane l: the columns ≡ l mod L, one fused multiply-add per column in column order),
+// the lanes added in double in a fixed order and the block's sum added to the partial. A fused multiply-add rounds
+// once on every machine (the CPU's FMA on x86 with AVX2 and FMA, std::fma elsewhere), so each entry is exactly the
+// same on every ISA and for any row position in a tile (duplicate rows give identical entries), and its rounding
+// error is at most about (B/L + 2) units of V's roundoff times Σ|y_ic·y_jc| (y = fl(x − s)).
+constexpr int64_t kGramCols = 512;  // columns per packed block: each float lane sums 64 products
+constexpr int64_t kGramGroups = 16;
+constexpr int64_t kGramTileI = 4, kGramTileJ = 3;
+
+// Lane-wise a·b + c rounded once (std::fma: one vfmadd instruction where the function is compiled for FMA).
+template <typename Vec>
+PFK_ALWAYS_INLINE Vec fused_multiply_add(Vec a, Vec b, Vec c) {
+  constexpr int L = sizeof(Vec) / sizeof(a[0]);
+  for (int l = 0; l < L; ++l) c[l] = std::fma(a[l], b[l], c[l]);
+  return c;
+}
+
+template <typename T, typename V>
+PFK_ALWAYS_INLINE void gram_pack(const std::vector<RowRef>& rows, int64_t shift, int64_t c0, int64_t n, int64_t end,
+                                 V* __restrict__ buf, V* __restrict__ s) {
+  if (shift >= 0) {
+    const T* r = static_cast<const T*>(rows[shift].ptr);
+    const int64_t st = rows[shift].stride;
+    for (int64_t j = 0; j < n; ++j) s[j] = to_acc(r[(c0 + j) * st]);
+  } else {
+    std::fill(s, s + n, V(0));
+  }
+  for (size_t k = 0; k < rows.size(); ++k) {
+    const T* r = static_cast<const T*>(rows[k].ptr);
+    const int64_t st = rows[k].stride;
+    V* __restrict__ dst = buf + k * kGramCols;
+    if (st == 1) {
+      for (int64_t j = 0; j < n; ++j) dst[j] = to_acc(r[c0 + j]) - s[j];
+      for (int64_t j = c0 + kGramCols; j < std::min(end, c0 + 2 * kGramCols); j += 64 / int64_t(sizeof(T)))
+        __builtin_prefetch(r + j, 0, 2);  // K interleaved streams defeat the hardware prefetchers
+    } else {
+      for (int64_t j = 0; j < n; ++j) dst[j] = to_acc(r[(c0 + j) * st]) - s[j];
+    }
+    std::fill(dst + n, dst + kGramCols, V(0));
+  }
+}
+
+template <typename Vec>
+PFK_ALWAYS_INLINE double lane_sum(Vec v) {
+  constexpr int L = sizeof(Vec) / sizeof(v[0]);
+  double h[L];
+  for (int l = 0; l < L; ++l) h[l] = static_cast<double>(v[l]);
+  for (int w = L / 2; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) h[l] += h[l + w];
+  return h[0];
+}
+
+// Adds the Gram product of columns [begin, end) into the [K, K] partial (upper triangle).
+template <typename T>
+PFK_ALWAYS_INLINE void gram_range_body(const std::vector<RowRef>& rows, int64_t shift, int64_t begin, int64_t end,
+                                       double* __restrict__ partial) {
+  using V = typename AccOf<T>::type;
+  typedef V Vec __attribute__((vector_size(32)));
+  constexpr int64_t L = 32 / sizeof(V);
+  const int64_t K = static_cast<int64_t>(rows.size());
+  // Rows past K (a tile's overhang, zeros) feed only products that are dropped; the shift's slice comes last.
+  const int64_t buffer_rows = K + kGramTileI + kGramTileJ;
+  std::vector<V> buf(static_cast<size_t>((buffer_rows + 1) * kGramCols), V(0));
+  V* shift_slice = buf.data() + buffer_rows * kGramCols;
+  for (int64_t c0 = begin; c0 < end; c0 += kGramCols) {
+    const int64_t n = std::min(kGramCols, end - c0);
+    gram_pack<T, V>(rows, shift, c0, n, end, buf.data(), shift_slice);
+    const int64_t nv = (n + L - 1) / L;
+    for (int64_t i0 = 0; i0 < K; i0 += kGramTileI) {
+      for (int64_t j0 = i0 / kGramTileJ * kGramTileJ; j0 < K; j0 += kGramTileJ) {
+        Vec acc[kGramTileI][kGramTileJ] = {};
+        const V* a = buf.data() + i0 * kGramCols;
+        const V* b = buf.data() + j0 * kGramCols;
+        for (int64_t v = 0; v < nv; ++v) {
+          Vec x[kGramTileI], y[kGramTileJ];
+#pragma GCC unroll 4
+          for (int64_t i = 0; i < kGramTileI; ++i) __builtin_memcpy(&x[i], a + i * kGramCols + v * L, sizeof(Vec));
+#pragma GCC unroll 3
+          for (int64_t j = 0; j < kGramTileJ; ++j) __builtin_memcpy(&y[j], b + j * kGramCols + v * L, sizeof(Vec));
+#pragma GCC unroll 4
+          for (int64_t i = 0; i < kGramTileI; ++i)
+#pragma GCC unroll 3
+            for (int64_t j = 0; j < kGramTileJ; ++j) acc[i][j] = fused_multiply_add(x[i], y[j], acc[i][j]);
+        }
+        for (int64_t i = 0; i < kGramTileI; ++i)
+          for (int64_t j = 0; j < kGramTileJ; ++j)
+            if (i0 + i < K && j0 + j < K && i0 + i <= j0 + j) partial[(i0 + i) * K + j0 + j] += lane_sum(acc[i][j]);
+      }
+    }
+  }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+template <typename T>
+__attribute__((target("avx2,fma"))) void gram_range_fma(const std::vector<RowRef>& rows, int64_t shift, int64_t begin,
+                                                        int64_t end, double* partial) {
+  gram_range_body<T>(rows, shift, begin, end, partial);
+}
+#endif
+
+template <typename T>
+void gram_range(const std::vector<RowRef>& rows, int64_t shift, int64_t begin, int64_t end, double* partial) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const bool hardware = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (hardware) return gram_range_fma<T>(rows, shift, begin, end, partial);
+#endif
+  gram_range_body<T>(rows, shift, begin, end, partial);
+}
+
+template <typename T>
+void gram_typed(const std::vector<RowRef>& rows, int64_t d, int64_t shift, double* out) {
+  const int64_t K = static_cast<int64_t>(rows.size());
+  const int64_t blocks = (d + kGramCols - 1) / kGramCols;
+  const int64_t groups = std::max<int64_t>(1, std::min({kGramGroups, blocks, (int64_t{1} << 22) / (K * K)}));
+  const int64_t per = (blocks + groups - 1) / groups * kGramCols;  // columns per group, whole blocks
+  const int64_t ngroups = (d + per - 1) / per;
+  std::vector<double> partials(static_cast<size_t>(ngroups * K * K), 0.0);
+  parallel_chunks(ngroups, 1, K * d + K * K * d / 16, [&](int64_t g, int64_t, int64_t) {
+    gram_range<T>(rows, shift, g * per, std::min(d, (g + 1) * per), partials.data() + g * K * K);
+  });
+  for (int64_t i = 0; i < K; ++i)
+    for (int64_t j = i; j < K; ++j) {
+      double s = 0.0;
+      for (int64_t g = 0; g < ngroups; ++g) s += partials[(g * K + i) * K + j];
+      out[i * K + j] = out[j * K + i] = s;
+    }
+}
+
+// Entry point from Python: the float64 [K, K] Gram matrix of the rows shifted by row `shift` (-1: none) into out.
+void robust_gram(const std::string& dtype_name, int64_t d, uintptr_t out, const std::vector<uintptr_t>& ptrs,
+                 const std::vector<int64_t>& strides, uintptr_t base, int64_t step_bytes, int64_t count,
+                 int64_t col_stride, int64_t shift) {
+  const DType dtype = dtype_from_name(dtype_name);
+  if (d < 1) throw ArgumentError("robust_gram: d must be >= 1");
+  if (out == 0) throw ArgumentError("robust_gram: out is a null pointer");
+  const std::vector<RowRef> rows = make_rows(ptrs, strides, base, step_bytes, count, col_stride);
+  const int64_t K = static_cast<int64_t>(rows.size());
+  if (K < 1) throw ArgumentError("robust_gram: need at least one row");
+  if (shift < -1 || shift >= K) throw ArgumentError("robust_gram: shift out of range");
+  double* o = reinterpret_cast<double*>(out);
+  switch (dtype) {
+    case DType::F32:
+      return gram_typed<float>(rows, d, shift, o);
+    case DType::F64:
+      return gram_typed<double>(rows, d, shift, o);
+    case DType::F16:
+      return gram_typed<f16_t>(rows, d, shift, o);
+    case DType::BF16:
+      return gram_typed<bf16_t>(rows, d, shift, o);
+  }
+}
+
 // Entry point from Python (arguments validated there): writes the rule's [d] result into out and returns whether
 // every value read was finite (false: the output is incomplete, and the Python layer names the offending row).
 bool robust_coordinate(const std::string& dtype_name, int64_t d, uintptr_t out, int64_t out_stride,
@@ -427,6 +586,10 @@ void bind_robust(py::module_& m) {
         py::call_guard<py::gil_scoped_release>(),
         "Coordinate-wise rule over K rows (0 median, 1 trimmed mean cutting `param` per side, 2 mean of the `param` "
         "values closest to the median, 3 weighted median); returns False when a value read was not finite.");
+  m.def("robust_gram", &robust_gram, py::arg("dtype"), py::arg("d"), py::arg("out"), py::arg("ptrs"),
+        py::arg("strides"), py::arg("base"), py::arg("step_bytes"), py::arg("count"), py::arg("col_stride"),
+        py::arg("shift"), py::call_guard<py::gil_scoped_release>(),
+        "float64 [K, K] Gram matrix of K rows shifted by row `shift` (-1: no shift), written to out.");
 }
 
 }  // namespace pfk

@@ -4,15 +4,16 @@ Peers on the same [K, d] float32 stack (Flower gets its format, one ndarray laye
 coordinate median vs Flower's ``aggregate_median``, ``np.median(axis=0)`` and ``torch.median(dim=0)`` (torch's
 lower median for even K: a peer, not the same numbers); trimmed mean (β = 0.1) vs ``aggregate_trimmed_avg`` and a
 ``torch.sort``-based mean; Krum's choice (f = K/10) vs ``aggregate_krum`` and ``torch.cdist`` + topk; Bulyan vs
-``aggregate_bulyan``. Limits: a copy of the rows (the memory limit of a one-pass rule) and, for Krum, the Gram
-product X·Xᵀ alone. Krum runs twice: on the ``torch.randn`` rows (updates around 0) and on model-like rows (a common
-``torch.randn`` vector plus 0.01 times other ``torch.randn`` rows), whose Gram product has to be taken around a row.
+``aggregate_bulyan``. Limit: a copy of the rows (the memory limit of a one-pass rule). Krum is also timed against
+torch's Gram product X·Xᵀ alone (a GEMM; pyfedkern's own Gram kernel does half its multiply-adds). Krum runs twice:
+on the ``torch.randn`` rows (updates around 0) and on model-like rows (a common ``torch.randn`` vector plus 0.01
+times other ``torch.randn`` rows), whose Gram product has to be taken around a row.
 
 Sizes: K ∈ {10, 50, 100} × d ∈ {10⁵, 1.6·10⁶, 1.1·10⁷}; ``PYFEDKERN_BENCH_ROBUST="K:d,K:d"`` picks a subset
 (``--quick``: 10:100000 and 50:100000). Flower's Krum and Bulyan compute K² distances in a Python loop (and Bulyan
 θ times): they run only where K²·d (×θ) stays below :data:`FLOWER_KRUM_MAX` / :data:`FLOWER_BULYAN_MAX`. Sizes with
-K·d above :data:`LARGE` (d = 1.1·10⁷ at K ≥ 50) time one call per case, of pyfedkern and the limits only (no Bulyan):
-the peers' copies and sorts of a 2–4 GB stack would take minutes and more memory than the machine has.
+K·d above :data:`LARGE` (d = 1.1·10⁷ at K ≥ 50) time one call per case, of pyfedkern, X·Xᵀ and the limits only (no
+Bulyan): the peers' copies and sorts of a 2–4 GB stack would take minutes and more memory than the machine has.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ QUICK_SIZES = [(10, 10**5), (50, 10**5)]
 BETA = 0.1
 FLOWER_KRUM_MAX = 10**10  # K²·d above which Flower's Python distance loop is not timed
 FLOWER_BULYAN_MAX = 10**10  # θ·K²·d likewise for Flower's Bulyan
+GRAM = "torch X@X.T (the Gram product alone)"  # Krum's target: within 1.3× of it
 LARGE = 2 * 10**8  # K·d above which a size runs one timed call per case, pyfedkern and the limits only
 
 
@@ -127,21 +129,21 @@ def cases(quick: bool = False, device: str = "cpu") -> list[Case]:
             ),
             (
                 f"krum f={f} {where}",
-                [("pyfedkern krum_select", krum), ("torch.cdist + topk", torch_cdist_krum), ("limit:gram X@X.T", gram)],
+                [("pyfedkern krum_select", krum), ("torch.cdist + topk", torch_cdist_krum), (GRAM, gram)],
             ),
             (f"bulyan f={f} {where}", [("pyfedkern", bulyan)]),
             (
                 f"krum models f={f} {where}",
                 [
                     ("pyfedkern krum_select", lambda krum=krum, models=models: krum(models)),
-                    ("limit:gram X@X.T", lambda gram=gram, models=models: gram(models)),
+                    (GRAM, lambda gram=gram, models=models: gram(models)),
                 ],
             ),
         ]
         large = K * d > LARGE
         if large:  # the peers copy or sort the stack (gigabytes at K=100, d=1.1e7; minutes per call): left out
             groups = [
-                (group, [peer for peer in peers if peer[0].startswith(("pyfedkern", "limit"))])
+                (group, [peer for peer in peers if peer[0].startswith(("pyfedkern", "limit", GRAM))])
                 for group, peers in groups
                 if not group.startswith("bulyan")
             ]

@@ -13,8 +13,11 @@ How they compute:
   Order statistics are exact; means of them are summed in float64. The weighted median sorts (value, row) pairs
   per coordinate.
 - **Krum and Bulyan's selection** take pairwise squared distances ‖x_i‖² + ‖x_j‖² − 2⟨x_i, x_j⟩ from one Gram
-  product (chunked GEMMs summed in float64): of the raw rows when they are spread around a small mean, else of the
-  rows shifted by their medoid as each chunk is read (models: a large common part would cancel); a float64 sample
+  product: on the CPU the native kernel ``robust_gram`` (blocks of 512 columns packed into an L2-resident buffer,
+  only the upper triangle multiplied, in float32 lanes for float32 and 16-bit rows and float64 lanes for float64
+  ones, the block sums added in float64; about half the multiply-adds of a GEMM), on CUDA chunked torch GEMMs
+  summed in float64. It is taken of the raw rows when they are spread around a small mean, else of the rows
+  shifted by their medoid as each block is read (models: a large common part would cancel); a float64 sample
   of columns picks which. The K×K work after it is on the host. Scores within their rounding bound of the lowest
   count as tied (lowest index).
 - **Geometric median and centred clipping** iterate in the caller's precision (float32 for 16-bit storage): per
@@ -51,9 +54,9 @@ A = TypeVar("A")
 _MEDIAN, _TRIMMED, _CLOSEST, _WEIGHTED = 0, 1, 2, 3
 _NO_WEIGHTS = np.zeros(0)
 _DIFF_CHUNK_ELEMENTS = 1 << 22  # rows × d of one difference chunk in the iterative ops (16 MiB of float32)
-# rows × columns of one GEMM of Krum's Gram product (2 MiB of float32): the shifted rows' buffer stays in L3; on this
-# project's 2-core machine 2^18–2^20 ran alike (K = 50, d = 1.6·10⁶), narrower chunks slower
+# rows × columns of one GEMM of Krum's Gram product on CUDA (2 MiB of float32 for the shifted rows' buffer)
 _GRAM_CHUNK_ELEMENTS = 1 << 19
+_GRAM_BLOCK = 512  # columns per block of the native Gram kernel (csrc/robust.cpp's kGramCols)
 _PROBE_RUNS = 16  # runs of 16 adjacent columns in the float64 sample that picks the shift of Krum's Gram product
 
 
@@ -295,16 +298,26 @@ def _medoid(dist: np.ndarray) -> int:
     return int(np.argmin(_mid(dist)))
 
 
-def _probe(x: Any) -> int | None:
-    """The shift row of :func:`_gram` for a torch [K, d] tensor, from a float64 sample of its columns (16 runs of 16
-    adjacent columns spread over d: a few cache lines per row): None (no shift) when the raw rows' middle squared
-    norm (:func:`_mid`) is at most their middle squared distance to their medoid (:func:`_medoid`), else the
-    medoid's index."""
-    d = x.shape[1]
-    if d > _PROBE_RUNS * _PROBE_RUNS:  # a [K, runs, run] view: run r starts at column r·⌊d/runs⌋
-        K, (rs, cs) = x.shape[0], x.stride()
-        x = x.as_strided((K, _PROBE_RUNS, _PROBE_RUNS), (rs, (d // _PROBE_RUNS) * cs, cs), x.storage_offset())
-    sample = x.reshape(x.shape[0], -1).double().cpu().numpy()
+def _sample_columns(x: Any) -> Any:
+    """The probe's columns of a torch [..., d] tensor: 16 runs of 16 adjacent columns, run r from column r·⌊d/16⌋
+    (all columns when d ≤ 256), [..., ≤ 256] (a strided view, no index tensor)."""
+    d = x.shape[-1]
+    if d <= _PROBE_RUNS * _PROBE_RUNS:
+        return x
+    cs = x.stride(-1)
+    shape, strides = (*x.shape[:-1], _PROBE_RUNS, _PROBE_RUNS), (*x.stride()[:-1], (d // _PROBE_RUNS) * cs, cs)
+    return x.as_strided(shape, strides, x.storage_offset()).reshape(*x.shape[:-1], -1)
+
+
+def _probe(updates: Any, rows: RowSet) -> int | None:
+    """The shift row of :func:`_gram`, from a float64 sample of the rows' columns (16 runs of 16 adjacent columns
+    spread over d: a few cache lines per row): None (no shift) when the raw rows' middle squared norm (:func:`_mid`)
+    is at most their middle squared distance to their medoid (:func:`_medoid`), else the medoid's index."""
+    if rows.stack is not None:
+        sample = _sample_columns(_torch_view(updates))
+    else:
+        sample = torch.stack([_sample_columns(_torch_view(u)) for u in updates])
+    sample = sample.double().cpu().numpy()
     with np.errstate(all="ignore"):  # non-finite rows are reported after the Gram product
         norms = np.einsum("kj,kj->k", sample, sample)
         dist = norms[:, None] + norms[None, :] - 2.0 * (sample @ sample.T)  # float64: coarse only for extreme offsets
@@ -312,11 +325,21 @@ def _probe(x: Any) -> int | None:
     return None if _mid(norms) <= _mid(dist[:, k]) else k
 
 
-def _gram(x: Any, shift: int | None) -> np.ndarray:
-    """float64 [K, K] Gram matrix of the rows of a torch [K, d] tensor, shifted by row ``shift`` (none when None):
-    per chunk of columns the shifted rows are written to a buffer and multiplied (one GEMM, in the GEMM dtype: float64
-    for float64 rows, float32 otherwise), the chunk products summed in float64. Without a shift the GEMMs read views
-    of the rows (no copy for float32/float64)."""
+def _gram(updates: Any, rows: RowSet, shift: int | None) -> np.ndarray:
+    """float64 [K, K] Gram matrix of the rows shifted by row ``shift`` (none when None): the native kernel
+    ``robust_gram`` on the CPU (see the module docstring), :func:`_torch_gram` on CUDA."""
+    if rows.first.device >= 0:
+        return _torch_gram(_torch_view(_stack(updates, rows)), shift)
+    K = rows.count
+    g = np.empty((K, K))
+    native().robust_gram(rows.first.dtype, rows.d, g.ctypes.data, *rows.native_args(), -1 if shift is None else shift)
+    return g
+
+
+def _torch_gram(x: Any, shift: int | None) -> np.ndarray:
+    """:func:`_gram` of a torch [K, d] tensor with torch ops: per chunk of columns the shifted rows are written to a
+    buffer and multiplied (one GEMM, in float64 for float64 rows, float32 otherwise), the chunk products summed in
+    float64. Without a shift the GEMMs read views of the rows."""
     work = torch.float64 if x.dtype == torch.float64 else torch.float32
     K, d = x.shape
     c = min(d, max(256, _GRAM_CHUNK_ELEMENTS // K))
@@ -331,6 +354,17 @@ def _gram(x: Any, shift: int | None) -> np.ndarray:
     return g.cpu().numpy()
 
 
+def _gram_rel_tol(rows: RowSet) -> float:
+    """Relative rounding scale of the Gram entries (times ‖x_i − s‖² + ‖x_j − s‖² bounds an entry's error): the
+    GEMMs' max(8, √d) ulps (:func:`tie_rel_tol`), and on the CPU at least the native kernel's min(512, d)/L + 5 units
+    of roundoff (L lanes summed in turn, 8 in float32, 4 in float64; the shift and the lanes' float64 sum)."""
+    rel = tie_rel_tol(rows.first.dtype, rows.d)
+    if rows.first.device >= 0:
+        return rel
+    lanes, unit = (4, 2.0**-53) if rows.first.dtype == "float64" else (8, 2.0**-24)
+    return max(rel, (min(_GRAM_BLOCK, rows.d) / lanes + 5) * unit)
+
+
 def _squared_distances(op: str, updates: Any, rows: RowSet) -> tuple[np.ndarray, np.ndarray]:
     """(float64 [K, K] squared distances ‖x_i‖² + ‖x_j‖² − 2⟨x_i, x_j⟩ from one Gram product, [K, K] rounding bound
     of each entry).
@@ -341,10 +375,9 @@ def _squared_distances(op: str, updates: Any, rows: RowSet) -> tuple[np.ndarray,
     A medoid is close to at least half of the rows, so an outlying row (an attacker's huge update) is never s. If
     the full product shows that the sample misled (the middle ‖x_k − s‖² above 4 times the middle distance to the
     medoid of the full distances), the product is taken once more, shifted by that medoid."""
-    x = _torch_view(_stack(updates, rows))
-    shift = _probe(x)
+    shift = _probe(updates, rows)
     for attempt in range(2):
-        g = _gram(x, shift)
+        g = _gram(updates, rows, shift)
         if not np.isfinite(g).all():
             raise _nonfinite(op, updates, rows)
         diag = np.diag(g)
@@ -354,7 +387,7 @@ def _squared_distances(op: str, updates: Any, rows: RowSet) -> tuple[np.ndarray,
         if attempt or _mid(diag) <= 4.0 * _mid(dist[:, best]):
             break
         shift = best
-    bound = tie_rel_tol(rows.first.dtype, rows.d) * 2.0 * (diag[:, None] + diag[None, :])
+    bound = _gram_rel_tol(rows) * 2.0 * (diag[:, None] + diag[None, :])
     return dist, bound
 
 
@@ -383,8 +416,9 @@ def krum_scores(updates: Any, f: int) -> Any:
     """[K] float64 Krum scores: per row the sum of the squared distances to its max(1, K − f − 2) nearest other rows
     (Flower's count: at least one; 0 when K = 1), 0 ≤ f < K. Returned in the updates' library and device.
 
-    Distances come from one Gram product (see the module docstring): each is accurate to about max(8, √d) ulps of
-    the GEMM dtype (float32 unless the rows are float64) times ‖x_i − s‖² + ‖x_j − s‖², s = 0 for rows spread
+    Distances come from one Gram product (see the module docstring): each is accurate to
+    2·(min(512, d)/L + 5) units of roundoff of the accumulation dtype on the CPU (float32, L = 8 lanes, unless the
+    rows are float64: L = 4), about max(8, √d) ulps on CUDA, times ‖x_i − s‖² + ‖x_j − s‖², s = 0 for rows spread
     around a small mean and otherwise a row close to at least half of the rows (their medoid; at worst the
     middle ‖x_k − s‖² is 4 times the middle distance to the medoid); not to the rounding of a direct ‖x_i − x_j‖².
     """

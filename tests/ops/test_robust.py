@@ -159,16 +159,54 @@ def test_krum_of_rows_sharing_a_large_part_matches_reference(lib):
 
 
 @pytest.mark.parametrize("shift", [None, 2])
-def test_gram_sums_its_chunks(monkeypatch, shift):
+def test_torch_gram_sums_its_chunks(monkeypatch, shift):
+    """The CUDA path's chunked GEMMs, run on CPU tensors."""
     monkeypatch.setattr(robust, "_GRAM_CHUNK_ELEMENTS", 5 * 300)  # 300 columns per GEMM: 4 chunks, the last short
     x = np.random.default_rng(3).standard_normal((5, 1100))
     for dtype, rtol in (("float32", 1e-5), ("float64", 1e-13), ("bfloat16", 1e-5)):
-        got = robust._gram(make("torch", x, dtype), shift)
+        got = robust._torch_gram(make("torch", x, dtype), shift)
         y = to_numpy64(make("torch", x, dtype))
         y = y if shift is None else y - y[shift]
         want = y @ y.T
         assert got.dtype == np.float64
         np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * np.abs(want).max())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
+@pytest.mark.parametrize("K", [1, 3, 4, 5, 10])
+def test_native_gram_is_within_its_bound(dtype, K):
+    """The CPU kernel against the float64 product of the same (shifted) values, within its block bound
+    (min(512, d)/L + 5 units of roundoff times Σ|y_ic·y_jc|), on row counts around its tiles of 4 × 2 rows, d
+    around its 512-column blocks and its 16 column groups, stacked, strided and listed rows, shifted or not; the
+    matrix is symmetric and a duplicate row's entries are bit for bit those of its original."""
+    rng = np.random.default_rng(K)
+    lanes, unit = (4, 2.0**-53) if dtype == "float64" else (8, 2.0**-24)
+    for d in (1, 7, 512, 513, 16 * 512 + 3, 40 * 512 + 100):
+        x = rng.standard_normal((K, d)) * rng.uniform(0.1, 10.0, (K, 1)) + rng.standard_normal(d)
+        if K > 2:
+            x[2] = x[0]
+        stacked = make("torch", x, dtype)
+        y = to_numpy64(stacked)
+        for shift in (None, 0, K - 1):
+            z = y if shift is None else y - y[shift]
+            want, scale = z @ z.T, np.abs(z) @ np.abs(z).T
+            for layout, rows in (
+                ("stack", stacked),
+                ("list", list(stacked)),
+                ("strided", stacked.repeat_interleave(2, dim=1)[:, ::2]),
+            ):
+                got = robust._gram(rows, robust._update_rows(rows), shift)
+                assert got.dtype == np.float64 and got.shape == (K, K), layout
+                np.testing.assert_array_equal(got, got.T)
+                err = np.abs(got - want)
+                assert np.all(err <= (min(512, d) / lanes + 5) * unit * scale * (1 + 1e-9)), (
+                    d,
+                    shift,
+                    layout,
+                    err.max(),
+                )
+                if K > 2:
+                    np.testing.assert_array_equal(got[2], got[0])
 
 
 def krum_error_bounds(x: np.ndarray, honest: list[int], f: int) -> np.ndarray:
@@ -213,9 +251,10 @@ def test_krum_of_near_identical_rows_is_the_reference_choice(monkeypatch, lib, a
     x = x.astype(np.float32).astype(np.float64)
     honest = list(range(1 if attacker else 0, K))
     if probe != "probe":
-        monkeypatch.setattr(robust, "_probe", lambda _x: None if probe == "raw" else int(probe[4:]))
+        monkeypatch.setattr(robust, "_probe", lambda *_: None if probe == "raw" else int(probe[4:]))
     else:
-        assert robust._probe(torch.from_numpy(x.astype(np.float32))) in honest
+        t = torch.from_numpy(x.astype(np.float32))
+        assert robust._probe(t, robust._update_rows(t)) in honest
     assert_margins(x, honest, f, 3)
     u = make(lib, x, "float32")
     np.testing.assert_array_equal(to_numpy64(ops.krum_select(u, f, 3)), reference.krum_select(x, f, 3))
