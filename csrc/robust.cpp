@@ -17,6 +17,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -438,21 +439,34 @@ PFK_ALWAYS_INLINE void gram_range_body(const std::vector<RowRef>& rows, int64_t 
   const int64_t buffer_rows = K + kGramTileI + kGramTileJ;
   std::vector<V> buf(static_cast<size_t>((buffer_rows + 1) * kGramCols), V(0));
   V* shift_slice = buf.data() + buffer_rows * kGramCols;
+  std::vector<const V*> at(static_cast<size_t>(buffer_rows));  // each row's current block of columns
+  for (int64_t k = K; k < buffer_rows; ++k) at[k] = buf.data() + k * kGramCols;
+  // Unshifted contiguous rows of the accumulation type are read in place (whole blocks): no copy.
+  const bool in_place = std::is_same_v<T, V> && shift < 0 &&
+                        std::all_of(rows.begin(), rows.end(), [](const RowRef& r) { return r.stride == 1; });
   for (int64_t c0 = begin; c0 < end; c0 += kGramCols) {
     const int64_t n = std::min(kGramCols, end - c0);
-    gram_pack<T, V>(rows, shift, c0, n, end, buf.data(), shift_slice);
+    if (in_place && n == kGramCols) {
+      for (int64_t k = 0; k < K; ++k) {
+        const V* r = static_cast<const V*>(rows[k].ptr);
+        at[k] = r + c0;
+        for (int64_t j = c0 + kGramCols; j < std::min(end, c0 + 2 * kGramCols); j += 64 / int64_t(sizeof(V)))
+          __builtin_prefetch(r + j, 0, 2);  // the next block, as gram_pack does
+      }
+    } else {
+      gram_pack<T, V>(rows, shift, c0, n, end, buf.data(), shift_slice);
+      for (int64_t k = 0; k < K; ++k) at[k] = buf.data() + k * kGramCols;
+    }
     const int64_t nv = (n + L - 1) / L;
     for (int64_t i0 = 0; i0 < K; i0 += kGramTileI) {
       for (int64_t j0 = i0 / kGramTileJ * kGramTileJ; j0 < K; j0 += kGramTileJ) {
         Vec acc[kGramTileI][kGramTileJ] = {};
-        const V* a = buf.data() + i0 * kGramCols;
-        const V* b = buf.data() + j0 * kGramCols;
         for (int64_t v = 0; v < nv; ++v) {
           Vec x[kGramTileI], y[kGramTileJ];
 #pragma GCC unroll 4
-          for (int64_t i = 0; i < kGramTileI; ++i) __builtin_memcpy(&x[i], a + i * kGramCols + v * L, sizeof(Vec));
+          for (int64_t i = 0; i < kGramTileI; ++i) __builtin_memcpy(&x[i], at[i0 + i] + v * L, sizeof(Vec));
 #pragma GCC unroll 3
-          for (int64_t j = 0; j < kGramTileJ; ++j) __builtin_memcpy(&y[j], b + j * kGramCols + v * L, sizeof(Vec));
+          for (int64_t j = 0; j < kGramTileJ; ++j) __builtin_memcpy(&y[j], at[j0 + j] + v * L, sizeof(Vec));
 #pragma GCC unroll 4
           for (int64_t i = 0; i < kGramTileI; ++i)
 #pragma GCC unroll 3
