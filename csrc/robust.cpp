@@ -459,7 +459,7 @@ PFK_ALWAYS_INLINE void gram_range_body(const std::vector<RowRef>& rows, int64_t 
     }
     const int64_t nv = (n + L - 1) / L;
     for (int64_t i0 = 0; i0 < K; i0 += kGramTileI) {
-      for (int64_t j0 = i0 / kGramTileJ * kGramTileJ; j0 < K; j0 += kGramTileJ) {
+      for (int64_t j0 = i0; j0 < K; j0 += kGramTileJ) {
         Vec acc[kGramTileI][kGramTileJ] = {};
         for (int64_t v = 0; v < nv; ++v) {
           Vec x[kGramTileI], y[kGramTileJ];
