@@ -435,12 +435,12 @@ PFK_ALWAYS_INLINE void gram_range_body(const std::vector<RowRef>& rows, int64_t 
   typedef V Vec __attribute__((vector_size(32)));
   constexpr int64_t L = 32 / sizeof(V);
   const int64_t K = static_cast<int64_t>(rows.size());
-  // Rows past K (a tile's overhang, zeros) feed only products that are dropped; the shift's slice comes last.
-  const int64_t buffer_rows = K + kGramTileI + kGramTileJ;
-  std::vector<V> buf(static_cast<size_t>((buffer_rows + 1) * kGramCols), V(0));
-  V* shift_slice = buf.data() + buffer_rows * kGramCols;
-  std::vector<const V*> at(static_cast<size_t>(buffer_rows));  // each row's current block of columns
-  for (int64_t k = K; k < buffer_rows; ++k) at[k] = buf.data() + k * kGramCols;
+  // Rows past K (a tile's overhang) read zeros and feed only products that are dropped. The packing buffer (K rows
+  // and the shift's slice) is allocated when a block is first packed.
+  const std::vector<V> zeros(static_cast<size_t>((kGramTileI + kGramTileJ) * kGramCols), V(0));
+  std::vector<V> buf;
+  std::vector<const V*> at(static_cast<size_t>(K + kGramTileI + kGramTileJ));  // each row's current block
+  for (int64_t k = K; k < K + kGramTileI + kGramTileJ; ++k) at[k] = zeros.data() + (k - K) * kGramCols;
   // Unshifted contiguous rows of the accumulation type are read in place (whole blocks): no copy.
   const bool in_place = std::is_same_v<T, V> && shift < 0 &&
                         std::all_of(rows.begin(), rows.end(), [](const RowRef& r) { return r.stride == 1; });
@@ -454,7 +454,8 @@ PFK_ALWAYS_INLINE void gram_range_body(const std::vector<RowRef>& rows, int64_t 
           __builtin_prefetch(r + j, 0, 2);  // the next block, as gram_pack does
       }
     } else {
-      gram_pack<T, V>(rows, shift, c0, n, end, buf.data(), shift_slice);
+      if (buf.empty()) buf.resize(static_cast<size_t>((K + 1) * kGramCols));
+      gram_pack<T, V>(rows, shift, c0, n, end, buf.data(), buf.data() + K * kGramCols);
       for (int64_t k = 0; k < K; ++k) at[k] = buf.data() + k * kGramCols;
     }
     const int64_t nv = (n + L - 1) / L;
@@ -514,6 +515,40 @@ void gram_typed(const std::vector<RowRef>& rows, int64_t d, int64_t shift, doubl
       for (int64_t g = 0; g < ngroups; ++g) s += partials[(g * K + i) * K + j];
       out[i * K + j] = out[j * K + i] = s;
     }
+}
+
+// Entry point from Python: float64 [K, S] sample of the rows' columns for the Gram product's probe: `runs` runs of
+// `runs` adjacent columns, run r from column r·⌊d/runs⌋ (S = runs²), or every column when d ≤ runs².
+void robust_sample(const std::string& dtype_name, int64_t d, uintptr_t out, int64_t runs,
+                   const std::vector<uintptr_t>& ptrs, const std::vector<int64_t>& strides, uintptr_t base,
+                   int64_t step_bytes, int64_t count, int64_t col_stride) {
+  const DType dtype = dtype_from_name(dtype_name);
+  if (d < 1 || runs < 1) throw ArgumentError("robust_sample: d and runs must be >= 1");
+  if (out == 0) throw ArgumentError("robust_sample: out is a null pointer");
+  const std::vector<RowRef> rows = make_rows(ptrs, strides, base, step_bytes, count, col_stride);
+  const bool all = d <= runs * runs;
+  const int64_t S = all ? d : runs * runs;
+  double* o = reinterpret_cast<double*>(out);
+  auto sample = [&](auto tag) {
+    using T = decltype(tag);
+    for (size_t k = 0; k < rows.size(); ++k) {
+      const T* r = static_cast<const T*>(rows[k].ptr);
+      for (int64_t s = 0; s < S; ++s) {
+        const int64_t col = all ? s : (s / runs) * (d / runs) + s % runs;
+        o[static_cast<int64_t>(k) * S + s] = static_cast<double>(to_acc(r[col * rows[k].stride]));
+      }
+    }
+  };
+  switch (dtype) {
+    case DType::F32:
+      return sample(float{});
+    case DType::F64:
+      return sample(double{});
+    case DType::F16:
+      return sample(f16_t{});
+    case DType::BF16:
+      return sample(bf16_t{});
+  }
 }
 
 // Entry point from Python: the float64 [K, K] Gram matrix of the rows shifted by row `shift` (-1: none) into out.
@@ -604,6 +639,9 @@ void bind_robust(py::module_& m) {
         py::arg("strides"), py::arg("base"), py::arg("step_bytes"), py::arg("count"), py::arg("col_stride"),
         py::arg("shift"), py::call_guard<py::gil_scoped_release>(),
         "float64 [K, K] Gram matrix of K rows shifted by row `shift` (-1: no shift), written to out.");
+  m.def("robust_sample", &robust_sample, py::arg("dtype"), py::arg("d"), py::arg("out"), py::arg("runs"),
+        py::arg("ptrs"), py::arg("strides"), py::arg("base"), py::arg("step_bytes"), py::arg("count"),
+        py::arg("col_stride"), "float64 [K, runs²] sample of runs of adjacent columns (all columns when d <= runs²).");
 }
 
 }  // namespace pfk

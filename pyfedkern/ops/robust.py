@@ -299,25 +299,26 @@ def _medoid(dist: np.ndarray) -> int:
 
 
 def _sample_columns(x: Any) -> Any:
-    """The probe's columns of a torch [..., d] tensor: 16 runs of 16 adjacent columns, run r from column r·⌊d/16⌋
-    (all columns when d ≤ 256), [..., ≤ 256] (a strided view, no index tensor)."""
-    d = x.shape[-1]
+    """The probe's columns of a torch [K, d] tensor (CUDA; the native ``robust_sample`` on the CPU): 16 runs of 16
+    adjacent columns, run r from column r·⌊d/16⌋ (all columns when d ≤ 256), [K, ≤ 256] (through a strided view)."""
+    K, d = x.shape
     if d <= _PROBE_RUNS * _PROBE_RUNS:
         return x
-    cs = x.stride(-1)
-    shape, strides = (*x.shape[:-1], _PROBE_RUNS, _PROBE_RUNS), (*x.stride()[:-1], (d // _PROBE_RUNS) * cs, cs)
-    return x.as_strided(shape, strides, x.storage_offset()).reshape(*x.shape[:-1], -1)
+    rs, cs = x.stride()
+    return x.as_strided((K, _PROBE_RUNS, _PROBE_RUNS), (rs, (d // _PROBE_RUNS) * cs, cs), x.storage_offset()).reshape(
+        K, -1
+    )
 
 
 def _probe(updates: Any, rows: RowSet) -> int | None:
     """The shift row of :func:`_gram`, from a float64 sample of the rows' columns (16 runs of 16 adjacent columns
     spread over d: a few cache lines per row): None (no shift) when the raw rows' middle squared norm (:func:`_mid`)
     is at most their middle squared distance to their medoid (:func:`_medoid`), else the medoid's index."""
-    if rows.stack is not None:
-        sample = _sample_columns(_torch_view(updates))
+    if rows.first.device >= 0:
+        sample = _sample_columns(_torch_view(_stack(updates, rows))).double().cpu().numpy()
     else:
-        sample = torch.stack([_sample_columns(_torch_view(u)) for u in updates])
-    sample = sample.double().cpu().numpy()
+        sample = np.empty((rows.count, min(rows.d, _PROBE_RUNS * _PROBE_RUNS)))
+        native().robust_sample(rows.first.dtype, rows.d, sample.ctypes.data, _PROBE_RUNS, *rows.native_args())
     with np.errstate(all="ignore"):  # non-finite rows are reported after the Gram product
         norms = np.einsum("kj,kj->k", sample, sample)
         dist = norms[:, None] + norms[None, :] - 2.0 * (sample @ sample.T)  # float64: coarse only for extreme offsets

@@ -11,6 +11,7 @@ from flwr.server.strategy import aggregate as flower
 
 import pyfedkern
 from pyfedkern import ops, reference
+from pyfedkern._runtime import native
 from pyfedkern.ops import robust
 from pyfedkern.testing import DTYPES, LIBS_CPU, dtype_of, lib_of, make, supports, to_numpy64
 
@@ -207,6 +208,22 @@ def test_native_gram_is_within_its_bound(dtype, K):
                 )
                 if K > 2:
                     np.testing.assert_array_equal(got[2], got[0])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
+def test_native_probe_sample_is_the_torch_one(dtype):
+    """The probe's column sample: the native one (CPU) equals the strided torch view the CUDA path takes, for d at
+    and around 256 (all columns) and beyond (16 runs of 16), stacked, listed and strided rows."""
+    rng = np.random.default_rng(4)
+    for d in (1, 255, 256, 257, 4099, 100_003):
+        stacked = make("torch", rng.standard_normal((6, d)), dtype)
+        want = robust._sample_columns(stacked).double().numpy()
+        assert want.shape == (6, min(d, 256))
+        for rows in (stacked, list(stacked), stacked.repeat_interleave(2, dim=1)[:, ::2]):
+            ref = robust._update_rows(rows)
+            got = np.empty(want.shape)
+            native().robust_sample(ref.first.dtype, d, got.ctypes.data, 16, *ref.native_args())
+            np.testing.assert_array_equal(got, want)
 
 
 def krum_error_bounds(x: np.ndarray, honest: list[int], f: int) -> np.ndarray:
