@@ -1,7 +1,7 @@
 """Per-thread CPU time of a bench family's cases, for a machine shared with other jobs: wall clock counts the time
 a job waits for a core, ``time.thread_time`` does not (it still counts the other jobs' use of the caches and memory).
 
-    python bench/cpu_time.py robust [--rounds 11] [--quick] [--cache cold|warm]
+    python bench/cpu_time.py robust [--rounds 11] [--quick] [--cache cold|warm] [--group krum]
 
 One thread (torch's and pyfedkern's). Per group, every case is built and called twice, then timed ``--rounds`` times
 (fewer where the family caps them). ``cold`` (the default): the cases are called in turn, one call each per round,
@@ -30,13 +30,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=11)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--cache", choices=("cold", "warm"), default="cold")
+    parser.add_argument("--group", default="", help="time only the groups whose name contains this")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")
     torch.set_num_threads(1)
     pyfedkern.set_num_threads(1)
     family = importlib.import_module(f"pyfedkern.benchmarks.{args.family}")
-    cases = [c for c in family.cases(quick=args.quick) if c.device == "cpu"]
+    cases = [c for c in family.cases(quick=args.quick) if c.device == "cpu" and args.group in c.group]
     evict = torch.empty(16 << 20)  # 64 MiB: more than this machine's last-level cache
     print("| group | case | ms | ratio |\n|---|---|---:|---:|")
     for group, grouped in groupby(cases, key=lambda c: c.group):

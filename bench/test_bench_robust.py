@@ -1,6 +1,6 @@
 """Robust aggregation (coordinate median, trimmed mean, Krum, Bulyan) vs Flower's aggregate functions, NumPy and torch,
-with a copy of the rows as the limit and torch's Gram product for Krum. ``PYFEDKERN_BENCH_ROBUST="K:d,..."`` picks sizes.
-Targets: bench/results/README.md."""
+with a copy of the rows as the limit and torch's Gram product for Krum. ``PYFEDKERN_BENCH_ROBUST="K:d,..."`` picks
+sizes. Targets: bench/results/README.md."""
 
 import pytest
 

@@ -517,62 +517,117 @@ void gram_typed(const std::vector<RowRef>& rows, int64_t d, int64_t shift, doubl
     }
 }
 
-// Entry point from Python: float64 [K, S] sample of the rows' columns for the Gram product's probe: `runs` runs of
-// `runs` adjacent columns, run r from column r·⌊d/runs⌋ (S = runs²), or every column when d ≤ runs².
-void robust_sample(const std::string& dtype_name, int64_t d, uintptr_t out, int64_t runs,
-                   const std::vector<uintptr_t>& ptrs, const std::vector<int64_t>& strides, uintptr_t base,
-                   int64_t step_bytes, int64_t count, int64_t col_stride) {
-  const DType dtype = dtype_from_name(dtype_name);
-  if (d < 1 || runs < 1) throw ArgumentError("robust_sample: d and runs must be >= 1");
-  if (out == 0) throw ArgumentError("robust_sample: out is a null pointer");
-  const std::vector<RowRef> rows = make_rows(ptrs, strides, base, step_bytes, count, col_stride);
-  const bool all = d <= runs * runs;
-  const int64_t S = all ? d : runs * runs;
-  double* o = reinterpret_cast<double*>(out);
-  auto sample = [&](auto tag) {
-    using T = decltype(tag);
-    for (size_t k = 0; k < rows.size(); ++k) {
-      const T* r = static_cast<const T*>(rows[k].ptr);
-      for (int64_t s = 0; s < S; ++s) {
-        const int64_t col = all ? s : (s / runs) * (d / runs) + s % runs;
-        o[static_cast<int64_t>(k) * S + s] = static_cast<double>(to_acc(r[col * rows[k].stride]));
-      }
-    }
-  };
-  switch (dtype) {
-    case DType::F32:
-      return sample(float{});
-    case DType::F64:
-      return sample(double{});
-    case DType::F16:
-      return sample(f16_t{});
-    case DType::BF16:
-      return sample(bf16_t{});
-  }
+// Krum's squared distances: the probe that picks the Gram product's shift, the product, and the check of the pick.
+
+constexpr int64_t kProbeRuns = 16;  // the probe reads 16 runs of 16 adjacent columns spread over d
+
+// The value of rank ⌊n/2⌋ (from 0) of v (NaN counts as +inf).
+double middle(std::vector<double> v) {
+  for (double& x : v)
+    if (std::isnan(x)) x = std::numeric_limits<double>::infinity();
+  const auto m = v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2);
+  std::nth_element(v.begin(), m, v.end());
+  return *m;
 }
 
-// Entry point from Python: the float64 [K, K] Gram matrix of the rows shifted by row `shift` (-1: none) into out.
-void robust_gram(const std::string& dtype_name, int64_t d, uintptr_t out, const std::vector<uintptr_t>& ptrs,
-                 const std::vector<int64_t>& strides, uintptr_t base, int64_t step_bytes, int64_t count,
-                 int64_t col_stride, int64_t shift) {
+// The row of a symmetric [K, K] distance matrix with the smallest middle distance to the rows (itself included;
+// ties: lowest index). A row farther than that from over half of the rows is never it.
+int64_t medoid(const std::vector<double>& dist, int64_t K) {
+  int64_t best = 0;
+  double best_mid = std::numeric_limits<double>::infinity();
+  for (int64_t k = 0; k < K; ++k) {
+    const double m = middle(std::vector<double>(dist.begin() + k * K, dist.begin() + (k + 1) * K));
+    if (k == 0 || m < best_mid) best = k, best_mid = m;
+  }
+  return best;
+}
+
+std::vector<double> column_of(const std::vector<double>& dist, int64_t K, int64_t j) {
+  std::vector<double> c(static_cast<size_t>(K));
+  for (int64_t i = 0; i < K; ++i) c[i] = dist[i * K + j];
+  return c;
+}
+
+// The shift of the Gram product from a float64 sample of the columns (kProbeRuns runs of kProbeRuns adjacent
+// columns, run r from column r·⌊d/runs⌋; every column when d ≤ runs²): -1 (none) when the raw rows' middle squared
+// norm is at most their middle squared distance to their medoid, else the medoid.
+template <typename T>
+int64_t probe_shift(const std::vector<RowRef>& rows, int64_t d) {
+  const int64_t K = static_cast<int64_t>(rows.size());
+  const bool all = d <= kProbeRuns * kProbeRuns;
+  const int64_t S = all ? d : kProbeRuns * kProbeRuns;
+  std::vector<double> sample(static_cast<size_t>(K * S)), norms(static_cast<size_t>(K)),
+      dist(static_cast<size_t>(K * K));
+  for (int64_t k = 0; k < K; ++k) {
+    const T* r = static_cast<const T*>(rows[k].ptr);
+    for (int64_t s = 0; s < S; ++s) {
+      const int64_t col = all ? s : (s / kProbeRuns) * (d / kProbeRuns) + s % kProbeRuns;
+      sample[k * S + s] = static_cast<double>(to_acc(r[col * rows[k].stride]));
+    }
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    double n = 0.0;
+    for (int64_t s = 0; s < S; ++s) n += sample[k * S + s] * sample[k * S + s];
+    norms[k] = n;
+  }
+  for (int64_t i = 0; i < K; ++i)
+    for (int64_t j = i; j < K; ++j) {
+      double dot = 0.0;
+      for (int64_t s = 0; s < S; ++s) dot += sample[i * S + s] * sample[j * S + s];
+      dist[i * K + j] = dist[j * K + i] = norms[i] + norms[j] - 2.0 * dot;  // coarse only for extreme offsets
+    }
+  const int64_t k = medoid(dist, K);
+  return middle(norms) <= middle(column_of(dist, K, k)) ? -1 : k;
+}
+
+// The Gram matrix of the rows shifted by `shift` (-2: the probe's pick, -1: none, else that row) into gram and the
+// squared distances max(0, G_ii + G_jj − 2G_ij) into dist. If the middle ‖x_k − s‖² is above 4 times the middle
+// distance to the distances' medoid (a misleading pick), the product is taken once more shifted by that medoid.
+// Returns the shift used (-1: none), or -2 when a Gram entry is not finite.
+template <typename T>
+int64_t distances_typed(const std::vector<RowRef>& rows, int64_t d, int64_t shift, double* gram, double* dist) {
+  const int64_t K = static_cast<int64_t>(rows.size());
+  if (shift == -2) shift = probe_shift<T>(rows, d);
+  std::vector<double> diag(static_cast<size_t>(K)), full(static_cast<size_t>(K * K));
+  for (int attempt = 0;; ++attempt) {
+    gram_typed<T>(rows, d, shift, gram);
+    if (!std::all_of(gram, gram + K * K, [](double v) { return std::isfinite(v); })) return -2;
+    for (int64_t k = 0; k < K; ++k) diag[k] = gram[k * K + k];
+    for (int64_t i = 0; i < K; ++i)
+      for (int64_t j = 0; j < K; ++j)
+        full[i * K + j] = i == j ? 0.0 : std::max(diag[i] + diag[j] - 2.0 * gram[i * K + j], 0.0);
+    const int64_t best = medoid(full, K);
+    if (attempt > 0 || middle(diag) <= 4.0 * middle(column_of(full, K, best))) break;
+    shift = best;
+  }
+  std::copy(full.begin(), full.end(), dist);
+  return shift;
+}
+
+// Entry point from Python: see distances_typed.
+int64_t robust_distances(const std::string& dtype_name, int64_t d, uintptr_t gram, uintptr_t dist,
+                         const std::vector<uintptr_t>& ptrs, const std::vector<int64_t>& strides, uintptr_t base,
+                         int64_t step_bytes, int64_t count, int64_t col_stride, int64_t shift) {
   const DType dtype = dtype_from_name(dtype_name);
-  if (d < 1) throw ArgumentError("robust_gram: d must be >= 1");
-  if (out == 0) throw ArgumentError("robust_gram: out is a null pointer");
+  if (d < 1) throw ArgumentError("robust_distances: d must be >= 1");
+  if (gram == 0 || dist == 0) throw ArgumentError("robust_distances: null output pointer");
   const std::vector<RowRef> rows = make_rows(ptrs, strides, base, step_bytes, count, col_stride);
   const int64_t K = static_cast<int64_t>(rows.size());
-  if (K < 1) throw ArgumentError("robust_gram: need at least one row");
-  if (shift < -1 || shift >= K) throw ArgumentError("robust_gram: shift out of range");
-  double* o = reinterpret_cast<double*>(out);
+  if (K < 1) throw ArgumentError("robust_distances: need at least one row");
+  if (shift < -2 || shift >= K) throw ArgumentError("robust_distances: shift out of range");
+  double* g = reinterpret_cast<double*>(gram);
+  double* o = reinterpret_cast<double*>(dist);
   switch (dtype) {
     case DType::F32:
-      return gram_typed<float>(rows, d, shift, o);
+      return distances_typed<float>(rows, d, shift, g, o);
     case DType::F64:
-      return gram_typed<double>(rows, d, shift, o);
+      return distances_typed<double>(rows, d, shift, g, o);
     case DType::F16:
-      return gram_typed<f16_t>(rows, d, shift, o);
+      return distances_typed<f16_t>(rows, d, shift, g, o);
     case DType::BF16:
-      return gram_typed<bf16_t>(rows, d, shift, o);
+      return distances_typed<bf16_t>(rows, d, shift, g, o);
   }
+  return -2;
 }
 
 // Entry point from Python (arguments validated there): writes the rule's [d] result into out and returns whether
@@ -635,13 +690,12 @@ void bind_robust(py::module_& m) {
         py::call_guard<py::gil_scoped_release>(),
         "Coordinate-wise rule over K rows (0 median, 1 trimmed mean cutting `param` per side, 2 mean of the `param` "
         "values closest to the median, 3 weighted median); returns False when a value read was not finite.");
-  m.def("robust_gram", &robust_gram, py::arg("dtype"), py::arg("d"), py::arg("out"), py::arg("ptrs"),
-        py::arg("strides"), py::arg("base"), py::arg("step_bytes"), py::arg("count"), py::arg("col_stride"),
-        py::arg("shift"), py::call_guard<py::gil_scoped_release>(),
-        "float64 [K, K] Gram matrix of K rows shifted by row `shift` (-1: no shift), written to out.");
-  m.def("robust_sample", &robust_sample, py::arg("dtype"), py::arg("d"), py::arg("out"), py::arg("runs"),
+  m.def("robust_distances", &robust_distances, py::arg("dtype"), py::arg("d"), py::arg("gram"), py::arg("dist"),
         py::arg("ptrs"), py::arg("strides"), py::arg("base"), py::arg("step_bytes"), py::arg("count"),
-        py::arg("col_stride"), "float64 [K, runs²] sample of runs of adjacent columns (all columns when d <= runs²).");
+        py::arg("col_stride"), py::arg("shift"), py::call_guard<py::gil_scoped_release>(),
+        "Krum's float64 [K, K] Gram matrix of the rows shifted by `shift` (-2: the probe's pick, -1: none, else that "
+        "row; re-taken around the medoid if the pick misled) and squared distances; returns the shift used, -2 when "
+        "not finite.");
 }
 
 }  // namespace pfk

@@ -13,13 +13,13 @@ How they compute:
   Order statistics are exact; means of them are summed in float64. The weighted median sorts (value, row) pairs
   per coordinate.
 - **Krum and Bulyan's selection** take pairwise squared distances ‖x_i‖² + ‖x_j‖² − 2⟨x_i, x_j⟩ from one Gram
-  product: on the CPU the native kernel ``robust_gram`` (blocks of 512 columns packed into an L2-resident buffer,
-  only the upper triangle multiplied, in float32 lanes for float32 and 16-bit rows and float64 lanes for float64
-  ones, the block sums added in float64; about half the multiply-adds of a GEMM), on CUDA chunked torch GEMMs
-  summed in float64. It is taken of the raw rows when they are spread around a small mean, else of the rows
-  shifted by their medoid as each block is read (models: a large common part would cancel); a float64 sample
-  of columns picks which. The K×K work after it is on the host. Scores within their rounding bound of the lowest
-  count as tied (lowest index).
+  product: on the CPU all in the native ``robust_distances`` (the Gram kernel: blocks of 512 columns read in place
+  or packed into an L2-resident buffer, only the upper triangle multiplied, in float32 lanes for float32 and 16-bit
+  rows and float64 lanes for float64 ones, fused multiply-adds, the block sums added in float64: half a GEMM's
+  multiply-adds), on CUDA chunked torch GEMMs summed in float64. It is taken of the raw rows when they are spread
+  around a small mean, else of the rows shifted by their medoid as each block is read (models: a large common part
+  would cancel); a float64 sample of columns picks which. Scores within their rounding bound of the lowest count as
+  tied (lowest index).
 - **Geometric median and centred clipping** iterate in the caller's precision (float32 for 16-bit storage): per
   iteration, the distances of the rows to the current point (a chunked difference and the
   :func:`pyfedkern.ops.row_norms` kernel) and one :func:`pyfedkern.ops.weighted_sum`. The stopping test of the
@@ -58,6 +58,7 @@ _DIFF_CHUNK_ELEMENTS = 1 << 22  # rows × d of one difference chunk in the itera
 _GRAM_CHUNK_ELEMENTS = 1 << 19
 _GRAM_BLOCK = 512  # columns per block of the native Gram kernel (csrc/robust.cpp's kGramCols)
 _PROBE_RUNS = 16  # runs of 16 adjacent columns in the float64 sample that picks the shift of Krum's Gram product
+_PROBE = -2  # the shift argument of _squared_distances (and native robust_distances) that asks the probe
 
 
 # Arguments -------------------------------------------------------------------------------------------------------
@@ -299,8 +300,8 @@ def _medoid(dist: np.ndarray) -> int:
 
 
 def _sample_columns(x: Any) -> Any:
-    """The probe's columns of a torch [K, d] tensor (CUDA; the native ``robust_sample`` on the CPU): 16 runs of 16
-    adjacent columns, run r from column r·⌊d/16⌋ (all columns when d ≤ 256), [K, ≤ 256] (through a strided view)."""
+    """The probe's columns of a torch [K, d] tensor: 16 runs of 16 adjacent columns, run r from column r·⌊d/16⌋
+    (all columns when d ≤ 256), [K, ≤ 256] (through a strided view)."""
     K, d = x.shape
     if d <= _PROBE_RUNS * _PROBE_RUNS:
         return x
@@ -310,15 +311,12 @@ def _sample_columns(x: Any) -> Any:
     )
 
 
-def _probe(updates: Any, rows: RowSet) -> int | None:
-    """The shift row of :func:`_gram`, from a float64 sample of the rows' columns (16 runs of 16 adjacent columns
-    spread over d: a few cache lines per row): None (no shift) when the raw rows' middle squared norm (:func:`_mid`)
-    is at most their middle squared distance to their medoid (:func:`_medoid`), else the medoid's index."""
-    if rows.first.device >= 0:
-        sample = _sample_columns(_torch_view(_stack(updates, rows))).double().cpu().numpy()
-    else:
-        sample = np.empty((rows.count, min(rows.d, _PROBE_RUNS * _PROBE_RUNS)))
-        native().robust_sample(rows.first.dtype, rows.d, sample.ctypes.data, _PROBE_RUNS, *rows.native_args())
+def _probe(x: Any) -> int | None:
+    """The shift row of :func:`_torch_gram` for a torch [K, d] tensor (the CUDA path; the native
+    ``robust_distances`` probes alike on the CPU), from a float64 sample of its columns (:func:`_sample_columns`: a
+    few cache lines per row): None (no shift) when the raw rows' middle squared norm (:func:`_mid`) is at most their
+    middle squared distance to their medoid (:func:`_medoid`), else the medoid's index."""
+    sample = _sample_columns(x).double().cpu().numpy()
     with np.errstate(all="ignore"):  # non-finite rows are reported after the Gram product
         norms = np.einsum("kj,kj->k", sample, sample)
         dist = norms[:, None] + norms[None, :] - 2.0 * (sample @ sample.T)  # float64: coarse only for extreme offsets
@@ -326,21 +324,11 @@ def _probe(updates: Any, rows: RowSet) -> int | None:
     return None if _mid(norms) <= _mid(dist[:, k]) else k
 
 
-def _gram(updates: Any, rows: RowSet, shift: int | None) -> np.ndarray:
-    """float64 [K, K] Gram matrix of the rows shifted by row ``shift`` (none when None): the native kernel
-    ``robust_gram`` on the CPU (see the module docstring), :func:`_torch_gram` on CUDA."""
-    if rows.first.device >= 0:
-        return _torch_gram(_torch_view(_stack(updates, rows)), shift)
-    K = rows.count
-    g = np.empty((K, K))
-    native().robust_gram(rows.first.dtype, rows.d, g.ctypes.data, *rows.native_args(), -1 if shift is None else shift)
-    return g
-
-
 def _torch_gram(x: Any, shift: int | None) -> np.ndarray:
-    """:func:`_gram` of a torch [K, d] tensor with torch ops: per chunk of columns the shifted rows are written to a
-    buffer and multiplied (one GEMM, in float64 for float64 rows, float32 otherwise), the chunk products summed in
-    float64. Without a shift the GEMMs read views of the rows."""
+    """float64 [K, K] Gram matrix of the rows of a torch [K, d] tensor shifted by row ``shift`` (none when None), with
+    torch ops (the CUDA path): per chunk of columns the shifted rows are written to a buffer and multiplied (one GEMM,
+    in float64 for float64 rows, float32 otherwise), the chunk products summed in float64. Without a shift the GEMMs
+    read views of the rows."""
     work = torch.float64 if x.dtype == torch.float64 else torch.float32
     K, d = x.shape
     c = min(d, max(256, _GRAM_CHUNK_ELEMENTS // K))
@@ -366,30 +354,42 @@ def _gram_rel_tol(rows: RowSet) -> float:
     return max(rel, (min(_GRAM_BLOCK, rows.d) / lanes + 5) * unit)
 
 
-def _squared_distances(op: str, updates: Any, rows: RowSet) -> tuple[np.ndarray, np.ndarray]:
+def _squared_distances(op: str, updates: Any, rows: RowSet, shift: int = _PROBE) -> tuple[np.ndarray, np.ndarray]:
     """(float64 [K, K] squared distances ‖x_i‖² + ‖x_j‖² − 2⟨x_i, x_j⟩ from one Gram product, [K, K] rounding bound
     of each entry).
 
     Distances do not change when every row is shifted by the same vector s, and their rounding scales with
-    ‖x_i − s‖² + ‖x_j − s‖². :func:`_probe` picks s on a sample of columns: no shift for rows spread around a small
-    mean (updates), else the medoid row (models: rows sharing a large common part, whose raw Gram product cancels).
-    A medoid is close to at least half of the rows, so an outlying row (an attacker's huge update) is never s. If
-    the full product shows that the sample misled (the middle ‖x_k − s‖² above 4 times the middle distance to the
-    medoid of the full distances), the product is taken once more, shifted by that medoid."""
-    shift = _probe(updates, rows)
-    for attempt in range(2):
-        g = _gram(updates, rows, shift)
-        if not np.isfinite(g).all():
+    ‖x_i − s‖² + ‖x_j − s‖². A probe on a sample of columns picks s: no shift for rows spread around a small mean
+    (updates), else the medoid row (models: rows sharing a large common part, whose raw Gram product cancels). A
+    medoid is close to at least half of the rows, so an outlying row (an attacker's huge update) is never s. If the
+    full product shows that the sample misled (the middle ‖x_k − s‖² above 4 times the middle distance to the medoid
+    of the full distances), the product is taken once more, shifted by that medoid. ``shift`` replaces the probe's
+    pick (-1: none, k: row k; tests). On the CPU all of it is the native ``robust_distances``; on CUDA,
+    :func:`_probe` and :func:`_torch_gram`."""
+    K = rows.count
+    if rows.first.device < 0:
+        g, dist = np.empty((K, K)), np.empty((K, K))
+        used = native().robust_distances(
+            rows.first.dtype, rows.d, g.ctypes.data, dist.ctypes.data, *rows.native_args(), shift
+        )
+        if used == _PROBE:
             raise _nonfinite(op, updates, rows)
-        diag = np.diag(g)
-        dist = np.maximum(diag[:, None] + diag[None, :] - 2.0 * g, 0.0)
-        np.fill_diagonal(dist, 0.0)
-        best = _medoid(dist)
-        if attempt or _mid(diag) <= 4.0 * _mid(dist[:, best]):
-            break
-        shift = best
-    bound = _gram_rel_tol(rows) * 2.0 * (diag[:, None] + diag[None, :])
-    return dist, bound
+        diag = np.diagonal(g)
+    else:
+        x = _torch_view(_stack(updates, rows))
+        s = _probe(x) if shift == _PROBE else None if shift < 0 else shift
+        for attempt in range(2):
+            g = _torch_gram(x, s)
+            if not np.isfinite(g).all():
+                raise _nonfinite(op, updates, rows)
+            diag = np.diag(g)
+            dist = np.maximum(diag[:, None] + diag[None, :] - 2.0 * g, 0.0)
+            np.fill_diagonal(dist, 0.0)
+            best = _medoid(dist)
+            if attempt or _mid(diag) <= 4.0 * _mid(dist[:, best]):
+                break
+            s = best
+    return dist, _gram_rel_tol(rows) * 2.0 * (diag[:, None] + diag[None, :])
 
 
 def _scores(dist: np.ndarray, bound: np.ndarray, f: int) -> tuple[np.ndarray, np.ndarray]:
@@ -450,14 +450,18 @@ def _krum_select(updates: Any, f: Any, m: Any) -> Any:
     rows = _update_rows(updates)
     fv = _f(f, rows.count)
     mv = _integer(m, "m", 1, rows.count)
-    dist, bound = _squared_distances("krum_select", updates, rows)
-    scores, sbound = _scores(dist, bound, fv)
-    remaining, picked = np.arange(rows.count), []
-    for _ in range(mv):
+    return _like(_pick(*_squared_distances("krum_select", updates, rows), fv, mv), rows.first)
+
+
+def _pick(dist: np.ndarray, bound: np.ndarray, f: int, m: int) -> np.ndarray:
+    """[m] int64: the m rows of lowest Krum score, lowest first (ties within rounding: lowest index)."""
+    scores, sbound = _scores(dist, bound, f)
+    remaining, picked = np.arange(dist.shape[0]), []
+    for _ in range(m):
         j = _lowest(scores, sbound, remaining)
         picked.append(j)
         remaining = remaining[remaining != j]
-    return _like(np.asarray(picked, dtype=np.int64), rows.first)
+    return np.asarray(picked, dtype=np.int64)
 
 
 def bulyan(updates: Any, f: int) -> Any:

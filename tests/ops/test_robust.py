@@ -173,57 +173,69 @@ def test_torch_gram_sums_its_chunks(monkeypatch, shift):
         np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * np.abs(want).max())
 
 
+def native_distances(rows, shift: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """(Gram matrix, squared distances, shift used) of the native ``robust_distances``."""
+    ref = robust._update_rows(rows)
+    g, dist = np.empty((ref.count, ref.count)), np.empty((ref.count, ref.count))
+    used = native().robust_distances(ref.first.dtype, ref.d, g.ctypes.data, dist.ctypes.data, *ref.native_args(), shift)
+    return g, dist, used
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
 @pytest.mark.parametrize("K", [1, 3, 4, 5, 10])
 def test_native_gram_is_within_its_bound(dtype, K):
     """The CPU kernel against the float64 product of the same (shifted) values, within its block bound
-    (min(512, d)/L + 5 units of roundoff times Σ|y_ic·y_jc|), on row counts around its tiles of 4 × 2 rows, d
+    (min(512, d)/L + 5 units of roundoff times Σ|y_ic·y_jc|), on row counts around its tiles of 4 × 3 rows, d
     around its 512-column blocks and its 16 column groups, stacked, strided and listed rows, shifted or not; the
-    matrix is symmetric and a duplicate row's entries are bit for bit those of its original."""
+    matrix is symmetric, a duplicate row's entries are bit for bit those of its original, and the distances are
+    max(0, G_ii + G_jj − 2G_ij) with a zero diagonal."""
     rng = np.random.default_rng(K)
     lanes, unit = (4, 2.0**-53) if dtype == "float64" else (8, 2.0**-24)
     for d in (1, 7, 512, 513, 16 * 512 + 3, 40 * 512 + 100):
-        x = rng.standard_normal((K, d)) * rng.uniform(0.1, 10.0, (K, 1)) + rng.standard_normal(d)
+        x = rng.standard_normal((K, d)) * rng.uniform(0.1, 10.0, (K, 1))
         if K > 2:
             x[2] = x[0]
         stacked = make("torch", x, dtype)
         y = to_numpy64(stacked)
-        for shift in (None, 0, K - 1):
-            z = y if shift is None else y - y[shift]
-            want, scale = z @ z.T, np.abs(z) @ np.abs(z).T
-            for layout, rows in (
-                ("stack", stacked),
-                ("list", list(stacked)),
-                ("strided", stacked.repeat_interleave(2, dim=1)[:, ::2]),
-            ):
-                got = robust._gram(rows, robust._update_rows(rows), shift)
-                assert got.dtype == np.float64 and got.shape == (K, K), layout
+        for shift in (-1, 0, K - 1):
+            layouts = (stacked, list(stacked), stacked.repeat_interleave(2, dim=1)[:, ::2])
+            for layout, rows in zip(("stack", "list", "strided"), layouts, strict=True):
+                got, dist, used = native_distances(rows, shift)
+                z = y if used == -1 else y - y[used]
+                want, scale = z @ z.T, np.abs(z) @ np.abs(z).T
                 np.testing.assert_array_equal(got, got.T)
                 err = np.abs(got - want)
-                assert np.all(err <= (min(512, d) / lanes + 5) * unit * scale * (1 + 1e-9)), (
-                    d,
-                    shift,
-                    layout,
-                    err.max(),
-                )
+                assert np.all(err <= (min(512, d) / lanes + 5) * unit * scale * (1 + 1e-9)), (d, shift, layout)
+                diag = np.diag(got)
+                want_dist = np.maximum(diag[:, None] + diag[None, :] - 2.0 * got, 0.0)
+                np.fill_diagonal(want_dist, 0.0)
+                np.testing.assert_array_equal(dist, want_dist)
                 if K > 2:
                     np.testing.assert_array_equal(got[2], got[0])
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
-def test_native_probe_sample_is_the_torch_one(dtype):
-    """The probe's column sample: the native one (CPU) equals the strided torch view the CUDA path takes, for d at
-    and around 256 (all columns) and beyond (16 runs of 16), stacked, listed and strided rows."""
+def test_native_probe_and_retry_are_the_torch_ones(dtype):
+    """The native probe (CPU) picks the shift the CUDA path's :func:`robust._probe` picks on the same columns (d at
+    and around 256, all columns, and beyond, 16 runs of 16), for updates (no shift), models (their medoid) and models
+    with an outlying row (an honest medoid), stacked, listed and strided; a misleading pick is retaken around the
+    medoid, as the CUDA path does."""
     rng = np.random.default_rng(4)
     for d in (1, 255, 256, 257, 4099, 100_003):
-        stacked = make("torch", rng.standard_normal((6, d)), dtype)
-        want = robust._sample_columns(stacked).double().numpy()
-        assert want.shape == (6, min(d, 256))
-        for rows in (stacked, list(stacked), stacked.repeat_interleave(2, dim=1)[:, ::2]):
-            ref = robust._update_rows(rows)
-            got = np.empty(want.shape)
-            native().robust_sample(ref.first.dtype, d, got.ctypes.data, 16, *ref.native_args())
-            np.testing.assert_array_equal(got, want)
+        updates = rng.standard_normal((6, d))
+        models = 100.0 + 0.01 * rng.standard_normal((6, d)) * rng.uniform(0.5, 2.0, (6, 1))
+        attacked = models.copy()
+        attacked[1] = 100.0 + 100.0 * rng.standard_normal(d)
+        for x in (updates, models, attacked):
+            stacked = make("torch", x, dtype)
+            want = robust._probe(stacked)
+            for rows in (stacked, list(stacked), stacked.repeat_interleave(2, dim=1)[:, ::2]):
+                assert native_distances(rows, -2)[2] == (-1 if want is None else want), d
+    x = 100.0 + 0.01 * rng.standard_normal((6, 3000))
+    _, dist, used = native_distances(make("torch", x, dtype), -1)  # the raw product of models misleads: retaken
+    assert used in range(6)
+    want = ((to_numpy64(make("torch", x, dtype))[:, None, :] - to_numpy64(make("torch", x, dtype))[None]) ** 2).sum(-1)
+    np.testing.assert_allclose(dist, want, rtol=1e-2 if dtype in ("float16", "bfloat16") else 1e-3)
 
 
 def krum_error_bounds(x: np.ndarray, honest: list[int], f: int) -> np.ndarray:
@@ -256,10 +268,11 @@ def assert_margins(x: np.ndarray, honest: list[int], f: int, m: int):
 @pytest.mark.parametrize("lib", ["numpy", "torch"])
 @pytest.mark.parametrize("attacker", [False, True])
 @pytest.mark.parametrize("probe", ["probe", "raw", "row 0", "row 5"])
-def test_krum_of_near_identical_rows_is_the_reference_choice(monkeypatch, lib, attacker, probe):
+def test_krum_of_near_identical_rows_is_the_reference_choice(lib, attacker, probe):
     """Models: a common part of ‖x‖² ≈ 2·10⁸ against squared distances of 1–16, far below the rounding of the raw
-    rows' float32 Gram product, optionally with an attacker's huge row first. Whatever the probe on a sample of
-    columns proposes (raw rows, the attacker's row, an honest one), the choice is the reference's."""
+    rows' float32 Gram product, optionally with an attacker's huge row first. Whatever shift is proposed for the
+    Gram product (the probe's pick on a sample of columns, the raw rows, the attacker's row, an honest one), the
+    choice is the reference's."""
     rng = np.random.default_rng(11)
     K, d, f = 12, 20_000, 2
     x = 100.0 + 0.01 * rng.standard_normal((K, d)) * np.linspace(0.5, 2.0, K)[rng.permutation(K), None]
@@ -267,16 +280,17 @@ def test_krum_of_near_identical_rows_is_the_reference_choice(monkeypatch, lib, a
         x[0] = 100.0 + 100.0 * rng.standard_normal(d)
     x = x.astype(np.float32).astype(np.float64)
     honest = list(range(1 if attacker else 0, K))
-    if probe != "probe":
-        monkeypatch.setattr(robust, "_probe", lambda *_: None if probe == "raw" else int(probe[4:]))
-    else:
-        t = torch.from_numpy(x.astype(np.float32))
-        assert robust._probe(t, robust._update_rows(t)) in honest
     assert_margins(x, honest, f, 3)
     u = make(lib, x, "float32")
-    np.testing.assert_array_equal(to_numpy64(ops.krum_select(u, f, 3)), reference.krum_select(x, f, 3))
-    got, want = to_numpy64(ops.krum_scores(u, f)), reference.krum_scores(x, f)
+    shift = robust._PROBE if probe == "probe" else -1 if probe == "raw" else int(probe[4:])
+    if probe == "probe":
+        assert native_distances(u, shift)[2] in honest
+        assert robust._probe(torch.from_numpy(x.astype(np.float32))) in honest  # the CUDA path's probe
+    dist, bound = robust._squared_distances("krum_select", u, robust._update_rows(u), shift)
+    np.testing.assert_array_equal(robust._pick(dist, bound, f, 3), reference.krum_select(x, f, 3))
+    got, want = robust._scores(dist, bound, f)[0], reference.krum_scores(x, f)
     assert np.all(np.abs(got - want) <= krum_error_bounds(x, honest, f))
+    np.testing.assert_array_equal(to_numpy64(ops.krum_select(u, f, 3)), reference.krum_select(x, f, 3))
 
 
 def test_krum_ties_go_to_the_lowest_index():
