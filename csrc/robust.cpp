@@ -88,13 +88,15 @@ PFK_ALWAYS_INLINE void compare_exchange(V* __restrict__ lo, V* __restrict__ hi, 
 }
 
 // Batcher's odd-even merge sort of 8 vectors in registers (19 compare-exchanges, each lane sorted alone): the
-// network's levels within aligned groups of 8 ranks.
+// network's levels within aligned groups of 8 ranks. Only the first m vectors are values (the rest +inf): the
+// compare-exchanges that reach past them change nothing and are skipped.
 template <typename Vec>
-PFK_ALWAYS_INLINE void sort8(Vec* v) {
+PFK_ALWAYS_INLINE void sort8(Vec* v, int m) {
   constexpr int kPairs[19][2] = {{0, 1}, {2, 3}, {4, 5}, {6, 7}, {0, 2}, {1, 3}, {4, 6}, {5, 7}, {1, 2}, {5, 6},
                                  {0, 4}, {1, 5}, {2, 6}, {3, 7}, {2, 4}, {3, 5}, {1, 2}, {3, 4}, {5, 6}};
 #pragma GCC unroll 19
   for (int c = 0; c < 19; ++c) {
+    if (kPairs[c][1] >= m) continue;
     const Vec a = v[kPairs[c][0]], b = v[kPairs[c][1]];
     const auto less = a < b;
     v[kPairs[c][0]] = less ? a : b;
@@ -124,6 +126,18 @@ PFK_ALWAYS_INLINE bool copy_sorted_groups(const std::vector<RowRef>& rows, int64
           __builtin_memcpy(&v[r], lanes, sizeof(Vec));
           bad = bad + v[r] * V(0);  // NaN once any value is NaN or infinite
         }
+      } else if (j + L <= n) {  // the last, partial group of rows: whole vectors, ranks past K as +inf
+        for (int r = 0; r < 8; ++r) {
+          if (r < m) {
+            const T* src = static_cast<const T*>(rows[k0 + r].ptr) + t0 + j;
+            V lanes[L];
+            for (int64_t l = 0; l < L; ++l) lanes[l] = to_acc(src[l]);
+            __builtin_memcpy(&v[r], lanes, sizeof(Vec));
+            bad = bad + v[r] * V(0);
+          } else {
+            v[r] = Vec{} + std::numeric_limits<V>::infinity();
+          }
+        }
       } else {
         for (int r = 0; r < 8; ++r) {
           V lanes[L];
@@ -134,7 +148,10 @@ PFK_ALWAYS_INLINE bool copy_sorted_groups(const std::vector<RowRef>& rows, int64
           if (r < m) bad = bad + v[r] * V(0);
         }
       }
-      sort8(v);
+      if (m == 8)
+        sort8(v, 8);
+      else
+        sort8(v, static_cast<int>(m));
       for (int64_t r = 0; r < m; ++r) __builtin_memcpy(buf + (k0 + r) * B + j, &v[r], sizeof(Vec));
     }
     // The next tile of these rows into L2 while this one is sorted (see copy_tile).
