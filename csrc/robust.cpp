@@ -87,6 +87,14 @@ PFK_ALWAYS_INLINE void compare_exchange(V* __restrict__ lo, V* __restrict__ hi, 
   }
 }
 
+// Asks for columns [from, min(to, end)) of a contiguous row in L2, a cache line at a time: the next tile or block of
+// a row while this one is worked on. K interleaved streams defeat the hardware prefetchers, and rows beyond the
+// last-level cache would otherwise be read at memory latency.
+template <typename T>
+PFK_ALWAYS_INLINE void prefetch_columns(const T* row, int64_t from, int64_t to, int64_t end) {
+  for (int64_t j = from; j < std::min(end, to); j += 64 / int64_t(sizeof(T))) __builtin_prefetch(row + j, 0, 2);
+}
+
 // Batcher's odd-even merge sort of 8 vectors in registers (19 compare-exchanges, each lane sorted alone): the
 // network's levels within aligned groups of 8 ranks. Only the first m vectors are values (the rest +inf): the
 // compare-exchanges that reach past them change nothing and are skipped.
@@ -154,10 +162,7 @@ PFK_ALWAYS_INLINE bool copy_sorted_groups(const std::vector<RowRef>& rows, int64
         sort8(v, static_cast<int>(m));
       for (int64_t r = 0; r < m; ++r) __builtin_memcpy(buf + (k0 + r) * B + j, &v[r], sizeof(Vec));
     }
-    // The next tile of these rows into L2 while this one is sorted (see copy_tile).
-    for (int64_t r = k0; r < k0 + m; ++r)
-      for (int64_t j = t0 + B; j < std::min(end, t0 + 2 * B); j += 64 / int64_t(sizeof(T)))
-        __builtin_prefetch(static_cast<const T*>(rows[r].ptr) + j, 0, 2);
+    for (int64_t r = k0; r < k0 + m; ++r) prefetch_columns(static_cast<const T*>(rows[r].ptr), t0 + B, t0 + 2 * B, end);
   }
   for (int64_t l = 0; l < L; ++l)
     if (bad[l] != V(0)) return false;
@@ -299,10 +304,7 @@ PFK_ALWAYS_INLINE void copy_tile(const std::vector<RowRef>& rows, int64_t K, int
     V* __restrict__ dst = buf + k * B;
     if (s == 1) {
       for (int64_t j = 0; j < n; ++j) dst[j] = to_acc(r[t0 + j]);
-      // The next tile of this row into L2 while this one is sorted: K interleaved streams defeat the hardware
-      // prefetchers, and rows beyond the last-level cache would otherwise be read at memory latency.
-      for (int64_t j = t0 + B; j < std::min(end, t0 + 2 * B); j += 64 / int64_t(sizeof(T)))
-        __builtin_prefetch(r + j, 0, 2);
+      prefetch_columns(r, t0 + B, t0 + 2 * B, end);
     } else {
       for (int64_t j = 0; j < n; ++j) dst[j] = to_acc(r[(t0 + j) * s]);
     }
@@ -390,13 +392,14 @@ bool robust_typed(int64_t d, void* out, int64_t out_stride, const std::vector<Ro
 // G = (X − s)(X − s)ᵀ of K rows (s: row `shift`, or none), float64 [K, K]. The columns are cut into at most
 // kGramGroups fixed ranges (fewer when d or K² is large; never dependent on the thread count), each summed into its
 // own float64 [K, K] partial, and the partials are added in order. Within a range, blocks of kGramCols columns are
-// packed (shifted, converted to the accumulation type V: float, or double for float64 rows) into a [K', B] buffer;
-// the upper triangle is then computed from it in tiles of 4 × 3 rows (12 accumulators: AVX2's 16 registers), each
-// pair in one vector of L lanes (lane l: the columns ≡ l mod L, one fused multiply-add per column in column order),
-// the lanes added in double in a fixed order and the block's sum added to the partial. A fused multiply-add rounds
-// once on every machine (the CPU's FMA on x86 with AVX2 and FMA, std::fma elsewhere), so each entry is exactly the
-// same on every ISA and for any row position in a tile (duplicate rows give identical entries), and its rounding
-// error is at most about (B/L + 2) units of V's roundoff times Σ|y_ic·y_jc| (y = fl(x − s)).
+// read in place (unshifted contiguous rows of the accumulation type V: float, or double for float64 rows) or packed
+// (shifted, converted to V) into a [K, B] buffer; the upper triangle is then computed from them in tiles of 4 × 3 rows
+// (12 accumulators: AVX2's 16 registers), each pair in one vector of L lanes (lane l: the columns ≡ l mod L, one fused
+// multiply-add per column in column order), the lanes added in double in a fixed order and the block's sum added to the
+// partial. A fused multiply-add rounds once on every machine (the CPU's FMA on x86 with AVX2 and FMA, std::fma
+// elsewhere), so each entry is exactly the same on every ISA and for any row position in a tile (duplicate rows give
+// identical entries), and its rounding error is at most about (B/L + 2) units of V's roundoff times Σ|y_ic·y_jc| (y =
+// fl(x − s)).
 constexpr int64_t kGramCols = 512;  // columns per packed block: each float lane sums 64 products
 constexpr int64_t kGramGroups = 16;
 constexpr int64_t kGramTileI = 4, kGramTileJ = 3;
@@ -425,8 +428,7 @@ PFK_ALWAYS_INLINE void gram_pack(const std::vector<RowRef>& rows, int64_t shift,
     V* __restrict__ dst = buf + k * kGramCols;
     if (st == 1) {
       for (int64_t j = 0; j < n; ++j) dst[j] = to_acc(r[c0 + j]) - s[j];
-      for (int64_t j = c0 + kGramCols; j < std::min(end, c0 + 2 * kGramCols); j += 64 / int64_t(sizeof(T)))
-        __builtin_prefetch(r + j, 0, 2);  // K interleaved streams defeat the hardware prefetchers
+      prefetch_columns(r, c0 + kGramCols, c0 + 2 * kGramCols, end);
     } else {
       for (int64_t j = 0; j < n; ++j) dst[j] = to_acc(r[(c0 + j) * st]) - s[j];
     }
@@ -467,8 +469,7 @@ PFK_ALWAYS_INLINE void gram_range_body(const std::vector<RowRef>& rows, int64_t 
       for (int64_t k = 0; k < K; ++k) {
         const V* r = static_cast<const V*>(rows[k].ptr);
         at[k] = r + c0;
-        for (int64_t j = c0 + kGramCols; j < std::min(end, c0 + 2 * kGramCols); j += 64 / int64_t(sizeof(V)))
-          __builtin_prefetch(r + j, 0, 2);  // the next block, as gram_pack does
+        prefetch_columns(r, c0 + kGramCols, c0 + 2 * kGramCols, end);
       }
     } else {
       if (buf.empty()) buf.resize(static_cast<size_t>((K + 1) * kGramCols));
@@ -538,31 +539,26 @@ void gram_typed(const std::vector<RowRef>& rows, int64_t d, int64_t shift, doubl
 
 constexpr int64_t kProbeRuns = 16;  // the probe reads 16 runs of 16 adjacent columns spread over d
 
-// The value of rank ⌊n/2⌋ (from 0) of v (NaN counts as +inf).
-double middle(std::vector<double> v) {
-  for (double& x : v)
+// The value of rank ⌊K/2⌋ (from 0) of v[0..K) (NaN counts as +inf).
+double middle(const double* v, int64_t K) {
+  std::vector<double> c(v, v + K);
+  for (double& x : c)
     if (std::isnan(x)) x = std::numeric_limits<double>::infinity();
-  const auto m = v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2);
-  std::nth_element(v.begin(), m, v.end());
+  const auto m = c.begin() + K / 2;
+  std::nth_element(c.begin(), m, c.end());
   return *m;
 }
 
 // The row of a symmetric [K, K] distance matrix with the smallest middle distance to the rows (itself included;
 // ties: lowest index). A row farther than that from over half of the rows is never it.
-int64_t medoid(const std::vector<double>& dist, int64_t K) {
+int64_t medoid(const double* dist, int64_t K) {
   int64_t best = 0;
   double best_mid = std::numeric_limits<double>::infinity();
   for (int64_t k = 0; k < K; ++k) {
-    const double m = middle(std::vector<double>(dist.begin() + k * K, dist.begin() + (k + 1) * K));
+    const double m = middle(dist + k * K, K);
     if (k == 0 || m < best_mid) best = k, best_mid = m;
   }
   return best;
-}
-
-std::vector<double> column_of(const std::vector<double>& dist, int64_t K, int64_t j) {
-  std::vector<double> c(static_cast<size_t>(K));
-  for (int64_t i = 0; i < K; ++i) c[i] = dist[i * K + j];
-  return c;
 }
 
 // The shift of the Gram product from a float64 sample of the columns (kProbeRuns runs of kProbeRuns adjacent
@@ -593,8 +589,8 @@ int64_t probe_shift(const std::vector<RowRef>& rows, int64_t d) {
       for (int64_t s = 0; s < S; ++s) dot += sample[i * S + s] * sample[j * S + s];
       dist[i * K + j] = dist[j * K + i] = norms[i] + norms[j] - 2.0 * dot;  // coarse only for extreme offsets
     }
-  const int64_t k = medoid(dist, K);
-  return middle(norms) <= middle(column_of(dist, K, k)) ? -1 : k;
+  const int64_t k = medoid(dist.data(), K);
+  return middle(norms.data(), K) <= middle(dist.data() + k * K, K) ? -1 : k;
 }
 
 // The Gram matrix of the rows shifted by `shift` (-2: the probe's pick, -1: none, else that row) into gram and the
@@ -605,19 +601,18 @@ template <typename T>
 int64_t distances_typed(const std::vector<RowRef>& rows, int64_t d, int64_t shift, double* gram, double* dist) {
   const int64_t K = static_cast<int64_t>(rows.size());
   if (shift == -2) shift = probe_shift<T>(rows, d);
-  std::vector<double> diag(static_cast<size_t>(K)), full(static_cast<size_t>(K * K));
+  std::vector<double> diag(static_cast<size_t>(K));
   for (int attempt = 0;; ++attempt) {
     gram_typed<T>(rows, d, shift, gram);
     if (!std::all_of(gram, gram + K * K, [](double v) { return std::isfinite(v); })) return -2;
     for (int64_t k = 0; k < K; ++k) diag[k] = gram[k * K + k];
     for (int64_t i = 0; i < K; ++i)
       for (int64_t j = 0; j < K; ++j)
-        full[i * K + j] = i == j ? 0.0 : std::max(diag[i] + diag[j] - 2.0 * gram[i * K + j], 0.0);
-    const int64_t best = medoid(full, K);
-    if (attempt > 0 || middle(diag) <= 4.0 * middle(column_of(full, K, best))) break;
+        dist[i * K + j] = i == j ? 0.0 : std::max(diag[i] + diag[j] - 2.0 * gram[i * K + j], 0.0);
+    const int64_t best = medoid(dist, K);
+    if (attempt > 0 || middle(diag.data(), K) <= 4.0 * middle(dist + best * K, K)) break;
     shift = best;
   }
-  std::copy(full.begin(), full.end(), dist);
   return shift;
 }
 

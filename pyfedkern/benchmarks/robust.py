@@ -32,7 +32,7 @@ BETA = 0.1
 FLOWER_KRUM_MAX = 10**10  # K²·d above which Flower's Python distance loop is not timed
 FLOWER_BULYAN_MAX = 10**10  # θ·K²·d likewise for Flower's Bulyan
 GRAM = "torch X@X.T (the Gram product alone)"  # Krum's target: within 1.3× of it
-LARGE = 2 * 10**8  # K·d above which a size runs one timed call per case, pyfedkern and the limits only
+LARGE = 2 * 10**8  # K·d above which a size runs one timed call per case, pyfedkern, X·Xᵀ and the limits only
 
 
 def sizes(quick: bool) -> list[tuple[int, int]]:
